@@ -1,0 +1,42 @@
+"""Environment registry: `env=<name>` -> (config schema, suite class), imported lazily.
+
+Suites for real simulators import their packages only inside methods, so composing a config or listing
+options never needs alfworld, scienceworld or textworld installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from epo_cli.envs.base import Env, EnvSuite, StepResult, Task
+
+#: name -> "module:SuiteClass:ConfigClass"
+ENV_SUITES: dict[str, str] = {
+    "household": "epo_cli.envs.household:HouseholdSuite:HouseholdConfig",
+    "alfworld": "epo_cli.envs.alfworld:AlfworldSuite:AlfworldConfig",
+    "scienceworld": "epo_cli.envs.scienceworld:ScienceWorldSuite:ScienceWorldConfig",
+    "textworld": "epo_cli.envs.textworld_games:TextWorldSuite:TextWorldConfig",
+}
+
+
+def _load(name: str, which: int) -> Any:
+    from epo_cli.errors import ConfigError
+
+    if name not in ENV_SUITES:
+        raise ConfigError(f"Unknown environment '{name}'. Valid environments: {', '.join(ENV_SUITES)}.")
+    module, *classes = ENV_SUITES[name].split(":")
+    return getattr(importlib.import_module(module), classes[which])
+
+
+def env_config_class(name: str) -> type:
+    """The dataclass schema of `env=<name>`."""
+    return _load(name, 1)
+
+
+def make_suite(env_cfg: Any) -> EnvSuite:
+    """Build the suite named by `env_cfg.name` (cheap; call `.check()` before running)."""
+    return _load(env_cfg.name, 0)(env_cfg)
+
+
+__all__ = ["ENV_SUITES", "Env", "EnvSuite", "StepResult", "Task", "env_config_class", "make_suite"]

@@ -1,0 +1,100 @@
+"""The environment contract every simulator speaks (household, alfworld, scienceworld, textworld).
+
+An *episode* is specified by a `Task` (enough to rebuild exactly the same game: an id, a seed, a split).
+An `Env` plays one episode at a time through text: `reset(task)` then `step(action)` until `done`.
+An `EnvSuite` is what a config names (`env=household`): it checks its prerequisites, lists or samples
+tasks per split and level, and builds `Env` instances (also inside worker processes, so it must pickle).
+
+Info keys every env fills (others may add more):
+    goal                 str        the task instruction ("put a clean apple in fridge.")
+    admissible_commands  list[str]  actions the game accepts now (ALFWorld's term)
+    won                  bool       the task is solved (the only source of task reward)
+    lost                 bool       the episode failed for good (e.g. ScienceWorld's wrong `focus on`)
+    task_type            str        e.g. "pick_and_place" or a ScienceWorld task name
+    task_id              str
+    subgoals             list[str]  progress events reached by this step (for intermediate rewards)
+    progress             float      0..1, how much of the task is done (for intermediate rewards)
+    expert_action        str | None the expert's next action from this state (behaviour cloning)
+    expert_thought       str | None a short rationale for it, used inside <think>..</think>
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Task:
+    """One episode's specification; two envs reset with equal Tasks play the same game."""
+
+    task_id: str
+    task_type: str
+    seed: int
+    split: str = "train"
+    level: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+
+
+@dataclass
+class StepResult:
+    observation: str
+    reward: float  # the env's own reward: 1.0 on success, 0 otherwise (scaled by the algorithm)
+    done: bool
+    info: dict[str, Any]
+
+
+class Env(ABC):
+    """A single text game. Not thread-safe; one per worker slot."""
+
+    @abstractmethod
+    def reset(self, task: Task) -> tuple[str, dict[str, Any]]:
+        """Start `task`; return the first observation and the info dict (see module docstring)."""
+
+    @abstractmethod
+    def step(self, action: str) -> StepResult:
+        """Apply one text action. Unknown/inadmissible actions are not errors: the game answers
+        "Nothing happens." (ALFWorld convention) and the episode goes on."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release external resources (JVMs, game processes)."""
+
+
+class EnvSuite(ABC):
+    """A family of tasks behind one config option (`env=<name>`).
+
+    Subclasses set `name` and `config_class` (a dataclass extending `EnvConfig` in epo_cli.config)
+    and are registered in `epo_cli.envs.ENV_SUITES`. Constructing a suite must be cheap and must not
+    import heavy optional packages; `check()` does the expensive validation.
+    """
+
+    name: str = ""
+    #: Names of the splits `sample_tasks` accepts. Conventional: train, eval_in_distribution,
+    #: eval_out_of_distribution.
+    splits: tuple[str, ...] = ("train", "eval_in_distribution", "eval_out_of_distribution")
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+
+    def check(self) -> None:
+        """Raise `epo_cli.errors.UserError` with the fix if the env cannot run here
+        (missing data directory, Java missing, package not installed)."""
+
+    @abstractmethod
+    def make_env(self) -> Env:
+        """Build one environment instance. Called in worker processes too."""
+
+    @abstractmethod
+    def sample_tasks(self, split: str, n: int, rng: random.Random, level: str | None = None) -> list[Task]:
+        """Draw `n` tasks of `split` (optionally restricted to a curriculum level) using `rng` only,
+        so the draw is reproducible. For evaluation splits callers pass a fixed-seed rng."""
+
+    def levels(self) -> list[str]:
+        """Curriculum levels from easiest to hardest (empty if the suite has none)."""
+        return []
+
+    def versions(self) -> dict[str, str]:
+        """Versions of the packages this env depends on, recorded in each run's config.yaml."""
+        return {}

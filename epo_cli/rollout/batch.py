@@ -1,0 +1,113 @@
+"""Data that flows from the rollout to the loss stack.
+
+`TurnBatch`: one sample per turn (verl-agent style). A sample's prompt is the templated observation with a
+short history window; its response is what the policy generated at that turn. Per-sample scalars are 1-D
+tensors of length N (number of turn-samples); token-level data are lists of 1-D tensors.
+
+`MicroBatch`: a padded slice of a TurnBatch ready for one forward/backward. Layout of `input_ids`:
+    [pad .. pad | prompt tokens | response tokens | pad .. pad]
+     <---------- P columns ----> <-------- R columns -------->
+prompts are left-padded to P columns and responses right-padded to R columns, so the logits that predict
+response token r sit at column P - 1 + r for every row (this is also the layout `generate` produces).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class TurnBatch:
+    # --- filled by the rollout -------------------------------------------------------------------------
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    traj_id: Tensor  # [N] long, unique per trajectory within an iteration, identical on any world size
+    group_id: Tensor  # [N] long, rollouts of the same task share a group id (GRPO)
+    turn_index: Tensor  # [N] long, true 0-based turn index within its trajectory (never a padded position)
+    num_turns: Tensor  # [N] long, T_j: number of turns of the sample's trajectory
+    reward: Tensor  # [N] float, turn-local reward: -invalid_penalty if invalid, + subgoal reward
+    outcome: Tensor  # [N] float, trajectory task reward (reward_scale * won), same for every turn
+    valid: Tensor  # [N] bool, the response had a well-formed <action>...</action>
+    won: Tensor  # [N] bool, the trajectory solved its task
+    task_type: list[str]
+    # --- filled by the old-policy forward pass (no extra pass for EPO's entropy history) ---------------
+    old_logprobs: list[Tensor] = field(default_factory=list)  # N x [len(response)]
+    entropy: list[Tensor] = field(default_factory=list)  # N x [len(response)], at sampling temperature
+    ref_logprobs: list[Tensor] = field(default_factory=list)  # N x [len(response)], frozen reference
+    old_values: Tensor | None = None  # [N] critic value of the turn's prompt (state)
+    # --- filled by the advantage estimator -------------------------------------------------------------
+    advantages: Tensor | None = None  # [N], broadcast to every response token of the turn
+    returns: Tensor | None = None  # [N], critic targets (gae)
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def response_lengths(self) -> Tensor:
+        return torch.tensor([len(r) for r in self.response_ids], dtype=torch.long)
+
+    @property
+    def is_last_turn(self) -> Tensor:
+        return self.turn_index == self.num_turns - 1
+
+    def select(self, index: list[int] | Tensor) -> TurnBatch:
+        """A new TurnBatch with the samples at `index` (in that order)."""
+        idx = torch.as_tensor(index, dtype=torch.long)
+        pick = idx.tolist()
+
+        def rows(x: list) -> list:
+            return [x[i] for i in pick] if x else []
+
+        def opt(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t[idx]
+
+        return TurnBatch(
+            prompt_ids=rows(self.prompt_ids),
+            response_ids=rows(self.response_ids),
+            traj_id=self.traj_id[idx],
+            group_id=self.group_id[idx],
+            turn_index=self.turn_index[idx],
+            num_turns=self.num_turns[idx],
+            reward=self.reward[idx],
+            outcome=self.outcome[idx],
+            valid=self.valid[idx],
+            won=self.won[idx],
+            task_type=rows(self.task_type),
+            old_logprobs=rows(self.old_logprobs),
+            entropy=rows(self.entropy),
+            ref_logprobs=rows(self.ref_logprobs),
+            old_values=opt(self.old_values),
+            advantages=opt(self.advantages),
+            returns=opt(self.returns),
+        )
+
+
+@dataclass
+class MicroBatch:
+    """Padded tensors for one forward/backward (B rows, P prompt columns, R response columns)."""
+
+    input_ids: Tensor  # [B, P+R] long
+    attention_mask: Tensor  # [B, P+R] long, 0 on padding
+    position_ids: Tensor  # [B, P+R] long, counts real tokens only (left padding aware)
+    response_mask: Tensor  # [B, R] bool, True on real response tokens
+    prompt_width: int  # P
+    response_ids: Tensor  # [B, R] long
+    turn_index: Tensor  # [B] long
+    num_turns: Tensor  # [B] long
+    old_logprobs: Tensor | None = None  # [B, R]
+    rollout_entropy: Tensor | None = None  # [B, R]
+    ref_logprobs: Tensor | None = None  # [B, R]
+    advantages: Tensor | None = None  # [B]
+    returns: Tensor | None = None  # [B]
+    old_values: Tensor | None = None  # [B]
+    #: smoothing reference entropy per row (EPO); NaN where no history exists yet
+    entropy_ref: Tensor | None = None  # [B]
+    #: per aggregation mode: token weights already divided by the mini-batch's global denominator, so a
+    #: term's loss is (weights * per_token_loss).sum() and summing over micro-batches and ranks gives the
+    #: mini-batch aggregate (see epo_cli/algos/aggregation.py)
+    weights: dict[str, Tensor] = field(default_factory=dict)  # mode -> [B, R]
+    #: rows that are real samples; the rest are padding added so every rank runs the same number of passes
+    num_real: int = 0
