@@ -234,6 +234,9 @@ class EntropyConfig:
     coef: float = 0.001
     start: float = 0.001
     end: float = 0.0
+    #: two_phase (source article): rise start -> peak over `exploration_share` of training, then fall to end
+    peak: float = 0.005
+    exploration_share: float = 0.3
     #: exp_anneal: coef = start * decay_rate ** (step / total_steps), floored at `end`
     decay_rate: float = 0.1
     #: adaptive_target: move coef towards keeping the entropy at `target`
