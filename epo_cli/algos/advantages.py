@@ -1,0 +1,181 @@
+"""Advantage estimators: one advantage per turn-sample, broadcast later to every token of the turn.
+
+Each estimator has the signature
+
+    fn(batch: TurnBatch, algo: AlgoConfig, all_reduce_sum=None) -> (advantages [N], returns [N])
+
+`all_reduce_sum` sums a tensor over ranks (identity when None). Only statistics that are global in
+meaning use it (GAE's whitening); GRPO/RLOO groups and trajectories are whole on one rank by construction.
+
+    gae   PPO with a critic: turn-level GAE per trajectory (Schulman et al. 2016), optionally whitened
+    grpo  group-relative: (score - group mean) / (group std + eps) (Shao et al. 2024; verl-agent)
+    rloo  REINFORCE leave-one-out: trajectory score minus the mean of the group's other trajectories
+          (Ahmadian et al. 2024)
+
+Scores follow verl-agent: the episode outcome (reward_scale * won) is broadcast to every turn, and a
+turn's own reward (minus the invalid-action penalty, plus subgoal rewards) is added on top of it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from epo_cli.config import AlgoConfig
+from epo_cli.rollout.batch import TurnBatch
+
+AllReduce = Callable[[Tensor], Tensor]
+
+
+def whiten(x: Tensor, all_reduce_sum: AllReduce | None = None, eps: float = 1e-8) -> Tensor:
+    """(x - mean) / (std + eps) with mean and std over x on ALL ranks.
+
+    One all-reduce of [sum, sum of squares, count] (in float64, so the sum-of-squares form does not lose
+    precision); std uses Bessel's correction when the global count is > 1.
+    """
+    x64 = x.double()
+    count = torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device)
+    stats = torch.stack([x64.sum(), (x64 * x64).sum(), count])
+    if all_reduce_sum is not None:
+        stats = all_reduce_sum(stats)
+    total, total_sq, count = stats.tolist()
+    if count == 0:
+        return x
+    mean = total / count
+    sq_dev = max(total_sq - count * mean * mean, 0.0)  # sum (x - mean)^2, clamped against rounding
+    std = (sq_dev / (count - 1)) ** 0.5 if count > 1 else 0.0
+    return ((x64 - mean) / (std + eps)).to(x.dtype)
+
+
+def _trajectories(batch: TurnBatch) -> dict[int, list[int]]:
+    """traj_id -> indices of its turn-samples, ordered by true turn index (checked to be 0..T-1)."""
+    rows: dict[int, list[int]] = defaultdict(list)
+    for i, tid in enumerate(batch.traj_id.tolist()):
+        rows[tid].append(i)
+    turn = batch.turn_index.tolist()
+    for tid, idx in rows.items():
+        idx.sort(key=lambda i: turn[i])
+        if [turn[i] for i in idx] != list(range(len(idx))):
+            raise ValueError(
+                f"trajectory {tid}: turn indices {sorted(turn[i] for i in idx)} are not 0..T-1; "
+                "every turn of a trajectory must be in the batch (and on the same rank)"
+            )
+    return rows
+
+
+def gae(batch: TurnBatch, algo: AlgoConfig, all_reduce_sum: AllReduce | None = None) -> tuple[Tensor, Tensor]:
+    """Turn-level GAE. One "time step" is one turn; V_t = critic value of turn t's prompt.
+
+        r_t     = reward_t + (outcome if t is the last turn else 0)
+        delta_t = r_t + gamma * V_{t+1} - V_t          V_{T} = 0: every episode end is terminal
+        A_t     = delta_t + gamma * lam * A_{t+1}       (= sum_l (gamma lam)^l delta_{t+l})
+        returns = A + V                                  (critic targets, before whitening)
+
+    The turn limit is treated as terminal too (no bootstrap): the agent sees its remaining turns in
+    the prompt, so the state at the limit has no future.
+    """
+    if batch.old_values is None:
+        raise ValueError("gae needs batch.old_values (the critic's values of each turn's prompt)")
+    gamma, lam = algo.gae.gamma, algo.gae.lam
+    reward, outcome, values = batch.reward.tolist(), batch.outcome.tolist(), batch.old_values.tolist()
+    adv = [0.0] * len(batch)
+    for idx in _trajectories(batch).values():
+        next_value, next_adv = 0.0, 0.0
+        for k, i in enumerate(reversed(idx)):
+            r = reward[i] + (outcome[i] if k == 0 else 0.0)  # k == 0: the trajectory's last turn
+            delta = r + gamma * next_value - values[i]
+            next_adv = delta + gamma * lam * next_adv
+            next_value = values[i]
+            adv[i] = next_adv
+    advantages = torch.tensor(adv, dtype=batch.old_values.dtype)  # [N]
+    returns = advantages + batch.old_values  # [N]
+    if algo.gae.whiten:
+        advantages = whiten(advantages, all_reduce_sum)
+    return advantages, returns
+
+
+def _normalize_in_groups(scores: Tensor, groups: Tensor, norm_by_std: bool, eps: float) -> Tensor:
+    """(score - group mean) [/ (group std + eps)] per group; a group of one element gets 0.
+
+    A lone element has nothing to be compared against (and its unbiased std is undefined), so it
+    carries no learning signal rather than a NaN.
+    """
+    adv = torch.zeros_like(scores)
+    for g in groups.unique():
+        member = groups == g  # [M] bool
+        s = scores[member]
+        if s.numel() < 2:
+            continue
+        centred = s - s.mean()
+        adv[member] = centred / (s.std() + eps) if norm_by_std else centred  # std: unbiased
+    return adv
+
+
+def _trajectory_scores(batch: TurnBatch) -> tuple[Tensor, Tensor, Tensor]:
+    """(row -> trajectory position [N], trajectory return [J], trajectory group [J]).
+
+    A trajectory's return is its outcome plus the sum of its turns' rewards.
+    """
+    _, row_traj = torch.unique(batch.traj_id, return_inverse=True)  # [N] in 0..J-1
+    J = int(row_traj.max()) + 1 if len(batch) else 0
+    turn_sum = torch.zeros(J, dtype=batch.reward.dtype).index_add_(0, row_traj, batch.reward)  # [J]
+    # outcome and group are the same on every turn of a trajectory: any row's value will do
+    outcome = torch.zeros(J, dtype=batch.outcome.dtype).scatter_(0, row_traj, batch.outcome)  # [J]
+    group = torch.zeros(J, dtype=torch.long).scatter_(0, row_traj, batch.group_id)  # [J]
+    return row_traj, outcome + turn_sum, group
+
+
+def grpo(
+    batch: TurnBatch, algo: AlgoConfig, all_reduce_sum: AllReduce | None = None
+) -> tuple[Tensor, Tensor]:
+    """Group-relative advantages; returns = the scores that were normalised.
+
+    mean_over="turns" (verl-agent): score of a turn-sample = outcome + its own reward; mean/std over all
+        turn-samples of the group (long episodes weigh more in the statistics).
+    mean_over="trajectories": score = trajectory return; mean/std over the group's trajectories; every
+        turn of a trajectory gets that trajectory's advantage (returns: its return, broadcast).
+    """
+    cfg = algo.grpo
+    if cfg.mean_over == "turns":
+        scores = batch.outcome + batch.reward  # [N]
+        adv = _normalize_in_groups(scores, batch.group_id, cfg.norm_by_std, cfg.eps)
+        return adv, scores
+    if cfg.mean_over == "trajectories":
+        row_traj, traj_score, traj_group = _trajectory_scores(batch)
+        traj_adv = _normalize_in_groups(traj_score, traj_group, cfg.norm_by_std, cfg.eps)  # [J]
+        return traj_adv[row_traj], traj_score[row_traj]
+    raise ValueError(f"unknown algo.grpo.mean_over '{cfg.mean_over}' (turns | trajectories)")
+
+
+def rloo(
+    batch: TurnBatch, algo: AlgoConfig, all_reduce_sum: AllReduce | None = None
+) -> tuple[Tensor, Tensor]:
+    """A_j = score_j - mean of the OTHER trajectories' scores in j's group (0 for a lone trajectory).
+
+    score_j = trajectory return; broadcast to every turn of j. returns = score_j.
+    """
+    row_traj, score, group = _trajectory_scores(batch)
+    adv = torch.zeros_like(score)  # [J]
+    for g in group.unique():
+        member = group == g
+        s = score[member]
+        n = s.numel()
+        if n < 2:
+            continue
+        adv[member] = s - (s.sum() - s) / (n - 1)
+    return adv[row_traj], score[row_traj]
+
+
+ESTIMATORS: dict[str, Callable[..., tuple[Tensor, Tensor]]] = {"gae": gae, "grpo": grpo, "rloo": rloo}
+
+
+def compute_advantages(
+    batch: TurnBatch, algo: AlgoConfig, all_reduce_sum: AllReduce | None = None
+) -> tuple[Tensor, Tensor]:
+    """Run the estimator algo.estimator names."""
+    if algo.estimator not in ESTIMATORS:
+        raise KeyError(f"unknown estimator '{algo.estimator}'; valid: {', '.join(ESTIMATORS)}")
+    return ESTIMATORS[algo.estimator](batch, algo, all_reduce_sum)

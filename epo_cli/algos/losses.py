@@ -1,0 +1,365 @@
+"""Loss terms of the policy update, and how they are combined (EPO objective).
+
+Every term is an nn.Module: forward(mb, out) -> (loss, metrics). A term computes a per-token quantity
+x [B, R] and returns sum(w * x) with w = mb.weights[aggregation] [B, R], the token weights already
+divided by the mini-batch denominator (see aggregation.py). So summing a term over the micro-batches and
+ranks of a mini-batch gives the mini-batch aggregate; its metrics use the same weights, sum the same
+way, and are detached.
+
+    policy_clip        PPO clipped surrogate (+ dual clip)                      -> loss/policy_clip
+    value              clipped critic regression (applied to the critic)        -> loss/value
+    entropy            L_H, POSITIVE (the coefficient -lambda carries the sign) -> loss/entropy
+    entropy_smoothing  EPO hinge band around the historical entropy             -> loss/entropy_smoothing
+    kl                 KL to the frozen reference (k1 | k2 | k3 = low_var_kl)   -> loss/kl
+    nll                behaviour cloning, -log p                                 -> loss/nll
+
+EPO objective (arXiv 2509.22576):  L = L_RL - lambda * (L_H - beta_k * L_smooth) + kl_coef * KL,
+i.e. coefficients policy_clip 1, entropy -lambda, entropy_smoothing +lambda*beta_k, kl kl_coef
+(`loss_coefficients`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from epo_cli.algos.aggregation import weighted_sum
+from epo_cli.config import AlgoConfig
+from epo_cli.rollout.batch import MicroBatch
+
+
+@dataclass
+class PolicyOutputs:
+    """What the current policy (and critic) say about a micro-batch."""
+
+    logprobs: Tensor  # [B, R] log p(y_i | ...) of the response tokens
+    entropy: Tensor  # [B, R] entropy of the full next-token distribution, at the sampling temperature
+    values: Tensor | None = None  # [B] critic values (value term only)
+
+
+def _weights(mb: MicroBatch, mode: str) -> Tensor:
+    if mode not in mb.weights:
+        raise KeyError(f"micro-batch has no '{mode}' weights (has: {', '.join(mb.weights) or 'none'})")
+    return mb.weights[mode]  # [B, R]
+
+
+def _require(value: Tensor | None, what: str, term: str) -> Tensor:
+    if value is None:
+        raise ValueError(f"loss term '{term}' needs {what}, which this micro-batch does not have")
+    return value
+
+
+class LossTerm(nn.Module):
+    """Base class. Subclasses set `name` and `aggregation` and implement forward."""
+
+    name: str = ""
+    aggregation: str = "token-mean"
+
+    def forward(self, mb: MicroBatch, out: PolicyOutputs) -> tuple[Tensor, dict[str, Tensor]]:
+        raise NotImplementedError
+
+
+class PolicyClipLoss(LossTerm):
+    """PPO clipped surrogate (Schulman et al. 2017, arXiv 1707.06347) with the dual clip for
+    negative advantages (Ye et al. 2020, arXiv 1912.09729).
+
+        ratio = exp(logp - old_logp)
+        pg    = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))
+        pg    = min(pg, -A * c)            where A < 0 (dual clip c > 1 bounds the loss of a huge ratio)
+    """
+
+    name = "policy_clip"
+
+    def __init__(
+        self,
+        clip_low: float = 0.2,
+        clip_high: float = 0.2,
+        dual_clip: float | None = 3.0,
+        aggregation: str = "token-mean",
+    ) -> None:
+        super().__init__()
+        if dual_clip is not None and dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1 (got {dual_clip})")
+        self.clip_low, self.clip_high, self.dual_clip = clip_low, clip_high, dual_clip
+        self.aggregation = aggregation
+
+    def forward(self, mb: MicroBatch, out: PolicyOutputs) -> tuple[Tensor, dict[str, Tensor]]:
+        w = _weights(mb, self.aggregation)  # [B, R]
+        old_logp = _require(mb.old_logprobs, "old_logprobs", self.name)  # [B, R]
+        adv = _require(mb.advantages, "advantages", self.name)[:, None]  # [B, 1]
+        log_ratio = out.logprobs - old_logp  # [B, R]
+        ratio = torch.exp(log_ratio)  # [B, R]
+        pg1 = -adv * ratio  # [B, R]
+        pg2 = -adv * torch.clamp(ratio, 1.0 - self.clip_low, 1.0 + self.clip_high)  # [B, R]
+        pg = torch.maximum(pg1, pg2)  # [B, R]
+        dual_active = torch.zeros_like(pg, dtype=torch.bool)  # [B, R]
+        if self.dual_clip is not None:
+            pg3 = -adv * self.dual_clip  # [B, 1]
+            dual_active = (adv < 0) & (pg > pg3)
+            pg = torch.where(dual_active, pg3.expand_as(pg), pg)
+        loss = weighted_sum(w, pg)
+        with torch.no_grad():
+            metrics = {
+                "loss/policy_clip": loss.detach(),
+                "policy/clipfrac": weighted_sum(w, (pg2 > pg1).float()),
+                "policy/dual_clipfrac": weighted_sum(w, dual_active.float()),
+                # k3 estimator of KL(old || new) (Schulman's blog; cleanrl's approx_kl)
+                "policy/approx_kl": weighted_sum(w, (ratio - 1.0) - log_ratio),
+            }
+        return loss, metrics
+
+
+class ValueLoss(LossTerm):
+    """Clipped value regression (PPO2, as in baselines/verl), one value per turn-sample:
+
+        v_clip = old_v + clamp(v - old_v, -clip, clip)
+        loss   = 0.5 * max((v - R)^2, (v_clip - R)^2)     mean over the mini-batch's real rows
+
+    The row weight is sum_i w_seq-mean-token-mean[b, i] = 1/N for each of the N real rows.
+    """
+
+    name = "value"
+    aggregation = "seq-mean-token-mean"
+
+    def __init__(self, clip: float = 0.5) -> None:
+        super().__init__()
+        self.clip = clip
+
+    def forward(self, mb: MicroBatch, out: PolicyOutputs) -> tuple[Tensor, dict[str, Tensor]]:
+        w_row = _weights(mb, self.aggregation).sum(-1)  # [B]
+        v = _require(out.values, "values from the critic", self.name)  # [B]
+        old_v = _require(mb.old_values, "old_values", self.name)  # [B]
+        ret = _require(mb.returns, "returns", self.name)  # [B]
+        v_clip = old_v + torch.clamp(v - old_v, -self.clip, self.clip)  # [B]
+        err = (v - ret) ** 2  # [B]
+        err_clip = (v_clip - ret) ** 2  # [B]
+        loss = weighted_sum(w_row, 0.5 * torch.maximum(err, err_clip))
+        with torch.no_grad():
+            metrics = {
+                "loss/value": loss.detach(),
+                "critic/clipfrac": weighted_sum(w_row, (err_clip > err).float()),
+            }
+        return loss, metrics
+
+
+#: algo.entropy.mode -> aggregation used for L_H
+ENTROPY_MODES: dict[str, str] = {
+    "token_mean": "token-mean",
+    "trajectory": "trajectory",
+    "turn_decay": "turn-decay",
+}
+
+
+class EntropyLoss(LossTerm):
+    """L_H, the aggregated token entropy, returned POSITIVE (its coefficient -lambda makes it a bonus).
+
+    trajectory mode is EPO Eq. 2 (arXiv 2509.22576): L_H = (1/B) sum_j (1/T_j) sum_t (1/|y_jt|) sum_i H_jti.
+    token_mean is verl's entropy bonus; turn_decay weights turn t by decay^t (source article variant).
+    """
+
+    name = "entropy"
+
+    def __init__(self, mode: str = "token_mean") -> None:
+        super().__init__()
+        if mode not in ENTROPY_MODES:
+            raise KeyError(f"unknown entropy mode '{mode}'; valid: {', '.join(ENTROPY_MODES)}")
+        self.mode = mode
+        self.aggregation = ENTROPY_MODES[mode]
+
+    def forward(self, mb: MicroBatch, out: PolicyOutputs) -> tuple[Tensor, dict[str, Tensor]]:
+        w = _weights(mb, self.aggregation)  # [B, R]
+        loss = weighted_sum(w, out.entropy)
+        return loss, {"loss/entropy": loss.detach()}
+
+
+class EntropySmoothingLoss(LossTerm):
+    """EPO entropy smoothing (arXiv 2509.22576 Sec. 3): a hinge band around the historical entropy.
+
+        P_i      = relu(kappa_low * Href - H_i) + relu(H_i - kappa_high * Href)      Href = mb.entropy_ref [B]
+        L_smooth = alpha * aggregate(P)
+
+    Differentiable in H: dL/dH_i = -alpha*w_i below the band, +alpha*w_i above it, 0 inside. (The public
+    EPO code built P from constants, so its gradient was zero.) Rows whose Href is NaN (no history yet)
+    contribute 0; with no reference at all the loss is an exact 0 that still backpropagates.
+    """
+
+    name = "entropy_smoothing"
+
+    def __init__(
+        self,
+        alpha: float = 0.1,
+        kappa_low: float = 0.0,
+        kappa_high: float = 2.0,
+        aggregation: str = "trajectory",
+    ) -> None:
+        super().__init__()
+        if kappa_low > kappa_high:
+            raise ValueError(f"kappa_low ({kappa_low}) must be <= kappa_high ({kappa_high})")
+        self.alpha, self.kappa_low, self.kappa_high = alpha, kappa_low, kappa_high
+        self.aggregation = aggregation
+
+    def forward(self, mb: MicroBatch, out: PolicyOutputs) -> tuple[Tensor, dict[str, Tensor]]:
+        H = out.entropy  # [B, R]
+        w = _weights(mb, self.aggregation)  # [B, R]
+        href = mb.entropy_ref if mb.entropy_ref is not None else torch.full(H.shape[:1], float("nan"))
+        href = href.to(H)  # [B]
+        has_ref = ~torch.isnan(href)  # [B]
+        w = w * has_ref[:, None]  # [B, R] rows without a reference weigh 0
+        href = torch.where(has_ref, href, torch.zeros_like(href))[:, None]  # [B, 1]
+        low, high = self.kappa_low * href, self.kappa_high * href  # [B, 1]
+        penalty = torch.relu(low - H) + torch.relu(H - high)  # [B, R]
+        loss = self.alpha * weighted_sum(w, penalty)
+        with torch.no_grad():
+            metrics = {
+                "loss/entropy_smoothing": loss.detach(),
+                "policy/entropy_below_band": weighted_sum(w, (H < low).float()),
+                "policy/entropy_above_band": weighted_sum(w, (H > high).float()),
+            }
+        return loss, metrics
+
+
+def _kl_k1(log_ratio: Tensor) -> Tensor:
+    return log_ratio
+
+
+def _kl_k2(log_ratio: Tensor) -> Tensor:
+    return 0.5 * log_ratio**2
+
+
+def _kl_k3(log_ratio: Tensor) -> Tensor:
+    # ref/p - log(ref/p) - 1 with log(ref/p) = -log_ratio (verl's low_var_kl). The inner clamp keeps
+    # exp finite (exp overflow -> inf * 0 = NaN gradient); the outer one is verl's [-10, 10].
+    neg = torch.clamp(-log_ratio, -20.0, 20.0)
+    return torch.clamp(torch.exp(neg) - neg - 1.0, -10.0, 10.0)
+
+
+#: per-token KL(p || ref) estimators of log_ratio = logp - ref_logp (Schulman, "Approximating KL")
+KL_ESTIMATORS = {"k1": _kl_k1, "k2": _kl_k2, "k3": _kl_k3, "low_var_kl": _kl_k3}
+
+
+class KLLoss(LossTerm):
+    """KL to the frozen reference policy as a loss term (GRPO, Shao et al. 2024; verl use_kl_loss)."""
+
+    name = "kl"
+
+    def __init__(self, estimator: str = "low_var_kl", aggregation: str = "token-mean") -> None:
+        super().__init__()
+        if estimator not in KL_ESTIMATORS:
+            raise KeyError(f"unknown KL estimator '{estimator}'; valid: {', '.join(KL_ESTIMATORS)}")
+        self.estimator = estimator
+        self.aggregation = aggregation
+
+    def forward(self, mb: MicroBatch, out: PolicyOutputs) -> tuple[Tensor, dict[str, Tensor]]:
+        w = _weights(mb, self.aggregation)  # [B, R]
+        ref = _require(mb.ref_logprobs, "ref_logprobs", self.name)  # [B, R]
+        kl = KL_ESTIMATORS[self.estimator](out.logprobs - ref)  # [B, R]
+        loss = weighted_sum(w, kl)
+        return loss, {"loss/kl": loss.detach(), "policy/kl_ref": loss.detach()}
+
+
+class NLLLoss(LossTerm):
+    """Behaviour cloning: -log p(y) of the demonstrated response tokens."""
+
+    name = "nll"
+
+    def __init__(self, aggregation: str = "token-mean") -> None:
+        super().__init__()
+        self.aggregation = aggregation
+
+    def forward(self, mb: MicroBatch, out: PolicyOutputs) -> tuple[Tensor, dict[str, Tensor]]:
+        w = _weights(mb, self.aggregation)  # [B, R]
+        loss = weighted_sum(w, -out.logprobs)
+        return loss, {"loss/nll": loss.detach()}
+
+
+LOSS_TERMS: dict[str, type[LossTerm]] = {
+    cls.name: cls for cls in (PolicyClipLoss, ValueLoss, EntropyLoss, EntropySmoothingLoss, KLLoss, NLLLoss)
+}
+
+
+def build_loss_term(name: str, algo: AlgoConfig) -> LossTerm:
+    """One term, configured from algo."""
+    if name == "policy_clip":
+        pc = algo.policy_clip
+        return PolicyClipLoss(pc.clip_low, pc.clip_high, pc.dual_clip, pc.aggregation)
+    if name == "value":
+        return ValueLoss(algo.value.clip)
+    if name == "entropy":
+        return EntropyLoss(algo.entropy.mode)
+    if name == "entropy_smoothing":
+        sm = algo.entropy_smoothing
+        return EntropySmoothingLoss(sm.alpha, sm.kappa_low, sm.kappa_high, sm.aggregation)
+    if name == "kl":
+        return KLLoss(algo.kl.estimator, algo.kl.aggregation)
+    if name == "nll":
+        return NLLLoss(algo.nll_aggregation)
+    raise KeyError(f"unknown loss term '{name}'; valid: {', '.join(LOSS_TERMS)}")
+
+
+def build_loss_terms(algo: AlgoConfig) -> nn.ModuleDict:
+    """The policy's terms in the order of algo.loss_terms; `value` is skipped (it trains the critic)."""
+    return nn.ModuleDict({name: build_loss_term(name, algo) for name in algo.loss_terms if name != "value"})
+
+
+def build_value_term(algo: AlgoConfig) -> ValueLoss:
+    return ValueLoss(algo.value.clip)
+
+
+def required_aggregations(terms: nn.ModuleDict | list[LossTerm]) -> list[str]:
+    """Weight modes the micro-batches must carry for these terms (turn-decay uses algo.entropy.decay)."""
+    modules = terms.values() if isinstance(terms, nn.ModuleDict) else terms
+    return sorted({term.aggregation for term in modules})
+
+
+class LossStack(nn.Module):
+    """total = sum_i coefs[name_i] * loss_i over the configured terms, plus all their metrics."""
+
+    def __init__(self, terms: nn.ModuleDict) -> None:
+        super().__init__()
+        self.terms = terms
+
+    def forward(
+        self, mb: MicroBatch, out: PolicyOutputs, coefs: dict[str, float]
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        missing = [name for name in self.terms if name not in coefs]
+        if missing:
+            raise KeyError(f"no coefficient for loss term(s) {missing}")
+        total = out.logprobs.new_zeros(())
+        metrics: dict[str, Tensor] = {}
+        for name, term in self.terms.items():
+            loss, term_metrics = term(mb, out)
+            total = total + coefs[name] * loss
+            metrics.update(term_metrics)
+        return total, metrics
+
+    def formula(self, coefs: dict[str, float]) -> str:
+        """E.g. 'loss = 1*policy_clip + 0.01*kl - 0.001*entropy + 0.002*entropy_smoothing'."""
+        parts = []
+        for i, name in enumerate(self.terms):
+            c = coefs[name]
+            sign = ("-" if c < 0 else "") if i == 0 else (" - " if c < 0 else " + ")
+            parts.append(f"{sign}{abs(c):g}*{name}")
+        return "loss = " + ("".join(parts) if parts else "0")
+
+
+def loss_coefficients(
+    algo: AlgoConfig, entropy_coef: float, phase_beta: float, kl_weight: float, entropy_scale: float = 1.0
+) -> dict[str, float]:
+    """Coefficients of L = L_RL - lambda * (L_H - beta_k * L_smooth) + kl_weight * KL for algo.loss_terms.
+
+    entropy_coef = lambda (entropy schedule), phase_beta = beta_k (phase schedule), kl_weight = the KL
+    coefficient at this step. entropy_scale multiplies both entropy-driven terms (the fluctuation
+    monitor's `clamp` action passes monitor.clamp_scale while it alerts; 1 otherwise).
+    """
+    lam = entropy_coef * entropy_scale
+    table = {
+        "policy_clip": 1.0,
+        "nll": 1.0,
+        "kl": kl_weight,
+        "entropy": -lam,
+        "entropy_smoothing": lam * phase_beta,
+        "value": algo.value.coef,
+    }
+    return {name: table[name] for name in algo.loss_terms}

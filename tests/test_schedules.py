@@ -1,0 +1,179 @@
+"""Schedules against hand-computed values (arithmetic in the comments)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from epo_cli.algos.schedules import (
+    ENTROPY_SCHEDULES,
+    PHASE_SCHEDULES,
+    build_entropy_schedule,
+    build_phase_schedule,
+    kl_coefficient,
+    lr_multiplier,
+    two_phase_kl_weight,
+)
+from epo_cli.config import EntropyConfig, KLConfig, PhaseConfig
+
+torch.set_num_threads(1)
+
+
+def test_registry_names():
+    assert set(ENTROPY_SCHEDULES) == {
+        "constant",
+        "linear",
+        "cosine",
+        "exp_anneal",
+        "two_phase",
+        "adaptive_target",
+    }
+    assert set(PHASE_SCHEDULES) == {"paper", "constant", "two_phase"}
+
+
+# ------------------------------------------------------------------------------------------- beta_k
+
+
+@pytest.mark.parametrize("K", [150, 20])
+def test_paper_phase_even_K(K):
+    # beta_k = 1 + exp(-3 k / (K/2)): k = 0 -> 1 + e^0 = 2; k = K/2 -> 1 + e^-3; k = K -> 1 + e^-6
+    beta = build_phase_schedule(PhaseConfig(schedule="paper", gamma=3.0))
+    assert beta(0, K) == 2.0
+    assert beta(K // 2, K) == pytest.approx(1 + math.exp(-3))  # ~1.0498
+    assert beta(K, K) == pytest.approx(1 + math.exp(-6))  # ~1.0025
+
+
+def test_paper_phase_odd_and_tiny_K():
+    beta = build_phase_schedule(PhaseConfig(schedule="paper", gamma=3.0))
+    # K = 151: floor(151/2) = 75, so k = 75 gives 1 + e^-3
+    assert beta(75, 151) == pytest.approx(1 + math.exp(-3))
+    # K = 1: floor(1/2) = 0 -> use 1: k = 1 gives 1 + e^-3
+    assert beta(1, 1) == pytest.approx(1 + math.exp(-3))
+
+
+def test_constant_phase():
+    assert build_phase_schedule(PhaseConfig(schedule="constant", value=1.5))(37, 100) == 1.5
+
+
+# ---------------------------------------------------------------------------------------- two-phase
+
+# the source article: beta 0.1 -> 0.5 over the first 30%, then 0.5 -> 0.2; KL 0, then 0.2 -> 0.8
+ARTICLE = PhaseConfig(
+    schedule="two_phase",
+    exploration_share=0.3,
+    beta_start=0.1,
+    beta_peak=0.5,
+    beta_end=0.2,
+    kl_start=0.2,
+    kl_end=0.8,
+)
+
+
+@pytest.mark.parametrize(
+    "step, beta, kl",
+    [
+        (0, 0.1, 0.0),  # start
+        (15, 0.3, 0.0),  # p 0.15: 0.1 + 0.4 * 0.15/0.3 = 0.3; still exploring: KL 0
+        (30, 0.5, 0.2),  # p 0.3: peak; the second phase starts at kl_start
+        (65, 0.35, 0.5),  # p 0.65: 0.5 - 0.3 * 0.35/0.7 = 0.35; KL 0.2 + 0.6 * 0.5 = 0.5
+        (100, 0.2, 0.8),  # end
+    ],
+)
+def test_two_phase_article_numbers(step, beta, kl):
+    assert build_phase_schedule(ARTICLE)(step, 100) == pytest.approx(beta)
+    assert two_phase_kl_weight(step, 100, ARTICLE) == pytest.approx(kl)
+    assert kl_coefficient(step, 100, KLConfig(schedule="two_phase"), ARTICLE) == pytest.approx(kl)
+
+
+def test_constant_kl_coefficient():
+    assert kl_coefficient(5, 100, KLConfig(coef=0.01), ARTICLE) == 0.01
+
+
+# ---------------------------------------------------------------------------------- entropy schedules
+
+
+def test_constant_entropy():
+    s = build_entropy_schedule(EntropyConfig(schedule="constant", coef=0.001))
+    assert s(0, 10) == s(10, 10) == 0.001
+
+
+def test_linear_entropy():
+    # 0.01 -> 0 over 10 steps: step 2 -> 0.01 * 0.8 = 0.008; step 5 -> 0.005; step 10 -> 0
+    s = build_entropy_schedule(EntropyConfig(schedule="linear", start=0.01, end=0.0))
+    assert [s(k, 10) for k in (0, 2, 5, 10)] == pytest.approx([0.01, 0.008, 0.005, 0.0])
+
+
+def test_cosine_entropy():
+    # end + (start - end)(1 + cos(pi p))/2: p 0.2 -> 0.005 * (1 + 0.8090170) = 0.0090451; p 0.5 -> 0.005
+    s = build_entropy_schedule(EntropyConfig(schedule="cosine", start=0.01, end=0.0))
+    assert [s(k, 10) for k in (0, 2, 5, 10)] == pytest.approx([0.01, 0.0090451, 0.005, 0.0], abs=1e-7)
+
+
+def test_exp_anneal_entropy():
+    # start * 0.1 ** p: p 0.5 -> 0.01 * 0.3162278 = 0.0031623; p 1 -> 0.001; floored at end
+    s = build_entropy_schedule(EntropyConfig(schedule="exp_anneal", start=0.01, decay_rate=0.1, end=0.0005))
+    assert [s(k, 10) for k in (0, 5, 10)] == pytest.approx([0.01, 0.0031623, 0.001], abs=1e-7)
+    floored = build_entropy_schedule(
+        EntropyConfig(schedule="exp_anneal", start=0.01, decay_rate=0.1, end=0.002)
+    )
+    assert floored(10, 10) == 0.002
+
+
+def test_two_phase_entropy():
+    # 0.001 -> 0.005 over 30%, then -> 0: p 0.05 -> 0.001 + 0.004/6 = 0.0016667; p 0.3 -> 0.005;
+    # p 0.65 -> 0.005 - 0.005 * 0.5 = 0.0025; p 1 -> 0
+    s = build_entropy_schedule(
+        EntropyConfig(schedule="two_phase", start=0.001, peak=0.005, end=0.0, exploration_share=0.3)
+    )
+    assert [s(k, 20) for k in (0, 1, 6, 13, 20)] == pytest.approx(
+        [0.001, 0.0016667, 0.005, 0.0025, 0.0], abs=1e-7
+    )
+
+
+def test_adaptive_target_moves_and_round_trips():
+    cfg = EntropyConfig(
+        schedule="adaptive_target", coef=0.01, target=0.5, adapt_lr=0.1, min_coef=0.0, max_coef=0.011
+    )
+    s = build_entropy_schedule(cfg)
+    assert s(0, 10) == 0.01
+    # H = 0.25 below target: coef * exp(0.1 * (0.5 - 0.25)/0.5) = 0.01 * e^0.05 = 0.0105127 (up)
+    s.observe(0.25)
+    assert s(1, 10) == pytest.approx(0.01 * math.exp(0.05))
+    # H = 1.0 above target: * exp(0.1 * (0.5 - 1)/0.5) = * e^-0.1 -> 0.01 * e^-0.05 = 0.0095123 (down)
+    s.observe(1.0)
+    assert s(2, 10) == pytest.approx(0.01 * math.exp(-0.05))
+    state = json.loads(json.dumps(s.state_dict()))
+    restored = build_entropy_schedule(cfg)
+    restored.load_state_dict(state)
+    assert restored(3, 10) == s(3, 10)
+    # H = 0: * e^0.1 -> 0.0095123 * 1.1051709 = 0.0105127, then again -> 0.0116 > max: clipped at 0.011
+    s.observe(0.0)
+    s.observe(0.0)
+    assert s(4, 10) == 0.011
+
+
+def test_stateless_schedules_share_the_interface():
+    s = build_entropy_schedule(EntropyConfig(schedule="linear"))
+    s.observe(0.3)  # no-op
+    assert s.state_dict() == {}
+
+
+# ---------------------------------------------------------------------------------------------- lr
+
+
+def test_lr_multiplier_by_hand():
+    # total 12, warmup 0.25 -> W = 3: steps 0, 1, 2 -> 1/3, 2/3, 1
+    # then cosine over steps 3..11 (8 intervals): step 3 -> 1; step 7 -> p 0.5 -> 0.2 + 0.8 * 0.5 = 0.6;
+    # step 11 (the last) -> 0.2
+    got = [lr_multiplier(k, 12, 0.25, 0.2) for k in (0, 1, 2, 3, 7, 11)]
+    assert got == pytest.approx([1 / 3, 2 / 3, 1.0, 1.0, 0.6, 0.2])
+
+
+def test_lr_warmup_length_is_robust_to_float_error():
+    # 0.07 * 100 = 7.000000000000001 in floating point; W must still be 7, so step 6 -> 7/7 = 1
+    assert lr_multiplier(6, 100, 0.07, 0.2) == 1.0
+    # no warm-up: step 0 starts the cosine at 1
+    assert lr_multiplier(0, 100, 0.0, 0.2) == 1.0
