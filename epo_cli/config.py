@@ -138,7 +138,7 @@ class GRPOConfig:
 
 @dataclass
 class MonitorConfig:
-    """Entropy fluctuation monitor: sigma <- a*sigma + (1-a)*|H_t - mean(H_{t-k..t-1})|."""
+    """Entropy fluctuation monitor: sigma <- a*sigma + (1-a)*|H_t - mean(H over the last k steps, incl. H_t)|."""
 
     decay: float = 0.9
     window: int = 5
@@ -218,7 +218,10 @@ class ModelConfig:
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     max_position_embeddings: int = 2048
+    #: target size of the locally trained tokenizer
     vocab_size: int = 1024
+    #: embedding rows of the model (null = the tokenizer's size); e.g. 151936 to match Qwen2.5's shapes
+    padded_vocab_size: int | None = None
     tie_word_embeddings: bool = True
     #: where the locally trained tokenizer and built model are cached; null = ~/.cache/epo
     cache_dir: str | None = None
@@ -337,6 +340,9 @@ class TrainerConfig:
     best_metric: str | None = "eval/success"
     #: null | auto | <run dir or checkpoint dir>
     resume: str | None = None
+    #: end this process (with a checkpoint) after this many steps, to continue later with trainer.resume;
+    #: schedules still span total_steps (for time-limited jobs)
+    stop_after: int | None = None
     #: stop after this many consecutive updates skipped for a non-finite loss or gradient
     max_nonfinite_skips: int = 3
     log_every: int = 1

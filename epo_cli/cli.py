@@ -1,0 +1,90 @@
+"""The `epo` command line.
+
+    epo train algo=epo env=household trainer.total_steps=20     train (any key is a Hydra override)
+    epo config show algo=grpo                                    print the resolved config
+    epo train --help                                             config groups and their options
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from epo_cli.errors import UserError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,  # bugs keep their plain traceback; user errors are one message
+    help="Train LLM agents with RL on long, multi-turn, sparse-reward tasks (EPO, PPO, GRPO).",
+)
+config_app = typer.Typer(no_args_is_help=True, help="Inspect configs.")
+app.add_typer(config_app, name="config")
+
+err_console = Console(stderr=True, highlight=False)
+OVERRIDES_ARG = typer.Argument(None, help="Hydra overrides: group=option or section.key=value.",
+                               show_default=False)
+EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+def groups_help() -> str:
+    """'Config groups' block of the help text, read from conf/ (so it is always current)."""
+    from epo_cli.config import GROUPS, config_dir, group_options
+
+    lines = ["Config groups (pick one option with group=option):\n\n"]
+    for group in GROUPS:
+        if (config_dir() / group).is_dir():
+            lines.append(f"  {group:<11} {', '.join(group_options(group)) or '-'}\n\n")
+    lines.append("Any key can be overridden: trainer.total_steps=20 seed=3 model.hidden_size=128 "
+                 "algo.entropy_smoothing.alpha=0.05. See every key with `epo config show`.")
+    return "".join(lines)
+
+
+@app.command(context_settings=EXTRA, epilog=groups_help())
+def train(overrides: list[str] = OVERRIDES_ARG) -> None:
+    """Train a policy: `epo train algo=epo env=household`."""
+    from epo_cli.launch import launch_training
+
+    launch_training(list(overrides or []))
+
+
+@config_app.command("show", context_settings=EXTRA, epilog=groups_help())
+def config_show(overrides: list[str] = OVERRIDES_ARG) -> None:
+    """Print the fully resolved config for these overrides (nothing runs)."""
+    from epo_cli.config import to_yaml
+    from epo_cli.launch import compose_for_train
+
+    cfg, _ = compose_for_train(list(overrides or []))
+    sys.stdout.write(to_yaml(cfg))
+
+
+def quiet_libraries() -> None:
+    """Keep the console for our own progress: no download bars, no accelerator-probing chatter."""
+    import os
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if "DS_ACCELERATOR" not in os.environ:
+        import torch
+
+        os.environ["DS_ACCELERATOR"] = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def main() -> None:
+    quiet_libraries()
+    try:
+        app()
+    except UserError as err:
+        err_console.print("[bold red]error:[/] " + escape(str(err)), soft_wrap=True)
+        sys.exit(err.exit_code)
+    except KeyboardInterrupt:
+        err_console.print("[yellow]interrupted[/]")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

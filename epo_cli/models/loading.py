@@ -1,0 +1,147 @@
+"""Load the policy, its tokenizer, the frozen reference and the critic from config.
+
+Real models load from a hub id or a local folder through AutoTokenizer / AutoModelForCausalLM
+(trust_remote_code off unless `model.trust_remote_code=true`); `model=tiny` builds a small local model
+first (epo_cli/models/tiny.py) and then loads it through the very same path.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from epo_cli.envs.base import EnvSuite
+from epo_cli.errors import UserError
+
+
+def resolve_dtype(model_cfg: Any, device: torch.device) -> torch.dtype:
+    if model_cfg.dtype == "bf16":
+        return torch.bfloat16
+    if model_cfg.dtype == "fp32":
+        return torch.float32
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def _looks_local(path: str) -> bool:
+    return path.startswith(("/", ".", "~")) or Path(path).exists() or path.count("/") != 1
+
+
+def model_source(model_cfg: Any, suite: EnvSuite, seed: int) -> str:
+    """The folder or hub id the policy loads from (building the tiny model if needed)."""
+    if model_cfg.path:
+        path = str(model_cfg.path)
+        if _looks_local(path):
+            local = Path(path).expanduser()
+            if not local.is_dir():
+                raise UserError(
+                    f"Model path '{path}' does not exist (model.path). Pass the folder of a saved model "
+                    "(e.g. <run>/final from a finished run) or a hub id such as Qwen/Qwen2.5-3B-Instruct."
+                )
+            if not (local / "config.json").exists():
+                raise UserError(
+                    f"Model path '{path}' is not a Hugging Face model folder (no config.json). Pass the "
+                    "folder written by save_pretrained, e.g. <run>/final."
+                )
+            return str(local)
+        return path
+    from epo_cli.models.tiny import build_tiny
+
+    return str(build_tiny(model_cfg, suite, seed=0))
+
+
+def load_tokenizer(source: str, model_cfg: Any):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=model_cfg.trust_remote_code)
+    except OSError as err:
+        raise UserError(_hub_message(source, err)) from None
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_causal_lm(source: str, model_cfg: Any, dtype: torch.dtype) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source,
+            dtype=dtype,
+            trust_remote_code=model_cfg.trust_remote_code,
+            attn_implementation=model_cfg.attn_implementation,
+        )
+    except OSError as err:
+        raise UserError(_hub_message(source, err)) from None
+    except (ValueError, RuntimeError) as err:
+        if "safetensors" in str(err).lower() or "header" in str(err).lower() or "size mismatch" in str(err):
+            raise UserError(f"The model files in '{source}' are corrupt or incomplete: {err}") from None
+        raise
+    if model_cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    return model
+
+
+def _hub_message(source: str, err: Exception) -> str:
+    return (
+        f"Could not load the model or tokenizer '{source}': {str(err).splitlines()[0]}\n"
+        "Without network access, download the model on a machine that has it (huggingface-cli download "
+        f"{source} --local-dir DIR), copy DIR here and pass model.path=DIR; or use model=tiny."
+    )
+
+
+def apply_lora(model: nn.Module, lora_cfg: Any) -> nn.Module:
+    """Wrap the policy with LoRA adapters (peft) when model.lora.rank > 0."""
+    if lora_cfg.rank <= 0:
+        return model
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise UserError("model.lora.rank > 0 needs peft: pip install 'epo[lora]' (or pip install peft).") from None
+    config = LoraConfig(
+        r=lora_cfg.rank,
+        lora_alpha=lora_cfg.alpha,
+        lora_dropout=lora_cfg.dropout,
+        target_modules=list(lora_cfg.target_modules),
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config)
+
+
+class ValueModel(nn.Module):
+    """Critic for PPO: the policy's architecture with a scalar head on the last hidden state.
+
+    The value of a turn-sample is read at its last prompt token: it estimates the return from the state
+    (the prompt) before the turn's response is generated.
+    """
+
+    def __init__(self, causal_lm: nn.Module) -> None:
+        super().__init__()
+        self.backbone = causal_lm.get_decoder() if hasattr(causal_lm, "get_decoder") else causal_lm.model
+        hidden = causal_lm.config.hidden_size
+        self.head = nn.Linear(hidden, 1)
+        nn.init.zeros_(self.head.weight)  # start from V = 0: no initial bias in the advantages
+        nn.init.zeros_(self.head.bias)
+        self.config = causal_lm.config
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                position_ids: torch.Tensor) -> torch.Tensor:
+        # input_ids/attention_mask/position_ids: [B, P] (left-padded prompts) -> values [B]
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                               position_ids=position_ids).last_hidden_state
+        return self.head(hidden[:, -1].to(self.head.weight.dtype)).squeeze(-1).float()
+
+
+def frozen_copy(model: nn.Module) -> nn.Module:
+    """An independent, frozen, eval-mode copy (the KL reference policy)."""
+    ref = copy.deepcopy(model)
+    ref.eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref

@@ -1,0 +1,133 @@
+"""Batched sampling with a KV cache: one call generates a turn's response for every active env.
+
+Why not `model.generate`: each row samples from its own seeded torch.Generator, so a trajectory's
+tokens do not depend on which other envs share its batch or rank. A run then gives the same rollouts on
+1 or N ranks and after a resume. Rows that reach the stop string or EOS leave the batch (their KV cache
+rows are dropped), so long-tailed turns do not cost the whole batch.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 64
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: str = "</action>"
+
+
+def _cache_kwarg(model: nn.Module) -> str:
+    """transformers 5.x names the KV cache argument `cache`; 4.x `past_key_values`."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(type(base).forward).parameters else "past_key_values"
+
+
+def _output_cache(out) -> object:
+    """The KV cache of a forward output (`cache` in transformers 5.x, `past_key_values` in 4.x)."""
+    return out["cache"] if "cache" in out else out["past_key_values"]
+
+
+def left_pad(sequences: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, P] token ids left-padded with pad_id, and the attention mask (1 on real tokens)."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        if seq:
+            ids[row, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
+            mask[row, width - len(seq):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that count real tokens only, so left padding does not shift positions."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams,
+                generators: list[torch.Generator] | None) -> torch.Tensor:
+    """One token per row from logits [B, V] (float32) -> [B] long."""
+    if params.temperature <= 0:
+        return logits.argmax(-1)
+    logits = logits / params.temperature
+    if params.top_k > 0:
+        kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = cumulative - sorted_logits.softmax(-1) > params.top_p  # keep the token that crosses p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = logits.softmax(-1)
+    if generators is None:
+        return torch.multinomial(probs, 1).squeeze(-1)
+    return torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(generators)])
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    tokenizer,
+    seeds: list[int] | None = None,
+    vocab_limit: int | None = None,
+) -> list[list[int]]:
+    """Sample a response for each prompt; returns the response token ids (stop string / EOS included).
+
+    seeds: one per prompt; row i samples with torch.Generator seeded by seeds[i] (None: global RNG).
+    vocab_limit: sample only among the first `vocab_limit` ids (embedding rows the tokenizer never
+    produces); the scoring forward applies the same limit.
+    """
+    device = next(model.parameters()).device
+    pad_id = tokenizer.pad_token_id
+    eos_ids = {tokenizer.eos_token_id, tokenizer.pad_token_id} - {None}
+    cache_kw = _cache_kwarg(model)
+
+    ids, mask = left_pad(prompts, pad_id, device)
+    position = positions_from_mask(mask)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=position, use_cache=True, logits_to_keep=1)
+    cache = _output_cache(out)
+    next_position = position[:, -1] + 1  # [B]
+    generators = None
+    if seeds is not None:
+        generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+
+    responses: list[list[int]] = [[] for _ in prompts]
+    rows = list(range(len(prompts)))  # original index of each live batch row
+    logits = out.logits[:, -1].float()
+    for _ in range(params.max_new_tokens):
+        if vocab_limit is not None:
+            logits = logits[:, :vocab_limit]
+        tokens = sample_next(logits, params, generators)
+        keep: list[int] = []
+        for b, (row, token) in enumerate(zip(rows, tokens.tolist())):
+            responses[row].append(token)
+            tail = tokenizer.decode(responses[row][-8:]) if params.stop else ""
+            if token not in eos_ids and not (params.stop and params.stop in tail):
+                keep.append(b)
+        if not keep:
+            break
+        if len(keep) < len(rows):  # finished rows leave the batch, with their cache rows
+            index = torch.tensor(keep, device=device)
+            cache.batch_select_indices(index)
+            mask, tokens, next_position = mask[index], tokens[index], next_position[index]
+            rows = [rows[b] for b in keep]
+            if generators is not None:
+                generators = [generators[b] for b in keep]
+        mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)
+        out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_position[:, None],
+                    use_cache=True, **{cache_kw: cache})
+        cache = _output_cache(out)
+        next_position = next_position + 1
+        logits = out.logits[:, -1].float()
+    return responses

@@ -1,0 +1,150 @@
+"""Prompt builder (turn-level samples with a history window) and the response format.
+
+Each turn's prompt = instructions + the task + the last `history_length` (observation, action) pairs +
+the current observation + the admissible actions (verl-agent's ALFWorld template). The prompt length
+therefore stays roughly constant over a 50-turn episode. If a prompt would exceed
+`rollout.max_prompt_tokens`, the history window shrinks first; the task and the instructions are never
+cut. Only if the prompt is still too long with no history at all is the current observation trimmed in
+its middle. Both events are counted (rollout/truncated, rollout/obs_trimmed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+# name -> (template for the first turn, template for later turns)
+PROMPT_TEMPLATES: dict[str, tuple[str, str]] = {
+    "alfworld": (
+        "You are an expert agent operating in the ALFRED Embodied Environment. Your task is to: {task}\n"
+        "Your current observation is: {observation}\n"
+        "Your admissible actions of the current situation are: [{admissible}].\n\n"
+        "Now it's your turn to take an action.\n"
+        "You should first reason step-by-step about the current situation. This reasoning process MUST be "
+        "enclosed within <think> </think> tags.\n"
+        "Once you've finished your reasoning, you should choose an admissible action for current step and "
+        "present it within <action> </action> tags.",
+        "You are an expert agent operating in the ALFRED Embodied Environment. Your task is to: {task}\n"
+        "Prior to this step, you have already taken {step_count} step(s). Below are the most recent "
+        "{history_count} observations and the corresponding actions you took: {history}\n"
+        "You are now at step {current_step} and your current observation is: {observation}\n"
+        "Your admissible actions of the current situation are: [{admissible}].\n\n"
+        "Now it's your turn to take an action.\n"
+        "You should first reason step-by-step about the current situation. This reasoning process MUST be "
+        "enclosed within <think> </think> tags.\n"
+        "Once you've finished your reasoning, you should choose an admissible action for current step and "
+        "present it within <action> </action> tags.",
+    ),
+    "scienceworld": (
+        "You are an expert agent playing ScienceWorld, a text-based science experiment environment. "
+        "Your task is to: {task}\n"
+        "Your current observation is: {observation}\n"
+        "Your valid actions of the current situation include: [{admissible}].\n\n"
+        "Now it's your turn to take an action.\n"
+        "First reason step-by-step inside <think> </think> tags, then give exactly one action inside "
+        "<action> </action> tags.",
+        "You are an expert agent playing ScienceWorld, a text-based science experiment environment. "
+        "Your task is to: {task}\n"
+        "Prior to this step, you have already taken {step_count} step(s). Below are the most recent "
+        "{history_count} observations and the corresponding actions you took: {history}\n"
+        "You are now at step {current_step} and your current observation is: {observation}\n"
+        "Your valid actions of the current situation include: [{admissible}].\n\n"
+        "Now it's your turn to take an action.\n"
+        "First reason step-by-step inside <think> </think> tags, then give exactly one action inside "
+        "<action> </action> tags.",
+    ),
+}
+
+
+def format_response(thought: str, action: str) -> str:
+    """The response format the policy is trained to produce."""
+    return f"<think>{thought}</think><action>{action}</action>"
+
+
+def get_template(name_or_text: str) -> tuple[str, str]:
+    """A template by name, or a literal template (one string containing `{observation}`)."""
+    if name_or_text in PROMPT_TEMPLATES:
+        return PROMPT_TEMPLATES[name_or_text]
+    if "{observation}" in name_or_text:
+        return name_or_text, name_or_text
+    from epo_cli.errors import ConfigError
+
+    raise ConfigError(
+        f"Unknown prompt template '{name_or_text}' (env.prompt_template). Valid names: "
+        f"{', '.join(PROMPT_TEMPLATES)}; or a literal template containing {{observation}}."
+    )
+
+
+@dataclass
+class EpisodeMemory:
+    """What one episode has shown so far: the task and every (observation, action) pair."""
+
+    task: str
+    observations: list[str] = field(default_factory=list)  # observation before each turn
+    actions: list[str] = field(default_factory=list)  # action sent at each turn
+
+
+@dataclass
+class BuiltPrompt:
+    text: str
+    ids: list[int]
+    history_used: int  # pairs of history actually shown
+    truncated: bool  # the history window had to shrink
+    obs_trimmed: bool  # even without history the observation had to be trimmed
+
+
+class PromptBuilder:
+    """Renders a turn's prompt with the chat template and enforces the prompt-length budget."""
+
+    def __init__(self, template: str, history_length: int, max_prompt_tokens: int,
+                 encode_chat: Callable[[str], list[int]]) -> None:
+        self.first, self.later = get_template(template)
+        self.history_length = history_length
+        self.max_prompt_tokens = max_prompt_tokens
+        self.encode_chat = encode_chat  # text -> chat-templated token ids (user turn + assistant header)
+
+    def render(self, memory: EpisodeMemory, observation: str, admissible: list[str], window: int) -> str:
+        step = len(memory.actions)
+        admissible_text = ", ".join(f"'{a}'" for a in admissible)
+        if step == 0 or window == 0:
+            return self.first.format(task=memory.task, observation=observation, admissible=admissible_text)
+        start = max(0, step - window)
+        history = "".join(
+            f"\n[Observation {i + 1}: '{memory.observations[i]}', Action {i + 1}: '{memory.actions[i]}']"
+            for i in range(start, step)
+        )
+        return self.later.format(
+            task=memory.task, step_count=step, history_count=step - start, history=history,
+            current_step=step + 1, observation=observation, admissible=admissible_text,
+        )
+
+    def build(self, memory: EpisodeMemory, observation: str, admissible: list[str]) -> BuiltPrompt:
+        window = min(self.history_length, len(memory.actions))
+        for w in range(window, -1, -1):  # shrink the history first; never the task
+            text = self.render(memory, observation, admissible, w)
+            ids = self.encode_chat(text)
+            if len(ids) <= self.max_prompt_tokens:
+                return BuiltPrompt(text, ids, w, truncated=w < window, obs_trimmed=False)
+        # Still too long without any history: trim the middle of the observation (keeps its start, which
+        # names the location, and its end), then, as a last resort, the admissible list's tail.
+        keep = len(observation)
+        while keep > 16:
+            keep //= 2
+            short = observation[: keep // 2] + " ... " + observation[-keep // 2:]
+            text = self.render(memory, short, admissible, 0)
+            ids = self.encode_chat(text)
+            if len(ids) <= self.max_prompt_tokens:
+                return BuiltPrompt(text, ids, 0, truncated=window > 0, obs_trimmed=True)
+        n = len(admissible)
+        while n > 1:
+            n //= 2
+            text = self.render(memory, observation[:16], admissible[:n], 0)
+            ids = self.encode_chat(text)
+            if len(ids) <= self.max_prompt_tokens:
+                return BuiltPrompt(text, ids, 0, truncated=window > 0, obs_trimmed=True)
+        from epo_cli.errors import UserError
+
+        raise UserError(
+            f"rollout.max_prompt_tokens={self.max_prompt_tokens} cannot even hold the task and the "
+            "instructions; raise rollout.max_prompt_tokens."
+        )

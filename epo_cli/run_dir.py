@@ -1,0 +1,83 @@
+"""Run directories: every run leaves a folder that says exactly what ran and what happened.
+
+    outputs/<date>/<time>-<name>/
+        config.yaml          the fully resolved config, plus `meta` (versions, command, overrides)
+        metrics.jsonl        one JSON object per logged step
+        tb/                  TensorBoard events
+        checkpoints/step_N/  model/optimizer (DeepSpeed), trainer state, RNG states; `latest` names one
+        final/               the trained policy in Hugging Face format (model.path=<run>/final)
+        eval/  plots/  samples/   evaluation results, PNG plots, decoded trajectories
+        status.json          running | finished | failed (with the error)
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from epo_cli.errors import UserError
+
+CORE_PACKAGES = ("epo", "torch", "transformers", "deepspeed", "hydra-core", "omegaconf", "tokenizers")
+
+
+def package_versions(extra: dict[str, str] | None = None) -> dict[str, str]:
+    versions = {"python": sys.version.split()[0]}
+    for name in CORE_PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    versions.update(extra or {})
+    return versions
+
+
+def new_run_dir(cfg: DictConfig) -> Path:
+    if cfg.run_dir:
+        return Path(cfg.run_dir)
+    now = datetime.datetime.now()
+    return Path(cfg.output_dir) / now.strftime("%Y-%m-%d") / f"{now.strftime('%H-%M-%S')}-{cfg.name}"
+
+
+def write_config(run: Path, cfg: DictConfig, overrides: list[str], env_versions: dict[str, str]) -> None:
+    run.mkdir(parents=True, exist_ok=True)
+    data = OmegaConf.to_container(cfg, resolve=True)
+    data["meta"] = {
+        "versions": package_versions(env_versions),
+        "overrides": list(overrides),
+        "command": " ".join(["epo", *sys.argv[1:]]) if sys.argv else "",
+        "created": datetime.datetime.now().isoformat(timespec="seconds"),
+    }
+    (run / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(data)))
+
+
+def load_run_config(run: Path) -> DictConfig:
+    """The resolved config a run was started with (validated again against today's schemas)."""
+    from epo_cli.config import validate
+
+    path = Path(run) / "config.yaml"
+    if not path.exists():
+        raise UserError(f"'{run}' is not a run directory (no config.yaml). Pass the folder `epo train` made, "
+                        "e.g. outputs/<date>/<time>-<name>.")
+    raw = OmegaConf.load(path)
+    raw.pop("meta", None)
+    return validate(raw)
+
+
+def write_status(run: Path, status: str, **fields: Any) -> None:
+    payload = {"status": status, "time": datetime.datetime.now().isoformat(timespec="seconds"), **fields}
+    tmp = run / "status.json.tmp"
+    tmp.write_text(json.dumps(payload, indent=2))
+    tmp.replace(run / "status.json")
+
+
+def read_status(run: Path) -> dict[str, Any]:
+    try:
+        return json.loads((Path(run) / "status.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {"status": "unknown"}

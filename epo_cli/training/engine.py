@@ -1,0 +1,253 @@
+"""DeepSpeed: process group, engine configs derived from the algorithm's batch sizes, and helpers.
+
+Every run, a single CPU process included, trains through a DeepSpeed engine (ZeRO stage from
+`deepspeed=zero0..zero3`), so a laptop run exercises the code path of an 8-GPU job. Gradient
+accumulation is owned by the training loop (`managed_gradient_accumulation: false`): a mini-batch of
+turn-samples may need a different number of micro-batches each iteration, and one `engine.step()`
+closes it.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import math
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+from torch import nn
+
+from epo_cli.errors import ConfigError, UserError
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pick_device(cfg: Any, local_rank: int) -> torch.device:
+    want = cfg.trainer.device
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise UserError("trainer.device=cuda but no CUDA GPU is visible; use trainer.device=cpu.")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(cfg: Any) -> DistInfo:
+    """Join (or, for a plain single process, create) the process group."""
+    import deepspeed
+
+    if "RANK" not in os.environ:  # not started by a launcher: a world of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = pick_device(cfg, local_rank)
+    if not torch_dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        deepspeed.init_distributed(dist_backend=backend, verbose=False,
+                                   timeout=datetime.timedelta(seconds=cfg.launcher.timeout_s))
+    return DistInfo(torch_dist.get_rank(), torch_dist.get_world_size(), local_rank, device)
+
+
+# ---- collectives (no-ops in a world of one) ------------------------------------------------------------
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    if torch_dist.is_initialized() and torch_dist.get_world_size() > 1:
+        t = t.clone()
+        torch_dist.all_reduce(t, op=torch_dist.ReduceOp.SUM)
+    return t
+
+
+def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+    if torch_dist.is_initialized() and torch_dist.get_world_size() > 1:
+        t = t.clone()
+        torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MAX)
+    return t
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    if torch_dist.is_initialized() and torch_dist.get_world_size() > 1:
+        out: list[Any] = [None] * torch_dist.get_world_size()
+        torch_dist.all_gather_object(out, obj)
+        return out
+    return [obj]
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    if torch_dist.is_initialized() and torch_dist.get_world_size() > 1:
+        box = [obj]
+        torch_dist.broadcast_object_list(box, src=src)
+        return box[0]
+    return obj
+
+
+def barrier() -> None:
+    if torch_dist.is_initialized() and torch_dist.get_world_size() > 1:
+        torch_dist.barrier()
+
+
+# ---- optimizer ------------------------------------------------------------------------------------------
+
+class GuardedAdamW(torch.optim.AdamW):
+    """AdamW that refuses to apply a non-finite gradient (on any rank) and records the gradient norm.
+
+    DeepSpeed calls `step()` with the gradients already reduced across ranks (ZeRO: this rank's
+    partition), so the finiteness check all-reduces one flag and every rank skips together.
+    With ZeRO stage 0, DeepSpeed does not report the gradient norm, so this optimizer clips and
+    measures it (`clip_norm`); with ZeRO stages 1-3 DeepSpeed clips and reports it.
+    """
+
+    def __init__(self, params: Any, clip_norm: float | None = None, **kwargs: Any) -> None:
+        super().__init__(params, **kwargs)
+        self.clip_norm = clip_norm
+        self.last_skipped = False
+        self.last_grad_norm: float | None = None
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        finite = torch.tensor([float(all(torch.isfinite(g).all() for g in grads))])
+        finite = finite.to(grads[0].device) if grads else finite
+        if torch_dist.is_initialized() and torch_dist.get_world_size() > 1:
+            torch_dist.all_reduce(finite, op=torch_dist.ReduceOp.MIN)
+        self.last_skipped = bool(finite.item() < 1)
+        if self.last_skipped:
+            for g in grads:
+                g.zero_()
+            return None
+        if self.clip_norm is not None and grads:
+            norm = torch.nn.utils.clip_grad_norm_(
+                [p for group in self.param_groups for p in group["params"] if p.grad is not None],
+                self.clip_norm if self.clip_norm > 0 else float("inf"))
+            self.last_grad_norm = float(norm)
+        return super().step(closure)
+
+
+def set_lr(engine: Any, lr: float) -> None:
+    """Set the learning rate of every parameter group. The schedule is a function of the trainer step
+    (epo_cli.algos.schedules.lr_multiplier): RL iterations take a varying number of optimizer steps."""
+    for group in engine.optimizer.param_groups:
+        group["lr"] = lr
+
+
+# ---- DeepSpeed config and engines -----------------------------------------------------------------------
+
+def precision(cfg: Any, device: torch.device) -> str:
+    p = cfg.deepspeed.precision
+    return ("bf16" if device.type == "cuda" else "fp32") if p == "auto" else p
+
+
+def deepspeed_config(cfg: Any, world_size: int, device: torch.device) -> dict[str, Any]:
+    """DeepSpeed's JSON config from the run config; batch sizes must divide over the world."""
+    algo = cfg.algo
+    per_rank = algo.micro_batch_size * world_size
+    if algo.mini_batch_size % per_rank:
+        raise ConfigError(
+            f"algo.mini_batch_size={algo.mini_batch_size} must be divisible by algo.micro_batch_size="
+            f"{algo.micro_batch_size} x world size {world_size} = {per_rank}. Change one of them "
+            f"(e.g. algo.mini_batch_size={math.ceil(algo.mini_batch_size / per_rank) * per_rank})."
+        )
+    stage = cfg.deepspeed.zero_stage
+    zero: dict[str, Any] = {"stage": stage}
+    if cfg.deepspeed.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
+    if cfg.deepspeed.offload_param and stage == 3:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
+    if stage == 3:
+        zero.update(stage3_gather_16bit_weights_on_model_save=True)
+    dtype = precision(cfg, device)
+    config: dict[str, Any] = {
+        "train_batch_size": algo.mini_batch_size,
+        "train_micro_batch_size_per_gpu": algo.micro_batch_size,
+        "gradient_accumulation_steps": algo.mini_batch_size // per_rank,
+        "managed_gradient_accumulation": False,
+        # stage 0: GuardedAdamW clips (DeepSpeed would not report the norm); ZeRO clips itself
+        "gradient_clipping": algo.grad_clip if stage > 0 else 0.0,
+        "zero_optimization": zero,
+        "bf16": {"enabled": dtype == "bf16"},
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if cfg.deepspeed.activation_checkpointing:
+        config["activation_checkpointing"] = {"partition_activations": stage == 3}
+    return config
+
+
+def build_engine(model: nn.Module, cfg: Any, dist: DistInfo, lr: float, weight_decay: float = 0.0):
+    """Wrap `model` in a DeepSpeed engine with GuardedAdamW (the loop sets the learning rate per step)."""
+    import deepspeed
+
+    config = deepspeed_config(cfg, dist.world_size, dist.device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = GuardedAdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999),
+                             clip_norm=cfg.algo.grad_clip if cfg.deepspeed.zero_stage == 0 else None)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
+                                           dist_init_required=False)
+    return engine
+
+
+def grad_norm(engine: Any) -> float | None:
+    norm = engine.get_global_grad_norm()
+    if norm is None:
+        norm = getattr(engine.optimizer, "last_grad_norm", None) or getattr(
+            getattr(engine.optimizer, "optimizer", None), "last_grad_norm", None)
+    return None if norm is None else float(norm)
+
+
+def step_was_skipped(engine: Any) -> bool:
+    opt = engine.optimizer
+    inner = getattr(opt, "optimizer", opt)
+    return bool(getattr(opt, "last_skipped", False) or getattr(inner, "last_skipped", False))
+
+
+class RolloutModule:
+    """The module that generates and scores rollouts on this rank.
+
+    ZeRO 0-2 keep full parameters on every rank: the engine's own module is used. Under ZeRO-3 the
+    parameters are partitioned, and a forward would need all ranks in lock-step for every decoded token;
+    instead each rank keeps an inference copy whose weights are gathered once after each update.
+    """
+
+    def __init__(self, engine: Any, template: nn.Module | None, zero_stage: int) -> None:
+        self.engine = engine
+        self.copy = copy.deepcopy(template).eval() if zero_stage == 3 and template is not None else None
+        if self.copy is not None:
+            for p in self.copy.parameters():
+                p.requires_grad_(False)
+
+    def refresh(self) -> None:
+        """Gather the trained weights into the inference copy (collective under ZeRO-3)."""
+        if self.copy is None:
+            return
+        import deepspeed
+
+        params = dict(self.engine.module.named_parameters())
+        target = dict(self.copy.named_parameters())
+        with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
+            for name, p in params.items():
+                target[name].data.copy_(p.data.to(target[name].dtype))
+
+    @property
+    def module(self) -> nn.Module:
+        return self.copy if self.copy is not None else self.engine.module

@@ -1,0 +1,660 @@
+"""The training recipe: the loop reads top to bottom in `Trainer.train_rl` (RL) and `Trainer.train_sft`.
+
+    epo train algo=epo env=household trainer.total_steps=20
+
+One RL iteration (`rl_step`):
+    tasks     <- curriculum: tasks_per_step tasks x group_size rollouts; this rank plays whole groups
+    episodes  <- run_episodes(policy, env pool, tasks)           one sample per turn -> TurnBatch
+    scoring   <- old log-probs, entropy (sampling temperature), reference log-probs, critic values
+    entropy history, fluctuation monitor <- the rollout's entropies (all-reduced; no extra forward pass)
+    advantages <- ESTIMATORS[algo.estimator]                       gae | grpo | rloo
+    coefs     <- schedules: lambda (entropy group), beta_k (algo.phase), KL weight
+    update    <- ppo_epochs x mini-batches x micro-batches:
+                 loss = sum_i coef_i * term_i   (e.g. policy_clip + 0.01*kl - lambda*entropy
+                                                 + lambda*beta_k*entropy_smoothing)
+                 engine.backward(loss); one engine.step() per mini-batch; critic likewise (ppo)
+    log, evaluate every eval_every, checkpoint every save_every
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from epo_cli.algos.advantages import ESTIMATORS
+from epo_cli.algos.aggregation import AGGREGATIONS
+from epo_cli.algos.entropy import EntropyHistory, FluctuationMonitor, response_diversity, step_statistics
+from epo_cli.algos.losses import (
+    LossStack,
+    PolicyOutputs,
+    build_loss_terms,
+    build_value_term,
+    loss_coefficients,
+    required_aggregations,
+)
+from epo_cli.algos.schedules import (
+    build_entropy_schedule,
+    build_phase_schedule,
+    kl_coefficient,
+    lr_multiplier,
+)
+from epo_cli.curriculum import build_curriculum
+from epo_cli.envs import make_suite
+from epo_cli.errors import UserError
+from epo_cli.metrics import MetricsLogger, truncate_metrics_file
+from epo_cli.models.loading import (
+    ValueModel,
+    apply_lora,
+    frozen_copy,
+    load_causal_lm,
+    load_tokenizer,
+    model_source,
+    resolve_dtype,
+)
+from epo_cli.rollout.batch import MicroBatch, TurnBatch
+from epo_cli.rollout.demos import episodes_to_records, read_jsonl, records_to_batch, write_jsonl
+from epo_cli.rollout.generation import SamplingParams
+from epo_cli.rollout.prompts import PromptBuilder
+from epo_cli.rollout.rollout import (
+    Episode,
+    ExpertPolicy,
+    ModelPolicy,
+    episode_metrics,
+    episodes_to_batch,
+    run_episodes,
+)
+from epo_cli.run_dir import write_status
+from epo_cli.training import checkpoint
+from epo_cli.training.engine import (
+    RolloutModule,
+    all_gather_objects,
+    all_reduce_max,
+    all_reduce_sum,
+    build_engine,
+    grad_norm,
+    init_distributed,
+    set_lr,
+    step_was_skipped,
+)
+from epo_cli.training.forward import collate, plan_micro_batches, policy_forward, value_forward
+
+
+@dataclass
+class TrainState:
+    """Everything besides model/optimizer that a resume must restore."""
+
+    step: int = 0
+    consecutive_skips: int = 0
+    best_value: float | None = None
+    best_step: int | None = None
+    logger_ids: dict[str, str] = field(default_factory=dict)
+
+
+def _reduce_sums(sums: dict[str, tuple[float, float]], device: torch.device) -> dict[str, float]:
+    """All-reduce {name: (sum, count)} over ranks; value = sum/count (or the sum where count is 0)."""
+    names = sorted(set().union(*all_gather_objects(sorted(sums))))  # ranks may see different task types
+    vec = torch.tensor([[sums.get(n, (0.0, 0.0))[0], sums.get(n, (0.0, 0.0))[1]] for n in names],
+                       dtype=torch.float64, device=device).reshape(-1, 2)
+    vec = all_reduce_sum(vec)
+    out = {}
+    for n, (s, c) in zip(names, vec.tolist()):
+        out[n] = s / c if c > 0 else s
+    return out
+
+
+class Trainer:
+    def __init__(self, cfg: DictConfig, run: Path) -> None:
+        self.cfg, self.run = cfg, run
+        self.dist = init_distributed(cfg)
+        torch.set_num_threads(cfg.trainer.num_threads)
+        if cfg.trainer.deterministic:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.manual_seed(cfg.seed + self.dist.rank)
+        random.seed(cfg.seed + self.dist.rank)
+        algo = cfg.algo
+
+        # --- environment ------------------------------------------------------------------------------
+        self.suite = make_suite(cfg.env)
+        self.suite.check()
+        self.curriculum = build_curriculum(cfg)
+
+        # --- models: policy (DeepSpeed engine), frozen reference, critic (ppo) --------------------------
+        source = model_source(cfg.model, self.suite, cfg.seed)
+        self.tokenizer = load_tokenizer(source, cfg.model)
+        self.vocab_limit = len(self.tokenizer)
+        dtype = resolve_dtype(cfg.model, self.dist.device)
+        policy = load_causal_lm(source, cfg.model, dtype).to(self.dist.device)
+        self.ref_model = frozen_copy(policy) if "kl" in algo.loss_terms else None
+        policy = apply_lora(policy, cfg.model.lora)
+        critic = ValueModel(frozen_copy(policy if cfg.model.lora.rank <= 0 else policy.get_base_model())) \
+            if algo.estimator == "gae" else None
+        if critic is not None:
+            for p in critic.parameters():
+                p.requires_grad_(True)
+        template = policy  # the inference copy (ZeRO-3) must be made before DeepSpeed partitions
+        self.engine = build_engine(policy, cfg, self.dist, lr=algo.lr, weight_decay=algo.weight_decay)
+        self.policy = RolloutModule(self.engine, template, cfg.deepspeed.zero_stage)
+        self.critic_engine = None
+        if critic is not None:
+            critic_template = critic
+            self.critic_engine = build_engine(critic, cfg, self.dist, lr=algo.value.lr or algo.lr)
+            self.critic = RolloutModule(self.critic_engine, critic_template, cfg.deepspeed.zero_stage)
+        self.policy.refresh()
+
+        # --- algorithm components -----------------------------------------------------------------------
+        self.loss_stack = LossStack(build_loss_terms(algo))
+        self.value_term = build_value_term(algo) if critic is not None else None
+        self.entropy_schedule = build_entropy_schedule(cfg.entropy)
+        self.phase_schedule = build_phase_schedule(algo.phase)
+        self.history = EntropyHistory(algo.entropy_smoothing, max_turns=cfg.env.max_turns)
+        self.monitor = FluctuationMonitor(algo.monitor)
+        self.builder = PromptBuilder(cfg.env.prompt_template, cfg.env.history_length,
+                                     cfg.rollout.max_prompt_tokens, self._encode_chat)
+        self.state = TrainState()
+
+        # --- resume, env pool, logging ------------------------------------------------------------------
+        resume_from = checkpoint.resolve_resume(cfg.trainer.resume, run)
+        if resume_from is not None:
+            self._load(resume_from)
+        from epo_cli.envs.pool import EnvPool
+
+        self.pool = EnvPool(self.suite, num_workers=self._num_workers(), step_timeout_s=cfg.env.step_timeout_s)
+        self.logger = MetricsLogger(cfg, run, enabled=self.dist.is_main, resume_ids=self.state.logger_ids)
+        self.state.logger_ids = self.logger.run_ids
+        if resume_from is not None and self.dist.is_main:
+            truncate_metrics_file(run, self.state.step - 1)
+            self.logger.info(f"resumed from {resume_from} at step {self.state.step}")
+
+    # ------------------------------------------------------------------------------------------------------
+    # helpers
+    # ------------------------------------------------------------------------------------------------------
+    def _num_workers(self) -> int:
+        n = self.cfg.env.num_workers
+        return (os.cpu_count() or 1) if n is None else n
+
+    def _encode_chat(self, text: str) -> list[int]:
+        ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                                 add_generation_prompt=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def _sampling(self, temperature: float) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(r.max_new_tokens, temperature, r.top_p, r.top_k, r.stop)
+
+    def _model_policy(self, temperature: float) -> ModelPolicy:
+        return ModelPolicy(self.policy.module, self.tokenizer, self._sampling(temperature), self.vocab_limit,
+                           self.cfg.rollout.generation_batch_size)
+
+    def _my_share(self, items: list[Any]) -> list[Any]:
+        """This rank's contiguous share of `items` (for evaluation episodes)."""
+        n, w, r = len(items), self.dist.world_size, self.dist.rank
+        return items[r * n // w:(r + 1) * n // w]
+
+    # ------------------------------------------------------------------------------------------------------
+    # the loops
+    # ------------------------------------------------------------------------------------------------------
+    def train(self) -> dict[str, float]:
+        write_status(self.run, "running") if self.dist.is_main else None
+        try:
+            final = self.train_sft() if self.cfg.algo.name == "sft" else self.train_rl()
+        finally:
+            self.pool.close()
+            self.logger.close()
+        return final
+
+    def train_rl(self) -> dict[str, float]:
+        cfg = self.cfg
+        total = cfg.trainer.total_steps
+        metrics: dict[str, float] = {}
+        while self.state.step < total:
+            step = self.state.step
+            set_lr(self.engine, cfg.algo.lr * lr_multiplier(step, total, cfg.algo.warmup_ratio,
+                                                             cfg.algo.min_lr_ratio))
+            if self.critic_engine is not None:
+                set_lr(self.critic_engine, (cfg.algo.value.lr or cfg.algo.lr) *
+                       lr_multiplier(step, total, cfg.algo.warmup_ratio, cfg.algo.min_lr_ratio))
+            metrics = self.rl_step(step, total)
+            self.state.step = step + 1
+            metrics.update(self._maybe_evaluate(step + 1, total))
+            self.logger.log(step + 1, metrics, total)
+            self._maybe_checkpoint(step + 1, total, metrics)
+            if self._should_stop(step + 1):
+                break
+        self._finish()
+        return metrics
+
+    def rl_step(self, step: int, total: int) -> dict[str, float]:
+        cfg, algo = self.cfg, self.cfg.algo
+
+        # 1. tasks: identical draw on every rank; this rank plays whole groups
+        groups = algo.tasks_per_step
+        if groups % self.dist.world_size:
+            raise UserError(f"algo.tasks_per_step={groups} must be divisible by the number of ranks "
+                            f"({self.dist.world_size}) so every GRPO group stays on one rank.")
+        rng = random.Random(hash((cfg.seed, step, "tasks")) & 0xFFFFFFFF)
+        tasks = self.curriculum.sample_tasks(self.suite, groups, rng, step, total)
+        mine = range(self.dist.rank * groups // self.dist.world_size,
+                     (self.dist.rank + 1) * groups // self.dist.world_size)
+        my_tasks = [tasks[g] for g in mine for _ in range(algo.group_size)]
+        group_ids = [g for g in mine for _ in range(algo.group_size)]
+        traj_ids = [g * algo.group_size + k for g in mine for k in range(algo.group_size)]
+
+        # 2. rollout: one sample per turn
+        policy = self._model_policy(cfg.rollout.temperature)
+        max_turns = self.curriculum.max_turns(step, total)
+        episodes, rstats = run_episodes(policy, self.pool, my_tasks, traj_ids, group_ids, self.builder,
+                                        self.tokenizer, max_turns, seed=cfg.seed, step=step)
+        subgoal_coef = self.curriculum.subgoal_coef(step, total)
+        batch = episodes_to_batch(episodes, algo.reward_scale, algo.invalid_action_penalty, subgoal_coef)
+
+        # 3. scoring forward (no grad): old log-probs, entropy, reference log-probs, values
+        t0 = time.perf_counter()
+        self.score(batch)
+        score_s = time.perf_counter() - t0
+
+        # 4. entropy statistics of the rollout -> history (EPO reference), fluctuation monitor
+        sums, counts = step_statistics(batch.entropy, batch.turn_index, max(cfg.env.max_turns, max_turns))
+        sums, counts = all_reduce_sum(sums.double()), all_reduce_sum(counts.double())
+        entropy_now = float(sums.sum() / counts.sum().clamp(min=1))
+        reference_history = self.history  # refs for this update use steps 0..k-1 only (paper: Href(k))
+        metrics = {"policy/entropy": entropy_now}
+        for t in torch.nonzero(counts).flatten().tolist():
+            metrics[f"policy/entropy_turn/{t}"] = float(sums[t] / counts[t])
+        metrics.update(self.monitor.update(entropy_now))
+        alert = self.monitor.alert
+        if alert:
+            self.logger.warn(f"entropy fluctuation above algo.monitor.threshold at step {step + 1} "
+                             f"(sigma={metrics['policy/entropy_fluctuation']:.4f})"
+                             + (": entropy terms clamped for this step" if algo.monitor.action == "clamp" else ""))
+
+        # 5. advantages
+        if algo.estimator != "none":
+            batch.advantages, batch.returns = ESTIMATORS[algo.estimator](batch, algo, all_reduce_sum)
+
+        # 6. coefficients from schedules: L = L_RL - lambda * (L_H - beta_k * L_smooth) + kl_weight * KL
+        lam = self.entropy_schedule(step, total)
+        beta = self.phase_schedule(step, total)
+        kl_weight = kl_coefficient(step, total, algo.kl, algo.phase)
+        clamp = algo.monitor.clamp_scale if alert and algo.monitor.action == "clamp" else 1.0
+        coefs = loss_coefficients(algo, lam, beta, kl_weight, entropy_scale=clamp)
+        if step == 0:
+            self.logger.info(self.loss_stack.formula(coefs))
+        metrics.update({f"coef/{k}": v for k, v in coefs.items()})
+        metrics.update({"coef/lambda": lam, "coef/beta": beta})
+
+        # 7. update
+        t0 = time.perf_counter()
+        metrics.update(self.update(batch, coefs, step, reference_history))
+        update_s = time.perf_counter() - t0
+        self.history.update(sums, counts)
+        self.entropy_schedule.observe(entropy_now)
+        self.policy.refresh()
+        if self.critic_engine is not None:
+            self.critic.refresh()
+
+        # 8. metrics of the rollout (all-reduced) and curriculum feedback
+        rollout_sums = episode_metrics(episodes)
+        levels: dict[str, list[float]] = {}
+        for ep in episodes:
+            s = levels.setdefault(f"curriculum/level_success/{ep.task.level}", [0.0, 0.0])
+            s[0] += float(ep.won)
+            s[1] += 1.0
+        rollout_sums.update({k: (v[0], v[1]) for k, v in levels.items()})
+        div = response_diversity([(ep.group_id, ep.actions) for ep in episodes])
+        rollout_sums.update({k: (v, 1.0) for k, v in div.items()})
+        reduced = _reduce_sums(rollout_sums, self.dist.device)
+        self.curriculum.observe(step, _level_totals(reduced, rollout_sums, self.dist.device))
+        metrics.update({k: v for k, v in reduced.items()})
+        metrics.update(self.curriculum.metrics())
+        perf = _reduce_sums({
+            "perf/generated_tokens": (float(rstats.generated_tokens), 0.0),
+            "perf/env_steps": (float(rstats.env_steps), 0.0),
+        }, self.dist.device)
+        metrics.update({
+            "rollout/subgoal_coef": subgoal_coef,
+            "rollout/max_turns": float(max_turns),
+            "rollout/task_reward": float(all_reduce_sum(batch.outcome[batch.is_last_turn].sum().double())),
+            "rollout/shaped_reward": float(all_reduce_sum(batch.reward.sum().double())),
+            "perf/rollout_s": rstats.rollout_s,
+            "perf/generate_s": rstats.generate_s,
+            "perf/env_s": rstats.env_s,
+            "perf/score_s": score_s,
+            "perf/update_s": update_s,
+            "perf/gen_tokens_per_s": perf["perf/generated_tokens"] / max(rstats.generate_s, 1e-9),
+            "perf/env_steps_per_s": perf["perf/env_steps"] / max(rstats.env_s, 1e-9),
+            "perf/lr": self.engine.optimizer.param_groups[0]["lr"],
+            "rollout/samples": float(all_reduce_sum(torch.tensor(float(len(batch))))),
+        })
+        return metrics
+
+    # ------------------------------------------------------------------------------------------------------
+    def score(self, batch: TurnBatch) -> None:
+        """Old-policy log-probs and entropy (+ reference log-probs, critic values), no grad."""
+        device, pad = self.dist.device, self.tokenizer.pad_token_id
+        temperature = self.cfg.rollout.temperature
+        n = len(batch)
+        batch.old_logprobs, batch.entropy = [torch.empty(0)] * n, [torch.empty(0)] * n
+        batch.ref_logprobs = [torch.empty(0)] * n if self.ref_model is not None else []
+        values = torch.zeros(n) if self.critic_engine is not None else None
+        lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
+        with torch.no_grad():
+            for rows in plan_micro_batches(list(range(n)), lengths, self.cfg.algo.micro_batch_size):
+                mb = collate(batch, rows, pad, device)
+                out = policy_forward(self.policy.module, mb, temperature, self.vocab_limit)
+                ref = (policy_forward(self.ref_model, mb, temperature, self.vocab_limit, with_entropy=False)
+                       if self.ref_model is not None else None)
+                for i, r in enumerate(rows):
+                    k = len(batch.response_ids[r])
+                    batch.old_logprobs[r] = out.logprobs[i, :k].float().cpu()
+                    batch.entropy[r] = out.entropy[i, :k].float().cpu()
+                    if ref is not None:
+                        batch.ref_logprobs[r] = ref.logprobs[i, :k].float().cpu()
+                if values is not None:
+                    values[rows] = value_forward(self.critic.module, mb)[:len(rows)].float().cpu()
+        batch.old_values = values
+
+    # ------------------------------------------------------------------------------------------------------
+    def mini_batches(self, batch: TurnBatch, step: int, epoch: int) -> list[list[int]]:
+        """This rank's rows of each global mini-batch. The split depends only on (seed, step, epoch) and
+        the samples' global ids, so 1 rank and N ranks form the same global mini-batches."""
+        keys = [hash((self.cfg.seed, step, epoch, int(t), int(i))) & 0xFFFFFFFF
+                for t, i in zip(batch.traj_id, batch.turn_index)]
+        everyone = all_gather_objects(keys)
+        ordered = sorted((k, rank, row) for rank, ks in enumerate(everyone) for row, k in enumerate(ks))
+        size = self.cfg.algo.mini_batch_size
+        out: list[list[int]] = [[] for _ in range(max(1, math.ceil(len(ordered) / size)))]
+        for pos, (_, rank, row) in enumerate(ordered):
+            if rank == self.dist.rank:
+                out[pos // size].append(row)
+        return out
+
+    def _aggregation_modes(self) -> set[str]:
+        modes = set(required_aggregations(self.loss_stack.terms))
+        if self.value_term is not None:
+            modes.add(self.value_term.aggregation)
+        return modes
+
+    def update(self, batch: TurnBatch, coefs: dict[str, float], step: int,
+               history: EntropyHistory | None = None) -> dict[str, float]:
+        """ppo_epochs x mini-batches x micro-batches; one engine.step() per mini-batch."""
+        algo, device = self.cfg.algo, self.dist.device
+        world = self.dist.world_size
+        pad = self.tokenizer.pad_token_id
+        lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
+        modes = self._aggregation_modes()
+        decay = algo.entropy.decay
+        totals: dict[str, float] = {}
+        n_updates, real_tokens, padded_tokens, skipped = 0, 0, 0, 0
+        norms: list[float] = []
+        self.engine.train()
+        for epoch in range(algo.ppo_epochs if algo.name != "sft" else 1):
+            for rows in (self.mini_batches(batch, step, epoch) if algo.name != "sft" else [list(range(len(batch)))]):
+                micro = plan_micro_batches(rows, lengths, algo.micro_batch_size)
+                n_micro = int(all_reduce_max(torch.tensor(len(micro))).item())
+                micro += [[] for _ in range(n_micro - len(micro))]
+                # global denominators of each aggregation mode over this mini-batch (all ranks)
+                denominators = {}
+                for mode in modes:
+                    d = torch.zeros((), dtype=torch.float64)
+                    for m in micro:
+                        if m:
+                            mb = collate(batch, m, pad, torch.device("cpu"))
+                            d += AGGREGATIONS[mode].weights(mb.response_mask, mb.turn_index, mb.num_turns,
+                                                            decay)[1].sum().double()
+                    denominators[mode] = float(all_reduce_sum(d.to(device)).clamp(min=1e-12))
+                step_metrics: dict[str, float] = {}
+                for m in micro:
+                    mb = collate(batch, m, pad, device, num_rows=max(len(m), 1))
+                    for mode in modes:
+                        u, _ = AGGREGATIONS[mode].weights(mb.response_mask, mb.turn_index, mb.num_turns, decay)
+                        mb.weights[mode] = (u / denominators[mode]).to(device)
+                    if history is not None and "entropy_smoothing" in algo.loss_terms:
+                        mb.entropy_ref = history.reference(mb.turn_index.cpu()).to(device)
+                    out = policy_forward(self.engine, mb, self.cfg.rollout.temperature, self.vocab_limit,
+                                         with_entropy=self._needs_entropy())
+                    loss, term_metrics = self.loss_stack(mb, out, coefs)
+                    # DeepSpeed averages gradients over ranks; the weights already normalise globally
+                    self.engine.backward(loss * world, scale_wrt_gas=False)
+                    if self.critic_engine is not None:
+                        self._critic_backward(mb, world, term_metrics)
+                    for k, v in term_metrics.items():
+                        step_metrics[k] = step_metrics.get(k, 0.0) + float(v)
+                    real_tokens += int(mb.attention_mask.sum())
+                    padded_tokens += mb.attention_mask.numel()
+                self.engine.step()
+                if self.critic_engine is not None:
+                    self.critic_engine.step()
+                if step_was_skipped(self.engine):
+                    skipped += 1
+                norm = grad_norm(self.engine)
+                if norm is not None:
+                    norms.append(norm)
+                names = sorted(step_metrics)
+                reduced = all_reduce_sum(torch.tensor([step_metrics[k] for k in names], dtype=torch.float64,
+                                                      device=device)).tolist() if names else []
+                for k, v in zip(names, reduced):
+                    totals[k] = totals.get(k, 0.0) + v
+                n_updates += 1
+        out_metrics = {k: v / max(n_updates, 1) for k, v in totals.items()}
+        out_metrics.update({
+            "perf/optimizer_steps": float(n_updates),
+            "perf/skipped_updates": float(skipped),
+            "perf/padding_efficiency": real_tokens / max(padded_tokens, 1),
+        })
+        if norms:
+            out_metrics["perf/grad_norm"] = sum(norms) / len(norms)
+        if batch.old_values is not None and batch.returns is not None:
+            out_metrics.update(_critic_stats(batch.old_values, batch.returns, device))
+        self._track_skips(skipped, n_updates)
+        return out_metrics
+
+    def _needs_entropy(self) -> bool:
+        return any(t in self.cfg.algo.loss_terms for t in ("entropy", "entropy_smoothing"))
+
+    def _critic_backward(self, mb: MicroBatch, world: int, metrics: dict[str, Any]) -> None:
+        values = value_forward(self.critic_engine, mb)
+        vloss, vmetrics = self.value_term(mb, PolicyOutputs(logprobs=None, entropy=None, values=values))
+        self.critic_engine.backward(self.cfg.algo.value.coef * vloss * world, scale_wrt_gas=False)
+        metrics.update(vmetrics)
+
+    def _track_skips(self, skipped: int, n_updates: int) -> None:
+        if skipped:
+            self.logger.warn(f"{skipped}/{n_updates} updates skipped: non-finite loss or gradient")
+        self.state.consecutive_skips = self.state.consecutive_skips + skipped if skipped == n_updates else 0
+        if self.state.consecutive_skips >= self.cfg.trainer.max_nonfinite_skips:
+            latest = checkpoint.latest_tag(self.run)
+            raise UserError(
+                f"Training stopped: {self.state.consecutive_skips} consecutive updates had a non-finite loss "
+                f"or gradient (trainer.max_nonfinite_skips={self.cfg.trainer.max_nonfinite_skips}); the weights "
+                f"were not changed by them. Last checkpoint: {latest or 'none'}. Lower algo.lr or check the "
+                "reward scale, then resume with trainer.resume=<run dir>."
+            )
+
+    # ------------------------------------------------------------------------------------------------------
+    def train_sft(self) -> dict[str, float]:
+        """Behaviour cloning on expert demonstrations through the same update as RL (nll term)."""
+        cfg, algo = self.cfg, self.cfg.algo
+        data = self.demonstrations()
+        n = len(data)
+        total = cfg.trainer.total_steps
+        coefs = loss_coefficients(algo, 0.0, 0.0, 0.0)
+        metrics: dict[str, float] = {}
+        while self.state.step < total:
+            step = self.state.step
+            set_lr(self.engine, algo.lr * lr_multiplier(step, total, algo.warmup_ratio, algo.min_lr_ratio))
+            # the mini-batch is a function of (seed, step): epochs are permutations, resumes are exact
+            per_epoch = max(1, n // algo.mini_batch_size)
+            epoch, pos = divmod(step, per_epoch)
+            perm = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed * 7919 + epoch)).tolist()
+            global_rows = perm[pos * algo.mini_batch_size:(pos + 1) * algo.mini_batch_size]
+            mine = global_rows[self.dist.rank::self.dist.world_size]
+            t0 = time.perf_counter()
+            metrics = self.update(data.select(mine), coefs, step)
+            update_s = time.perf_counter() - t0
+            tokens = sum(len(data.prompt_ids[r]) + len(data.response_ids[r]) for r in mine)
+            metrics.update({"perf/update_s": update_s, "perf/tokens_per_s": tokens / max(update_s, 1e-9),
+                            "perf/lr": self.engine.optimizer.param_groups[0]["lr"],
+                            "sft/epoch": step / per_epoch})
+            self.state.step = step + 1
+            self.policy.refresh()
+            metrics.update(self._maybe_evaluate(step + 1, total))
+            self.logger.log(step + 1, metrics, total)
+            self._maybe_checkpoint(step + 1, total, metrics)
+            if self._should_stop(step + 1):
+                break
+        self._finish()
+        return metrics
+
+    def demonstrations(self) -> TurnBatch:
+        algo = self.cfg.algo
+        if algo.demos != "expert":
+            records = read_jsonl(algo.demos)
+        else:
+            rng = random.Random(self.cfg.seed * 31 + 7)
+            level = algo.demo_level
+            tasks = self.suite.sample_tasks(self.cfg.env.train_split, algo.demo_episodes, rng, level=level)
+            ids = list(range(len(tasks)))
+            episodes, _ = run_episodes(ExpertPolicy(self.tokenizer), self.pool, tasks, ids, ids, self.builder,
+                                       self.tokenizer, self.cfg.env.max_turns)
+            solved = [ep for ep in episodes if ep.won]
+            records = episodes_to_records(solved)
+            if self.dist.is_main:
+                write_jsonl(self.run / "demos.jsonl", records)
+            self.logger.info(f"expert solved {len(solved)}/{len(episodes)} demo episodes "
+                             f"({sum(len(e.turns) for e in solved)} turn samples) -> {self.run / 'demos.jsonl'}")
+            if not solved:
+                raise UserError("The expert solved none of the demonstration episodes; check env.max_turns.")
+        return records_to_batch(records, self.builder, self.tokenizer)
+
+    # ------------------------------------------------------------------------------------------------------
+    def evaluate(self, split: str, episodes_n: int, temperature: float,
+                 save_samples: Path | None = None) -> tuple[dict[str, float], list[Episode]]:
+        """Play `episodes_n` fixed tasks of `split` (sharded over ranks); returns all-reduced metrics."""
+        cfg = self.cfg
+        tasks = self.suite.sample_tasks(split, episodes_n, random.Random(cfg.seed * 1009 + 17))
+        ids = list(range(len(tasks)))
+        mine_tasks, mine_ids = self._my_share(tasks), self._my_share(ids)
+        policy = self._model_policy(temperature)
+        episodes, _ = run_episodes(policy, self.pool, mine_tasks, mine_ids, mine_ids, self.builder,
+                                   self.tokenizer, cfg.env.max_turns, seed=cfg.seed, step=-1)
+        sums = episode_metrics(episodes)
+        reduced = _reduce_sums(sums, self.dist.device)
+        metrics = {k.replace("rollout/", f"eval/{split}/"): v for k, v in reduced.items()}
+        if save_samples is not None and self.dist.is_main:
+            write_samples(save_samples, episodes[: cfg.rollout.num_samples_to_save])
+        return metrics, episodes
+
+    def _maybe_evaluate(self, done_steps: int, total: int) -> dict[str, float]:
+        cfg = self.cfg
+        every = cfg.trainer.eval_every
+        if not cfg.env.eval_splits or not (done_steps == total or (every > 0 and done_steps % every == 0)):
+            return {}
+        out: dict[str, float] = {}
+        for i, split in enumerate(cfg.env.eval_splits):
+            samples = self.run / "samples" / f"step_{done_steps}-{split}.md"
+            metrics, _ = self.evaluate(split, cfg.trainer.eval_episodes, cfg.rollout.eval_temperature, samples)
+            out.update(metrics)
+            if i == 0:
+                out["eval/success"] = metrics.get(f"eval/{split}/success", 0.0)
+        return out
+
+    # ------------------------------------------------------------------------------------------------------
+    def _state_payload(self) -> dict[str, Any]:
+        return {
+            "trainer": self.state.__dict__,
+            "entropy_history": self.history.state_dict(),
+            "monitor": self.monitor.state_dict(),
+            "entropy_schedule": self.entropy_schedule.state_dict(),
+            "curriculum": self.curriculum.state_dict(),
+        }
+
+    def _load(self, ckpt: Path) -> None:
+        payload = checkpoint.load(ckpt, self.engine, self.critic_engine, self.dist.rank)
+        self.state = TrainState(**payload["trainer"])
+        self.history.load_state_dict(payload["entropy_history"])
+        self.monitor.load_state_dict(payload["monitor"])
+        self.entropy_schedule.load_state_dict(payload.get("entropy_schedule", {}))
+        self.curriculum.load_state_dict(payload.get("curriculum", {}))
+        self.policy.refresh()
+        if self.critic_engine is not None:
+            self.critic.refresh()
+
+    def _maybe_checkpoint(self, done_steps: int, total: int, metrics: dict[str, float]) -> None:
+        cfg = self.cfg
+        best_key = cfg.trainer.best_metric
+        is_best = False
+        if best_key and best_key in metrics and math.isfinite(metrics[best_key]):
+            if self.state.best_value is None or metrics[best_key] > self.state.best_value:
+                self.state.best_value, self.state.best_step, is_best = metrics[best_key], done_steps, True
+        every = cfg.trainer.save_every
+        due = done_steps == total or (every > 0 and done_steps % every == 0) or self._should_stop(done_steps)
+        if due or is_best:
+            checkpoint.save(self.run, done_steps, self.engine, self.critic_engine, self._state_payload(),
+                            self.dist.rank, keep=cfg.trainer.keep_checkpoints,
+                            best_step=self.state.best_step)
+
+    def _should_stop(self, done_steps: int) -> bool:
+        stop = self.cfg.trainer.stop_after
+        return stop is not None and done_steps >= stop and done_steps < self.cfg.trainer.total_steps
+
+    def _finish(self) -> None:
+        """Export the final policy (Hugging Face folder) and mark the run finished."""
+        if self.state.step >= self.cfg.trainer.total_steps:
+            final = self.run / "final"
+            module = self.policy.module
+            if self.dist.is_main:
+                if hasattr(module, "merge_and_unload"):  # LoRA: export a plain model
+                    module = frozen_copy(module).merge_and_unload()
+                shutil.rmtree(final, ignore_errors=True)
+                module.save_pretrained(final)
+                self.tokenizer.save_pretrained(final)
+                write_status(self.run, "finished", step=self.state.step)
+        elif self.dist.is_main:
+            write_status(self.run, "stopped", step=self.state.step,
+                         resume=f"epo train trainer.resume={self.run}")
+
+
+def _level_totals(reduced: dict[str, float], sums: dict[str, tuple[float, float]],
+                  device: torch.device) -> dict[str, tuple[float, float]]:
+    """Global (wins, episodes) per curriculum level from the reduced success rates and counts."""
+    keys = [k for k in reduced if k.startswith("curriculum/level_success/")]
+    counts = _reduce_sums({k: (sums.get(k, (0.0, 0.0))[1], 0.0) for k in keys}, device)
+    return {k.rsplit("/", 1)[1]: (reduced[k] * counts[k], counts[k]) for k in keys}
+
+
+def _critic_stats(values: torch.Tensor, returns: torch.Tensor, device: torch.device) -> dict[str, float]:
+    v, r = values.double(), returns.double()
+    stats = all_reduce_sum(torch.stack([torch.tensor(float(len(v)), dtype=torch.float64), r.sum(), (r * r).sum(),
+                                        (r - v).sum(), ((r - v) ** 2).sum(), v.sum()]).to(device)).tolist()
+    n, rs, rss, es, ess, vs = stats
+    var_r = rss / n - (rs / n) ** 2
+    var_e = ess / n - (es / n) ** 2
+    return {"critic/explained_variance": 1.0 - var_e / var_r if var_r > 1e-12 else float("nan"),
+            "critic/value_mean": vs / n}
+
+
+def write_samples(path: Path, episodes: list[Episode]) -> None:
+    """A readable Markdown file of decoded trajectories."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for ep in episodes:
+        lines.append(f"## {ep.task.task_id} ({ep.task.task_type}) - {'WON' if ep.won else 'failed'} "
+                     f"in {len(ep.turns)} turns\n\nTask: {ep.goal}\n")
+        for t, turn in enumerate(ep.turns):
+            lines.append(f"**Turn {t + 1}** observation: {turn.observation}\n\n"
+                         f"response{'' if turn.valid else ' (invalid)'}: `{turn.response_text}`\n")
+    path.write_text("\n".join(lines))
+
+
+def metrics_json(path: Path, metrics: dict[str, Any]) -> None:
+    path.write_text(json.dumps(metrics, indent=2))
