@@ -22,7 +22,7 @@ from typing import Any
 from epo_cli.envs.base import EnvSuite
 
 #: bump when the corpus recipe changes, so cached tokenizers are rebuilt
-CORPUS_VERSION = 3
+CORPUS_VERSION = 4
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -30,6 +30,8 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+QWEN2_PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+                           r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
 #: architecture sizes that define a tiny model (part of the cache key)
 SIZE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "max_position_embeddings", "vocab_size", "padded_vocab_size",
@@ -80,11 +82,18 @@ def tokenizer_corpus(suite: EnvSuite, episodes: int = 60, seed: int = 0) -> list
 
 def train_tokenizer(texts: list[str], vocab_size: int):
     """Byte-level BPE over `texts`, wrapped as a PreTrainedTokenizerFast with a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # Exactly Qwen2's normalizer and pre-tokenizer (digits split one by one): AutoTokenizer loads a
+    # qwen2 model's tokenizer as Qwen2Tokenizer, which re-installs these, so merges must be learned
+    # on the same pre-tokens.
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

@@ -15,6 +15,14 @@ from dataclasses import dataclass, field
 
 # name -> (template for the first turn, template for later turns)
 PROMPT_TEMPLATES: dict[str, tuple[str, str]] = {
+    # The same information as `alfworld` without the prose: a third of the tokens, for tiny models on CPU.
+    "compact": (
+        "Task: {task}\nObservation: {observation}\nActions: [{admissible}]\n"
+        "Reply <think>...</think><action>...</action>.",
+        "Task: {task}\nHistory ({step_count} steps so far):{history}\n"
+        "Observation: {observation}\nActions: [{admissible}]\n"
+        "Reply <think>...</think><action>...</action>.",
+    ),
     "alfworld": (
         "You are an expert agent operating in the ALFRED Embodied Environment. Your task is to: {task}\n"
         "Your current observation is: {observation}\n"

@@ -1,0 +1,35 @@
+# epo: `make demo` runs the main job on the embedded environment; `make test` runs the test suite.
+# Both install everything into .venv first (once).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# torch first: on this kind of machine `torch==2.13.0` is a local CPU build; GPU users may override,
+# e.g. `make install TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu124"`.
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= envs,loggers,sweep,lora,dev
+PYTEST_ARGS ?=
+
+.PHONY: install test demo lint clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip setuptools wheel ninja
+	$(BIN)/pip install -q $(TORCH_SPEC)
+	# prebuild DeepSpeed's shared-memory comm op at install time (else the first run JIT-compiles it)
+	DS_BUILD_SHM_COMM=1 $(BIN)/pip install -q --no-build-isolation "deepspeed>=0.19.8,<0.20"
+	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
+	touch $@
+
+test: install
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+demo: install
+	$(BIN)/python scripts/demo.py
+
+lint: install
+	$(BIN)/ruff check epo_cli tests scripts
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

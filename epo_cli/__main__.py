@@ -1,0 +1,3 @@
+from epo_cli.cli import main
+
+main()
