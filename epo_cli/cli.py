@@ -51,6 +51,17 @@ def train(overrides: list[str] = OVERRIDES_ARG) -> None:
     launch_training(list(overrides or []))
 
 
+@app.command("eval", context_settings=EXTRA)
+def eval_command(overrides: list[str] = OVERRIDES_ARG) -> None:
+    """Evaluate a run or a model: `epo eval run=<run dir> [checkpoint=best split=S episodes=N greedy=true]`.
+
+    Options: run, checkpoint (final|latest|best|step_N), split, episodes, temperature, greedy,
+    policy (model|expert|look|random), out; any other key=value is a config override."""
+    from epo_cli.evaluation import run_eval
+
+    run_eval(list(overrides or []))
+
+
 @config_app.command("show", context_settings=EXTRA, epilog=groups_help())
 def config_show(overrides: list[str] = OVERRIDES_ARG) -> None:
     """Print the fully resolved config for these overrides (nothing runs)."""

@@ -541,15 +541,14 @@ class Trainer:
                  save_samples: Path | None = None) -> tuple[dict[str, float], list[Episode]]:
         """Play `episodes_n` fixed tasks of `split` (sharded over ranks); returns all-reduced metrics."""
         cfg = self.cfg
-        tasks = self.suite.sample_tasks(split, episodes_n, random.Random(cfg.seed * 1009 + 17))
+        from epo_cli.evaluation import eval_tasks, evaluate_split  # shared with `epo eval`
+
+        tasks = eval_tasks(self.suite, split, episodes_n, cfg.seed)
         ids = list(range(len(tasks)))
-        mine_tasks, mine_ids = self._my_share(tasks), self._my_share(ids)
-        policy = self._model_policy(temperature)
-        episodes, _ = run_episodes(policy, self.pool, mine_tasks, mine_ids, mine_ids, self.builder,
-                                   self.tokenizer, cfg.env.max_turns, seed=cfg.seed, step=-1)
-        sums = episode_metrics(episodes)
-        reduced = _reduce_sums(sums, self.dist.device)
-        metrics = {k.replace("rollout/", f"eval/{split}/"): v for k, v in reduced.items()}
+        metrics, episodes = evaluate_split(self._model_policy(temperature), self.pool, self.builder,
+                                           self.tokenizer, split, self._my_share(tasks), self._my_share(ids),
+                                           cfg.env.max_turns, cfg.seed,
+                                           reduce=lambda sums: _reduce_sums(sums, self.dist.device))
         if save_samples is not None and self.dist.is_main:
             write_samples(save_samples, episodes[: cfg.rollout.num_samples_to_save])
         return metrics, episodes

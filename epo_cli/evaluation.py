@@ -1,0 +1,464 @@
+"""Evaluation: one function plays a split's fixed tasks and scores them; the trainer's periodic evaluation
+and `epo eval` both call it, so a number in metrics.jsonl and a number from `epo eval` mean the same thing.
+
+    epo eval run=outputs/<date>/<time>-<name> [checkpoint=final|latest|best|step_N] [split=S] [episodes=N]
+             [temperature=0.4 | greedy=true] [policy=model|expert|look|random] [out=DIR] [any override]
+    epo eval model.path=<HF folder> env=household split=eval_out_of_distribution
+
+Weights load without DeepSpeed engines: from <run>/final (a Hugging Face folder), or from a checkpoint's
+`module` state dict (ZeRO-0: mp_rank_00_model_states.pt) or its consolidated ZeRO 1-3 shards
+(deepspeed's zero_to_fp32), loaded into the model the run's config builds.
+
+Results: <run>/eval/<name>.json (fields: EVAL_JSON_FIELDS below), <run>/eval/<name>.samples.md (a few
+decoded trajectories, the trainer's samples format), and a table on the console. Without a run they go to
+<output_dir>/eval/<date>_<time>/. <name> = <checkpoint or policy>-<split>-<t0.4 | greedy>.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from epo_cli.envs.base import EnvSuite, Task
+from epo_cli.errors import ConfigError, UserError
+from epo_cli.rollout.rollout import Episode, Policy, episode_metrics, run_episodes
+
+#: z for a two-sided 95% interval
+Z95 = 1.959963984540054
+
+#: the documented top-level fields of an eval JSON (tests check them)
+EVAL_JSON_FIELDS = (
+    "format", "name", "created", "command", "run", "checkpoint", "checkpoint_resolved", "model_source",
+    "policy", "env", "split", "episodes", "temperature", "greedy", "seed", "max_turns", "success",
+    "success_by_task_type", "episode_len", "invalid_rate", "metrics", "samples", "duration_s",
+)
+EVAL_FORMAT = "epo-eval/1"
+
+
+# ----------------------------------------------------------------------------------------------------
+# The shared evaluation (trainer and `epo eval`)
+# ----------------------------------------------------------------------------------------------------
+
+def eval_tasks(suite: EnvSuite, split: str, n: int, seed: int) -> list[Task]:
+    """The fixed evaluation tasks of a split: one draw, whoever evaluates (the seed is the run's seed)."""
+    return suite.sample_tasks(split, n, random.Random(seed * 1009 + 17))
+
+
+def local_reduce(sums: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """{name: (sum, count)} -> value (sum / count, or the sum for counters with count 0): a world of one."""
+    return {k: s / c if c > 0 else s for k, (s, c) in sums.items()}
+
+
+def evaluate_split(
+    policy: Policy,
+    pool: Any,
+    builder: Any,
+    tokenizer: Any,
+    split: str,
+    tasks: list[Task],
+    ids: list[int],
+    max_turns: int,
+    seed: int,
+    reduce: Callable[[dict[str, tuple[float, float]]], dict[str, float]] = local_reduce,
+) -> tuple[dict[str, float], list[Episode]]:
+    """Play `tasks` (this rank's share; `ids` are their global indices, which seed the sampling) and return
+    the metrics under eval/<split>/... (reduced over ranks by `reduce`) and this rank's episodes."""
+    episodes, _ = run_episodes(policy, pool, tasks, ids, ids, builder, tokenizer, max_turns, seed=seed,
+                               step=-1)
+    reduced = reduce(episode_metrics(episodes))
+    return {k.replace("rollout/", f"eval/{split}/", 1): v for k, v in reduced.items()}, episodes
+
+
+# ----------------------------------------------------------------------------------------------------
+# Confidence intervals
+# ----------------------------------------------------------------------------------------------------
+
+def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval for a binomial proportion (sensible at 0 and n, unlike the normal one)."""
+    if n <= 0:
+        return math.nan, math.nan
+    p = successes / n
+    denom = 1.0 + z * z / n
+    center = (p + z * z / (2 * n)) / denom
+    half = z / denom * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return max(0.0, center - half), min(1.0, center + half)
+
+
+def mean_interval(values: list[float], z: float = Z95) -> tuple[float, float, float, float]:
+    """(mean, sample std, lower, upper): normal approximation mean +- z * std / sqrt(n)."""
+    n = len(values)
+    if n == 0:
+        return math.nan, math.nan, math.nan, math.nan
+    mean = sum(values) / n
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else 0.0
+    half = z * std / math.sqrt(n)
+    return mean, std, mean - half, mean + half
+
+
+def rate_summary(successes: int, n: int) -> dict[str, Any]:
+    lo, hi = wilson_interval(successes, n)
+    return {"rate": successes / n if n else math.nan, "wins": successes, "n": n, "ci95": [lo, hi],
+            "ci_method": "wilson"}
+
+
+def score_episodes(episodes: list[Episode]) -> dict[str, Any]:
+    """Success overall and per task type, episode length and invalid-action rate, with 95% intervals."""
+    by_type: dict[str, list[bool]] = {}
+    for ep in episodes:
+        by_type.setdefault(ep.task.task_type, []).append(ep.won)
+    mean, std, lo, hi = mean_interval([float(len(ep.turns)) for ep in episodes])
+    invalid = sum(not t.valid for ep in episodes for t in ep.turns)
+    turns = sum(len(ep.turns) for ep in episodes)
+    ilo, ihi = wilson_interval(invalid, turns)
+    return {
+        "success": rate_summary(sum(ep.won for ep in episodes), len(episodes)),
+        "success_by_task_type": {t: rate_summary(sum(w), len(w)) for t, w in sorted(by_type.items())},
+        "episode_len": {"mean": mean, "std": std, "n": len(episodes), "ci95": [lo, hi],
+                        "ci_method": "normal (mean +- 1.96 std/sqrt(n))"},
+        # turns of one episode are not independent: this interval is optimistic, which the name says
+        "invalid_rate": {"rate": invalid / turns if turns else math.nan, "invalid_turns": invalid,
+                         "turns": turns, "ci95": [ilo, ihi], "ci_method": "wilson over turns"},
+    }
+
+
+# ----------------------------------------------------------------------------------------------------
+# Scripted policies (baselines and checks: their success can be reasoned about by hand)
+# ----------------------------------------------------------------------------------------------------
+
+@dataclass
+class FixedActionPolicy:
+    """Always answers the same well-formed action (default `look`: valid, never solves a task)."""
+
+    tokenizer: Any
+    action: str = "look"
+
+    def act(self, prompts: list[list[int]], infos: list[dict[str, Any]], seeds: list[int]) -> list[list[int]]:
+        from epo_cli.rollout.prompts import format_response
+
+        ids = self.tokenizer.encode(format_response("", self.action), add_special_tokens=False)
+        return [list(ids) for _ in prompts]
+
+
+@dataclass
+class RandomPolicy:
+    """A uniformly random admissible action, seeded per (episode, turn) like model sampling."""
+
+    tokenizer: Any
+
+    def act(self, prompts: list[list[int]], infos: list[dict[str, Any]], seeds: list[int]) -> list[list[int]]:
+        from epo_cli.rollout.prompts import format_response
+
+        out = []
+        for info, seed in zip(infos, seeds):
+            actions = info.get("admissible_commands") or ["look"]
+            text = format_response("", random.Random(seed).choice(actions))
+            out.append(self.tokenizer.encode(text, add_special_tokens=False))
+        return out
+
+
+POLICIES = ("model", "expert", "look", "random")
+
+
+# ----------------------------------------------------------------------------------------------------
+# `epo eval`: arguments, config, weights
+# ----------------------------------------------------------------------------------------------------
+
+@dataclass
+class EvalArgs:
+    run: Path | None = None
+    checkpoint: str | None = None  # final | latest | best | step_N (default: final if present, else latest)
+    split: str | None = None
+    episodes: int | None = None
+    temperature: float | None = None
+    greedy: bool = False
+    policy: str = "model"
+    out: Path | None = None
+
+
+EVAL_KEYS = {f for f in EvalArgs.__dataclass_fields__}
+
+
+def _bool(key: str, value: str) -> bool:
+    if value.lower() in ("true", "1", "yes"):
+        return True
+    if value.lower() in ("false", "0", "no"):
+        return False
+    raise ConfigError(f"{key}={value}: expected true or false.")
+
+
+def parse_eval_args(args: list[str]) -> tuple[EvalArgs, list[str]]:
+    """Split `key=value` arguments into eval options and config overrides (everything else)."""
+    opts, overrides = EvalArgs(), []
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if not sep or key not in EVAL_KEYS:
+            overrides.append(arg)
+            continue
+        try:
+            if key in ("run", "out"):
+                setattr(opts, key, Path(value).expanduser())
+            elif key == "episodes":
+                opts.episodes = int(value)
+            elif key == "temperature":
+                opts.temperature = float(value)
+            elif key == "greedy":
+                opts.greedy = _bool(key, value)
+            else:
+                setattr(opts, key, value)
+        except ValueError:
+            raise ConfigError(f"{arg}: {key} must be a number.") from None
+    if opts.policy not in POLICIES:
+        raise ConfigError(f"Unknown policy '{opts.policy}'. Valid: {', '.join(POLICIES)} (model = the "
+                          "trained policy; expert, look and random are scripted baselines).")
+    if opts.episodes is not None and opts.episodes < 1:
+        raise ConfigError(f"episodes must be >= 1 (got {opts.episodes}).")
+    if opts.checkpoint is not None and opts.run is None:
+        raise ConfigError("checkpoint= needs run=<run dir> (with model.path=DIR the folder is the model).")
+    if opts.greedy and opts.temperature not in (None, 0.0):
+        raise ConfigError("Pass either greedy=true or temperature=T, not both.")
+    return opts, overrides
+
+
+def eval_config(opts: EvalArgs, overrides: list[str]) -> DictConfig:
+    """The run's saved config with the overrides on top (group overrides such as env=... swap the whole
+    group for that option's defaults), or a freshly composed config when no run is given."""
+    from epo_cli.config import GROUPS, compose, validate
+    from epo_cli.run_dir import load_run_config
+
+    if opts.run is None:
+        return compose(overrides)
+    if not opts.run.is_dir():
+        raise UserError(f"Run directory '{opts.run}' does not exist. Pass the folder `epo train` made, e.g. "
+                        "run=outputs/<date>/<time>-<name>, or evaluate a model folder with model.path=DIR.")
+    base = load_run_config(opts.run)
+    groups = [o for o in overrides if o.split("=", 1)[0] in GROUPS]
+    rest = [o for o in overrides if o not in groups]
+    plain = OmegaConf.create(OmegaConf.to_container(base, resolve=True))
+    if groups:
+        fresh = compose(groups)
+        for o in groups:
+            key = o.split("=", 1)[0]
+            plain[key] = OmegaConf.to_container(fresh[key], resolve=True)
+    try:
+        merged = OmegaConf.merge(plain, OmegaConf.from_dotlist(rest))
+    except Exception as err:  # noqa: BLE001 - a malformed override is the user's to fix
+        raise ConfigError(f"Invalid override: {err}") from None
+    return validate(merged)
+
+
+def _read_checkpoint_state(ckpt: Path) -> dict[str, Any]:
+    """The model's state dict from a DeepSpeed checkpoint folder, without building an engine."""
+    import torch
+
+    try:
+        if any(ckpt.glob("*zero_pp_rank_*_optim_states.pt")):  # ZeRO 1-3: consolidate the fp32 shards
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+            return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
+        states = torch.load(ckpt / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+        return states["module"]
+    except Exception as err:  # noqa: BLE001 - any failure to read is the same user-facing problem
+        first = str(err).splitlines()[0] if str(err) else ""
+        raise UserError(f"Checkpoint '{ckpt}' is corrupt or unreadable ({type(err).__name__}: {first}). "
+                        "Evaluate another one: checkpoint=final, checkpoint=best or checkpoint=step_N "
+                        f"(see {ckpt.parent}).") from None
+
+
+def _load_state(model: Any, state: dict[str, Any], ckpt: Path) -> None:
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    missing = [k for k in missing if k.split("base_model.model.")[-1] not in tied]
+    if missing or unexpected:
+        raise UserError(f"Checkpoint '{ckpt}' does not fit the model of this run's config (missing "
+                        f"{missing[:3]}, unexpected {unexpected[:3]}). Evaluate checkpoint=final, or pass "
+                        "the model overrides the run was trained with.")
+
+
+def load_model(cfg: DictConfig, suite: EnvSuite, run: Path | None, which: str, device: Any
+               ) -> tuple[Any, Any, str, str | None]:
+    """(model, tokenizer, model source, resolved checkpoint tag) for run/checkpoint or model.path."""
+    from epo_cli.models.loading import apply_lora, load_causal_lm, load_tokenizer, model_source, resolve_dtype
+    from epo_cli.training.checkpoint import resolve_checkpoint
+
+    dtype = resolve_dtype(cfg.model, device)
+    if run is None or which == "final":
+        source = str(run / "final") if run is not None else model_source(cfg.model, suite, cfg.seed)
+        if run is not None and not (run / "final" / "config.json").exists():
+            raise UserError(f"'{run}' has no final/ model (the run did not finish). Evaluate a checkpoint "
+                            "instead: checkpoint=latest, checkpoint=best or checkpoint=step_N.")
+        model = load_causal_lm(source, cfg.model, dtype)
+        return model.to(device).eval(), load_tokenizer(source, cfg.model), source, None
+    ckpt = resolve_checkpoint(run, which)
+    source = model_source(cfg.model, suite, cfg.seed)  # the architecture (and tokenizer) the run trained
+    state = _read_checkpoint_state(ckpt)
+    model = apply_lora(load_causal_lm(source, cfg.model, dtype), cfg.model.lora)
+    _load_state(model, state, ckpt)
+    if hasattr(model, "merge_and_unload"):
+        model = model.merge_and_unload()
+    return model.to(device).eval(), load_tokenizer(source, cfg.model), source, ckpt.name
+
+
+def _device(cfg: DictConfig) -> Any:
+    import torch
+
+    if cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise UserError("trainer.device=cuda but no CUDA GPU is visible; use trainer.device=cpu.")
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def chat_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
+    """text -> chat-templated ids of a user turn plus the assistant header (as the trainer encodes)."""
+    def encode(text: str) -> list[int]:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                            add_generation_prompt=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return encode
+
+
+# ----------------------------------------------------------------------------------------------------
+# `epo eval`: run it
+# ----------------------------------------------------------------------------------------------------
+
+def eval_name(label: str, split: str, temperature: float) -> str:
+    return f"{label}-{split}-{'greedy' if temperature <= 0 else f't{temperature:g}'}"
+
+
+def run_eval(args: list[str]) -> dict[str, Any]:
+    """`epo eval ARGS`: evaluate, write JSON + samples, print a table; returns the JSON payload."""
+    import torch
+
+    from epo_cli.envs import make_suite
+    from epo_cli.envs.pool import EnvPool
+    from epo_cli.models.loading import load_tokenizer, model_source
+    from epo_cli.rollout.generation import SamplingParams
+    from epo_cli.rollout.prompts import PromptBuilder
+    from epo_cli.rollout.rollout import ExpertPolicy, ModelPolicy
+    from epo_cli.training.trainer import write_samples
+
+    started = time.perf_counter()
+    opts, overrides = parse_eval_args(args)
+    cfg = eval_config(opts, overrides)
+    torch.set_num_threads(cfg.trainer.num_threads)
+    suite = make_suite(cfg.env)
+    split = opts.split or (cfg.env.eval_splits[0] if cfg.env.eval_splits else "eval_in_distribution")
+    if split not in suite.splits:
+        raise ConfigError(f"Unknown split '{split}' for env={cfg.env.name}. Valid splits: "
+                          f"{', '.join(suite.splits)}. Fix: split=<one of them>.")
+    if opts.policy == "model" and opts.run is None and not cfg.model.path:
+        raise UserError("Nothing to evaluate: pass run=<run dir> (a trained run) or model.path=<HF folder>; "
+                        "policy=expert|look|random evaluates a scripted baseline.")
+    suite.check()
+    episodes_n = opts.episodes or cfg.trainer.eval_episodes
+    temperature = 0.0 if opts.greedy else (opts.temperature if opts.temperature is not None
+                                          else cfg.rollout.eval_temperature)
+
+    # --- the policy --------------------------------------------------------------------------------------
+    device = _device(cfg)
+    which, resolved, source = None, None, None
+    if opts.policy == "model":
+        has_final = opts.run is not None and (opts.run / "final" / "config.json").exists()
+        which = opts.checkpoint or ("final" if has_final or opts.run is None else "latest")
+        model, tokenizer, source, resolved = load_model(cfg, suite, opts.run, which, device)
+        r = cfg.rollout
+        policy: Policy = ModelPolicy(model, tokenizer, SamplingParams(r.max_new_tokens, temperature, r.top_p,
+                                                                      r.top_k, r.stop), len(tokenizer),
+                                     r.generation_batch_size)
+        # latest/best move as training goes on: name the file after the step they resolved to
+        label = (resolved or which) if opts.run is not None else "model"
+    else:
+        final = opts.run / "final" if opts.run is not None else None
+        source = str(final) if final is not None and (final / "config.json").exists() else \
+            model_source(cfg.model, suite, cfg.seed)
+        tokenizer = load_tokenizer(source, cfg.model)
+        scripted = {"expert": ExpertPolicy, "look": FixedActionPolicy, "random": RandomPolicy}
+        policy = scripted[opts.policy](tokenizer)
+        label = opts.policy
+
+    # --- play and score ----------------------------------------------------------------------------------
+    builder = PromptBuilder(cfg.env.prompt_template, cfg.env.history_length, cfg.rollout.max_prompt_tokens,
+                            chat_encoder(tokenizer))
+    tasks = eval_tasks(suite, split, episodes_n, cfg.seed)
+    pool = EnvPool(suite, num_workers=cfg.env.num_workers, step_timeout_s=cfg.env.step_timeout_s)
+    try:
+        with torch.no_grad():
+            metrics, episodes = evaluate_split(policy, pool, builder, tokenizer, split, tasks,
+                                               list(range(len(tasks))), cfg.env.max_turns, cfg.seed)
+    finally:
+        pool.close()
+
+    # --- write -------------------------------------------------------------------------------------------
+    name = eval_name(label, split, temperature)
+    out = opts.out or ((opts.run / "eval") if opts.run is not None else
+                       Path(cfg.output_dir) / "eval" / datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))
+    out.mkdir(parents=True, exist_ok=True)
+    samples = out / f"{name}.samples.md"
+    write_samples(samples, episodes[: max(cfg.rollout.num_samples_to_save, 1)])
+    payload: dict[str, Any] = {
+        "format": EVAL_FORMAT,
+        "name": name,
+        "created": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": " ".join(["epo", *sys.argv[1:]]),
+        "run": str(opts.run) if opts.run is not None else None,
+        "checkpoint": which,
+        "checkpoint_resolved": resolved or which,
+        "model_source": source,
+        "policy": opts.policy,
+        "env": {"name": cfg.env.name, **({"level": cfg.env.level} if "level" in cfg.env else {})},
+        "split": split,
+        "episodes": len(episodes),
+        "temperature": temperature,
+        "greedy": temperature <= 0,
+        "seed": cfg.seed,
+        "max_turns": cfg.env.max_turns,
+        **score_episodes(episodes),
+        "metrics": metrics,
+        "samples": str(samples),
+        "duration_s": round(time.perf_counter() - started, 2),
+    }
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2, default=_json_default))
+    print_eval(payload, path)
+    return payload
+
+
+def _json_default(value: Any) -> Any:
+    return None if isinstance(value, float) and math.isnan(value) else str(value)
+
+
+def print_eval(payload: dict[str, Any], path: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def ci(item: dict[str, Any], pct: bool = True) -> str:
+        lo, hi = item["ci95"]
+        return f"[{lo:.1%}, {hi:.1%}]" if pct else f"[{lo:.2f}, {hi:.2f}]"
+
+    what = payload["checkpoint_resolved"] if payload["policy"] == "model" else f"policy={payload['policy']}"
+    table = Table(title=f"eval {what} on {payload['env']['name']}/{payload['split']} "
+                        f"({payload['episodes']} episodes, temperature {payload['temperature']:g})")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_column("95% interval", justify="right")
+    s = payload["success"]
+    table.add_row("success", f"{s['rate']:.1%} ({s['wins']}/{s['n']})", ci(s) + " wilson")
+    for task_type, item in payload["success_by_task_type"].items():
+        table.add_row(f"  success/{task_type}", f"{item['rate']:.1%} ({item['wins']}/{item['n']})", ci(item))
+    e = payload["episode_len"]
+    table.add_row("episode length", f"{e['mean']:.2f}", ci(e, pct=False))
+    i = payload["invalid_rate"]
+    table.add_row("invalid-action rate", f"{i['rate']:.1%}", ci(i) + " (turns)")
+    console = Console(highlight=False)
+    console.print(table)
+    console.print(f"results: {path}\nsamples: {payload['samples']}")
