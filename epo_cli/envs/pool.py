@@ -1,0 +1,562 @@
+"""EnvPool: many env slots stepped together, in the calling process or in worker processes.
+
+Every env goes through a pool (household too). The rollout sees numbered *slots*: `reset(tasks)` puts
+tasks[i] in slot i, `step({slot: action})` advances the slots it names and returns their results.
+
+    num_workers = 0   envs live in the calling process: no IPC at all (the fast, pure-Python household env)
+    num_workers = N   N worker processes (spawn context: torch may be loaded in the parent, and fork would
+                      copy its threads and memory); slot i lives in worker i % N, so a batch of tasks keeps
+                      every worker busy. One `step` sends every worker its actions first and gathers after,
+                      so the workers step their slots at the same time.
+
+Faults never lose a run. A worker that dies, or does not answer within `step_timeout_s` for one slot, is
+killed (with its children: ScienceWorld's JVMs) and restarted; each episode it held comes back as
+`StepResult(done=True, reward=0, info={"truncated": True, "error": why, ...})` and its slots work again after
+the next `reset`. An exception raised by an env's `step` ends that episode the same way (with a warning
+carrying the traceback); an exception in `reset` (missing data, bad task) is raised in the caller.
+
+Results depend only on the tasks and actions, never on `num_workers`: each slot has its own env, and envs
+draw any randomness from their task's seed.
+
+Shutdown leaves no processes behind: `close()` (also via `with`, garbage collection and atexit) asks the
+workers to close their envs, then kills whatever is left. Workers ignore Ctrl-C (the terminal sends it to
+the whole process group) and let the parent decide: a KeyboardInterrupt in the parent while the pool talks
+to its workers closes the pool. SIGTERM to the parent closes all pools first when no other SIGTERM
+handler is installed; workers die with their parent (PR_SET_PDEATHSIG on Linux), and the JVMs die when
+their worker's pipe closes (py4j's die-on-broken-pipe).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing as mp
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+import weakref
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from epo_cli.envs.base import Env, EnvSuite, StepResult, Task
+
+log = logging.getLogger(__name__)
+
+#: seconds a new worker may take to import the package and unpickle the suite
+START_TIMEOUT_S = 120.0
+#: seconds `close()` gives workers to close their envs (JVM shutdown) before killing them
+CLOSE_TIMEOUT_S = 10.0
+
+
+def resolve_num_workers(num_workers: int | None) -> int:
+    """`env.num_workers` as a count: None means one worker per CPU."""
+    if num_workers is None:
+        return os.cpu_count() or 1
+    if num_workers < 0:
+        raise ValueError(f"num_workers must be >= 0 or None (got {num_workers})")
+    return num_workers
+
+
+def truncated_result(why: str, info: dict[str, Any] | None = None) -> StepResult:
+    """The result of an episode cut short by a fault: done, no reward, the reason in info['error']."""
+    info = {**(info or {}), "won": False, "lost": False, "truncated": True, "error": why}
+    info.setdefault("admissible_commands", [])
+    return StepResult(observation="", reward=0.0, done=True, info=info)
+
+
+def _safe_step(env: Env, action: str) -> tuple[StepResult, str | None]:
+    """Step one env; an exception ends the episode (truncated) instead of the run. Returns the traceback."""
+    try:
+        return env.step(action), None
+    except Exception as err:  # noqa: BLE001 - any env bug must not take the other episodes down
+        return truncated_result(f"env.step raised {type(err).__name__}: {err}"), traceback.format_exc()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Worker process
+# ----------------------------------------------------------------------------------------------------
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process when its parent dies (even by SIGKILL), so nothing is orphaned."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+    except Exception:  # noqa: BLE001 - best effort; EOF on the pipe still ends the worker
+        pass
+
+
+def _raise_system_exit(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _portable_exception(err: BaseException) -> BaseException:
+    """The exception itself if it survives pickling (keeps UserError a UserError), else a RuntimeError."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(err))
+        return err
+    except Exception:  # noqa: BLE001
+        return RuntimeError(f"{type(err).__name__}: {err}")
+
+
+def _worker_main(conn: Connection, suite: EnvSuite, parent_pid: int) -> None:
+    """Serve one pool: build env slots with `suite.make_env()` and play them as the parent asks.
+
+    Messages in: ("reset", [(slot, task)]), ("step", [(slot, action)]), ("close", None).
+    Messages out, one per slot as soon as it is done (so a hang is pinned on the slot that hangs):
+    ("reset", slot, obs, info) | ("reset_error", slot, exception, traceback) |
+    ("step", slot, obs, reward, done, info, traceback_or_None).
+    """
+    # The parent decides what Ctrl-C means; SIGTERM (from the parent dying, or from close) unwinds
+    # through `finally` so the envs close their JVMs.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _raise_system_exit)
+    _die_with_parent()
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        return
+    envs: dict[int, Env] = {}
+    try:
+        conn.send(("ready", os.getpid()))
+        while True:
+            try:
+                command, payload = conn.recv()
+            except (EOFError, OSError):  # the parent is gone
+                return
+            if command == "reset":
+                for slot, task in payload:
+                    try:
+                        if slot not in envs:
+                            envs[slot] = suite.make_env()
+                        obs, info = envs[slot].reset(task)
+                        conn.send(("reset", slot, obs, info))
+                    except Exception as err:  # noqa: BLE001 - raised again in the parent
+                        conn.send(("reset_error", slot, _portable_exception(err), traceback.format_exc()))
+            elif command == "step":
+                for slot, action in payload:
+                    env = envs.get(slot)
+                    if env is None:  # cannot happen through EnvPool; keep the protocol whole anyway
+                        result, tb = truncated_result(f"slot {slot} has no env in this worker"), None
+                    else:
+                        result, tb = _safe_step(env, action)
+                    conn.send(("step", slot, result.observation, result.reward, result.done, result.info, tb))
+            elif command == "close":
+                return
+    finally:
+        for env in envs.values():
+            try:
+                env.close()
+            except Exception:  # noqa: BLE001 - closing the rest matters more
+                pass
+        try:
+            conn.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+# ----------------------------------------------------------------------------------------------------
+# Process helpers
+# ----------------------------------------------------------------------------------------------------
+
+
+def descendant_pids(pid: int) -> list[int]:
+    """All processes below `pid` (children, grandchildren, ...), read from /proc; [] where there is none."""
+    parents: dict[int, int] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # field 4 (ppid) follows the command name, which is in parentheses and may hold spaces
+        ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])
+        parents[int(entry)] = ppid
+    found: list[int] = []
+    frontier = [pid]
+    while frontier:
+        current = frontier.pop()
+        children = [child for child, parent in parents.items() if parent == current]
+        found.extend(children)
+        frontier.extend(children)
+    return found
+
+
+def _kill_tree(process: mp.process.BaseProcess) -> None:
+    """SIGKILL a worker and everything it started (JVMs), then reap it."""
+    if process.pid is not None and process.is_alive():
+        for pid in descendant_pids(process.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        process.kill()
+    process.join(timeout=5)
+
+
+class _Worker:
+    """The parent's handle on one worker process."""
+
+    def __init__(self, ctx: Any, suite: EnvSuite, index: int) -> None:
+        self.index = index
+        self.conn, child_conn = ctx.Pipe(duplex=True)
+        self.process = ctx.Process(
+            target=_worker_main, args=(child_conn, suite, os.getpid()), name=f"epo-env-worker-{index}",
+            daemon=True,
+        )
+        self.process.start()
+        child_conn.close()  # the parent's copy; EOF on our end now means the worker died
+        self.pid: int | None = None
+
+    def wait_ready(self, timeout: float) -> None:
+        if not self.conn.poll(timeout):
+            why = "died" if not self.process.is_alive() else f"did not start within {timeout:.0f}s"
+            _kill_tree(self.process)
+            raise RuntimeError(f"env worker {self.index} {why} (exit code {self.process.exitcode})")
+        try:
+            tag, self.pid = self.conn.recv()
+        except (EOFError, OSError):
+            _kill_tree(self.process)
+            raise RuntimeError(
+                f"env worker {self.index} died while starting (exit code {self.process.exitcode}); "
+                "is the env suite picklable?"
+            ) from None
+        assert tag == "ready", tag
+
+    def send(self, message: tuple[str, Any]) -> bool:
+        try:
+            self.conn.send(message)
+            return True
+        except (BrokenPipeError, OSError):
+            return False
+
+    def kill(self) -> None:
+        _kill_tree(self.process)
+        self.conn.close()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Shutdown hooks shared by all pools
+# ----------------------------------------------------------------------------------------------------
+
+_LIVE_POOLS: weakref.WeakSet[EnvPool] = weakref.WeakSet()
+_hooks_installed = False
+
+
+def _close_all_pools() -> None:
+    for pool in list(_LIVE_POOLS):
+        try:
+            pool.close(timeout=2.0)
+        except Exception:  # noqa: BLE001 - shutting down; close the others
+            pass
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    _close_all_pools()
+    # Chain to the previous disposition (the default: terminate, with the usual "killed by SIGTERM" status).
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _install_hooks() -> None:
+    """atexit always; a SIGTERM handler only where nobody installed one (and only the main thread may)."""
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    _hooks_installed = True
+    atexit.register(_close_all_pools)
+    if threading.current_thread() is threading.main_thread():
+        try:
+            if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+                signal.signal(signal.SIGTERM, _on_sigterm)
+        except (ValueError, OSError):
+            pass
+
+
+# ----------------------------------------------------------------------------------------------------
+# The pool
+# ----------------------------------------------------------------------------------------------------
+
+
+class EnvPool:
+    """Slots of `suite` envs, in-process (`num_workers=0`) or spread over `num_workers` processes."""
+
+    def __init__(
+        self,
+        suite: EnvSuite,
+        num_workers: int | None,
+        step_timeout_s: float = 60.0,
+        reset_timeout_s: float | None = None,
+    ) -> None:
+        self.suite = suite
+        self.num_workers = resolve_num_workers(num_workers)
+        self.step_timeout_s = float(step_timeout_s)
+        # A reset may build the env first (ScienceWorld: start a JVM, ~4 s; ALFWorld: ~1.3 s per game).
+        default_reset_timeout = max(5 * self.step_timeout_s, 60.0)
+        self.reset_timeout_s = float(reset_timeout_s) if reset_timeout_s else default_reset_timeout
+        self._envs: list[Env] = []  # num_workers == 0
+        self._workers: list[_Worker | None] = [None] * self.num_workers
+        self._ctx = mp.get_context("spawn") if self.num_workers else None
+        self._tasks: list[Task] = []  # the task in each slot since the last reset
+        self._active: list[bool] = []  # slot holds an episode that has not ended
+        self._lost: dict[int, str] = {}  # slot -> why its episode died with its worker
+        self._closed = False
+        if self.num_workers:
+            _install_hooks()
+            _LIVE_POOLS.add(self)
+
+    # -- public API ------------------------------------------------------------------------------------
+
+    @property
+    def num_slots(self) -> int:
+        return len(self._tasks)
+
+    def worker_pids(self) -> list[int]:
+        """Pids of the running workers (for diagnostics and tests)."""
+        return [w.process.pid for w in self._workers if w is not None and w.process.pid is not None]
+
+    def reset(self, tasks: list[Task]) -> list[tuple[str, dict[str, Any]]]:
+        """Start tasks[i] in slot i; return each slot's first observation and info."""
+        self._check_open()
+        tasks = list(tasks)
+        self._tasks = tasks
+        self._active = [True] * len(tasks)
+        self._lost.clear()
+        if not self.num_workers:
+            while len(self._envs) < len(tasks):
+                self._envs.append(self.suite.make_env())
+            return [self._envs[i].reset(task) for i, task in enumerate(tasks)]
+        results, error = self._guarded(self._reset_workers, tasks)
+        if error is not None:  # the exchange itself went fine: the pool stays usable
+            raise error
+        return results
+
+    def step(self, actions: dict[int, str]) -> dict[int, StepResult]:
+        """Apply `actions[slot]` in each named slot, all workers at once; return the results by slot."""
+        self._check_open()
+        for slot in actions:
+            if not 0 <= slot < len(self._tasks):
+                raise IndexError(f"slot {slot} was not reset (the pool has {len(self._tasks)} slots)")
+        if self.num_workers:
+            self._reap_dead_workers()
+        results: dict[int, StepResult] = {}
+        for slot in list(actions):
+            if slot in self._lost:  # its worker died while it was waiting for this action
+                results[slot] = truncated_result(self._lost.pop(slot), self._task_info(slot))
+        todo = {slot: action for slot, action in actions.items() if slot not in results}
+        if not self.num_workers:
+            for slot in sorted(todo):
+                result, tb = _safe_step(self._envs[slot], todo[slot])
+                if tb:
+                    log.warning("env slot %d: %s\n%s", slot, result.info["error"], tb)
+                results[slot] = result
+        elif todo:
+            results.update(self._guarded(self._step_workers, todo))
+        for slot, result in results.items():
+            if result.done:
+                self._active[slot] = False
+        return {slot: results[slot] for slot in actions}
+
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Close every env and worker; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        _LIVE_POOLS.discard(self)
+        for env in self._envs:
+            try:
+                env.close()
+            except Exception:  # noqa: BLE001 - close the others
+                log.warning("closing an env failed", exc_info=True)
+        self._envs = []
+        workers = [w for w in self._workers if w is not None]
+        self._workers = [None] * self.num_workers
+        # Ask all first, then wait: the workers close their JVMs in parallel.
+        for w in workers:
+            if w.process.is_alive():
+                w.send(("close", None))
+        deadline = time.monotonic() + timeout
+        for w in workers:
+            w.process.join(max(0.0, deadline - time.monotonic()))
+            w.kill()
+
+    def __enter__(self) -> EnvPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close(timeout=2.0)
+        except Exception:  # noqa: BLE001 - interpreter shutdown may have torn modules down
+            pass
+
+    # -- internals -------------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("EnvPool is closed")
+
+    def _guarded(self, fn: Any, arg: Any) -> Any:
+        """Run an exchange with the workers; if it is interrupted (Ctrl-C, a bug), the pipes may hold
+        half a conversation, so close the pool rather than leave it in a state nobody can reason about."""
+        try:
+            return fn(arg)
+        except BaseException:
+            self.close(timeout=2.0)
+            raise
+
+    def _task_info(self, slot: int) -> dict[str, Any]:
+        task = self._tasks[slot]
+        return {"task_id": task.task_id, "task_type": task.task_type}
+
+    def _worker_of(self, slot: int) -> int:
+        return slot % self.num_workers
+
+    def _start_workers(self, indices: list[int]) -> dict[int, _Worker]:
+        """Start (or reuse) workers; new ones start in parallel and are awaited together."""
+        fresh = []
+        for i in indices:
+            worker = self._workers[i]
+            if worker is None or not worker.process.is_alive():
+                if worker is not None:
+                    worker.kill()
+                self._workers[i] = _Worker(self._ctx, self.suite, i)
+                fresh.append(self._workers[i])
+        for worker in fresh:
+            worker.wait_ready(START_TIMEOUT_S)
+        return {i: self._workers[i] for i in indices}  # type: ignore[misc]
+
+    def _reap_dead_workers(self) -> None:
+        """Notice workers that died between calls (killed from outside), so their episodes are reported."""
+        for index, worker in enumerate(self._workers):
+            if worker is not None and not worker.process.is_alive():
+                self._restart(index, f"env worker {index} died (exit code {worker.process.exitcode})")
+
+    def _restart(self, index: int, why: str) -> None:
+        """Drop a dead or hung worker (a fresh one starts at its next exchange); the other live episodes
+        it held died with it and end, truncated, at their next step."""
+        log.warning("%s; restarting it", why)
+        worker = self._workers[index]
+        if worker is not None:
+            worker.kill()
+        self._workers[index] = None
+        for slot in range(len(self._tasks)):
+            if self._worker_of(slot) == index and self._active[slot]:
+                self._lost[slot] = why
+
+    def _exchange(
+        self, command: str, by_worker: dict[int, list[tuple[int, Any]]], timeout: float
+    ) -> tuple[dict[int, tuple], dict[int, list[int]], dict[int, str]]:
+        """Send each worker its part, then gather one answer per slot.
+
+        Returns (answers by slot, slots without an answer by worker, why each of those workers failed).
+        A worker fails when it dies or when `timeout` passes without its next answer; it is killed here.
+        """
+        workers = self._start_workers(sorted(by_worker))
+        pending: dict[int, list[int]] = {}
+        failed: dict[int, str] = {}
+        for index, items in by_worker.items():
+            pending[index] = [slot for slot, _ in items]
+            if not workers[index].send((command, items)):
+                failed[index] = "worker pipe broke (the worker died)"
+        deadline = {index: time.monotonic() + timeout for index in pending}
+        answers: dict[int, tuple] = {}
+        waiting = {index for index in pending if index not in failed}
+        while waiting:
+            now = time.monotonic()
+            next_deadline = min(deadline[index] for index in waiting)
+            handles: dict[Any, int] = {}
+            for index in waiting:
+                handles[workers[index].conn] = index
+                handles[workers[index].process.sentinel] = index
+            ready = wait(list(handles), timeout=max(0.0, next_deadline - now))
+            for handle in ready:
+                index = handles[handle]
+                if index not in waiting:
+                    continue
+                conn = workers[index].conn
+                try:
+                    # drain everything this worker has sent (its sentinel may fire with answers still queued)
+                    while pending[index] and conn.poll():
+                        message = conn.recv()
+                        slot = message[1]
+                        answers[slot] = message
+                        pending[index].remove(slot)
+                        deadline[index] = time.monotonic() + timeout
+                except (EOFError, OSError):
+                    pass
+                if not pending[index]:
+                    waiting.discard(index)
+                elif not workers[index].process.is_alive():
+                    code = workers[index].process.exitcode
+                    failed[index] = f"env worker {index} died (exit code {code})"
+                    waiting.discard(index)
+            now = time.monotonic()
+            for index in list(waiting):
+                if now >= deadline[index]:
+                    slot = pending[index][0]
+                    failed[index] = f"env worker {index} gave no answer for slot {slot} within {timeout:g}s"
+                    waiting.discard(index)
+        for index in failed:
+            workers[index].kill()
+        return answers, {i: pending[i] for i in failed}, failed
+
+    def _split(self, items: dict[int, Any]) -> dict[int, list[tuple[int, Any]]]:
+        by_worker: dict[int, list[tuple[int, Any]]] = {}
+        for slot in sorted(items):
+            by_worker.setdefault(self._worker_of(slot), []).append((slot, items[slot]))
+        return by_worker
+
+    def _reset_workers(
+        self, tasks: list[Task]
+    ) -> tuple[list[tuple[str, dict[str, Any]]], BaseException | None]:
+        """Reset every slot; returns the results, or the first exception an env raised (traceback noted)."""
+        by_worker = self._split(dict(enumerate(tasks)))
+        answers, _, failed = self._exchange("reset", by_worker, self.reset_timeout_s)
+        if failed:
+            # A restarted worker lost every env it held, even those reset a moment ago: redo its whole part.
+            for index, why in failed.items():
+                log.warning("%s during reset; restarting it and retrying its resets once", why)
+                self._workers[index] = None
+            retry = {index: by_worker[index] for index in failed}
+            again, _, failed_again = self._exchange("reset", retry, self.reset_timeout_s)
+            if failed_again:
+                raise RuntimeError("env reset failed twice: " + "; ".join(failed_again.values()))
+            answers.update(again)
+        errors = [answers[slot] for slot in range(len(tasks)) if answers[slot][0] == "reset_error"]
+        if errors:
+            _, slot, err, tb = errors[0]
+            if hasattr(err, "add_note"):
+                err.add_note(f"(raised in an env worker while resetting slot {slot})\n{tb}")
+            return [], err
+        return [(answers[slot][2], answers[slot][3]) for slot in range(len(tasks))], None
+
+    def _step_workers(self, actions: dict[int, str]) -> dict[int, StepResult]:
+        answers, unanswered, failed = self._exchange("step", self._split(actions), self.step_timeout_s)
+        results: dict[int, StepResult] = {}
+        for slot, (_, _, obs, reward, done, info, tb) in answers.items():
+            if tb:
+                log.warning("env slot %d: %s\n%s", slot, info.get("error"), tb)
+            results[slot] = StepResult(obs, reward, done, info)
+        for index, why in failed.items():
+            for slot in unanswered[index]:
+                results[slot] = truncated_result(why, self._task_info(slot))
+                self._active[slot] = False
+            self._restart(index, why)
+        return results

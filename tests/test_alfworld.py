@@ -1,0 +1,159 @@
+"""env=alfworld on the real ALFWorld games in ../shared/alfworld (train and valid_seen splits).
+
+The games are never copied into the repository; tests point env.data_dir at the shared folder.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from epo_cli.envs.alfworld import TASK_TYPES, AlfworldConfig, AlfworldSuite
+from epo_cli.envs.base import Task
+from epo_cli.envs.pool import EnvPool
+from epo_cli.errors import ConfigError, UserError
+
+if importlib.util.find_spec("alfworld") is None:  # not imported here: importing alfworld creates its data dir
+    pytest.skip("alfworld is not installed (pip install 'epo[envs]')", allow_module_level=True)
+pytest.importorskip("textworld", reason="textworld is not installed (pip install 'epo[envs]')")
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("EPO_SHARED_DIR") or REPO.parent / "shared") / "alfworld"
+pytestmark = pytest.mark.realenv
+
+
+def suite(**overrides) -> AlfworldSuite:
+    return AlfworldSuite(AlfworldConfig(data_dir=str(SHARED), **overrides))
+
+
+def test_task_type_numbering_is_alfworlds() -> None:
+    os.environ["ALFWORLD_DATA"] = str(SHARED)  # what the suite does before any alfworld import
+    from alfworld.agents.environment.alfred_tw_env import TASK_TYPES as ALFWORLD_TASK_TYPES
+
+    assert {i: alf for i, (_, alf) in TASK_TYPES.items()} == ALFWORLD_TASK_TYPES
+    chosen = suite(task_types=["2", "pick_two_obj_and_place", "pick_heat_then_place_in_recep"])
+    assert chosen.task_types() == ["look_at_obj_in_light", "pick_heat_then_place", "pick_two_obj_and_place"]
+    with pytest.raises(ConfigError, match="Valid task types: 1=pick_and_place"):
+        suite(task_types=["7"]).task_types()
+
+
+def test_lists_solvable_games_per_split_and_task_type() -> None:
+    everything = suite()
+    everything.check()
+    train, valid_seen = everything.games("train"), everything.games("eval_in_distribution")
+    # the shared folder's README: 200 train games, 187 valid_seen trials of which 152 are solvable
+    assert len(train) == 200 and len(valid_seen) == 152
+    assert all(task_id.startswith("valid_seen/") for task_id, _ in valid_seen)
+    per_type = {short: suite(task_types=[str(i)]).games("train") for i, (short, _) in TASK_TYPES.items()}
+    assert sum(len(games) for games in per_type.values()) == 200
+    for short, games in per_type.items():
+        assert games and all(task_type == short for _, task_type in games)
+        assert all(short in task_id for task_id, _ in games)  # folder names carry the type
+    # levels restrict sampling to task types; tasks are reproducible from the rng
+    tasks = everything.sample_tasks("train", 5, random.Random(3), level="look_at_obj_in_light,6")
+    assert {t.task_type for t in tasks} <= {"look_at_obj_in_light", "pick_two_obj_and_place"}
+    assert tasks == everything.sample_tasks("train", 5, random.Random(3), level="look_at_obj_in_light,6")
+    assert everything.levels()[0] == "pick_and_place" and len(everything.levels()) == 6
+    assert set(everything.versions()) >= {"alfworld", "textworld"}
+
+
+def test_missing_data_says_how_to_get_it(tmp_path: Path) -> None:
+    with pytest.raises(UserError) as err:
+        AlfworldSuite(AlfworldConfig(data_dir=str(tmp_path / "nowhere"))).check()
+    message = str(err.value)
+    assert "alfworld-download" in message and "env.data_dir" in message and "ALFWORLD_DATA" in message
+    assert str(tmp_path / "nowhere") in message
+    # the shared folder has no valid_unseen: asking for that split fails the same way
+    with pytest.raises(UserError, match="valid_unseen does not exist"):
+        suite().sample_tasks("eval_out_of_distribution", 1, random.Random(0))
+
+
+def test_config_composition_imports_no_simulator() -> None:
+    code = (
+        "import sys\n"
+        "from epo_cli.config import compose\n"
+        "for env in ('alfworld', 'scienceworld', 'textworld'):\n"
+        "    compose([f'env={env}'])\n"
+        "print(sorted(m for m in ('alfworld', 'textworld', 'scienceworld') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def _task(suite_: AlfworldSuite, task_type: str, seed: int = 0) -> Task:
+    task_id = next(t for t, tt in suite_.games("train") if tt == task_type)
+    return Task(task_id, task_type, seed, "train")
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with EnvPool(suite(), num_workers=2, step_timeout_s=60) as pool:
+        yield pool
+
+
+@pytest.mark.slow
+def test_expert_solves_games_through_the_pool(pool: EnvPool) -> None:
+    s = suite()
+    tasks = [_task(s, t) for t in ("pick_and_place", "look_at_obj_in_light", "pick_clean_then_place")]
+    first = pool.reset(tasks)
+    infos = {i: info for i, (_, info) in enumerate(first)}
+    for i, (obs, info) in enumerate(first):
+        assert info["goal"] and info["goal"] in obs and "Welcome" not in obs
+        assert info["task_type"] == tasks[i].task_type and info["expert_action"] == "look"
+        assert "help" not in info["admissible_commands"] and "look" in info["admissible_commands"]
+    played: dict[int, list[str]] = {i: [] for i in infos}
+    active = set(infos)
+    for _ in range(50):
+        actions = {i: infos[i]["expert_action"] for i in sorted(active)}
+        for i, action in actions.items():
+            played[i].append(action)
+        for i, result in pool.step(actions).items():
+            infos[i] = result.info
+            if result.done:
+                active.discard(i)
+                assert result.info["won"] and result.reward == 1.0 and not result.info["truncated"]
+        if not active:
+            break
+    assert not active, "the expert did not finish within 50 turns"
+
+    # the same game in this process, with the same seed, gives the same expert trajectory
+    env = s.make_env()
+    try:
+        _, info = env.reset(tasks[2])
+        actions = []
+        while True:
+            actions.append(info["expert_action"])
+            result = env.step(actions[-1])
+            info = result.info
+            if result.done:
+                break
+        assert actions == played[2]
+    finally:
+        env.close()
+
+
+@pytest.mark.slow
+def test_killed_worker_truncates_the_episode_and_is_replaced(pool: EnvPool) -> None:
+    s = suite()
+    tasks = [_task(s, "pick_and_place"), _task(s, "look_at_obj_in_light")]
+    pool.reset(tasks)
+    pool.step({0: "look", 1: "look"})
+    victim = pool.worker_pids()[0]  # slot 0 lives in worker 0
+    os.kill(victim, signal.SIGKILL)
+    results = pool.step({0: "look", 1: "look"})
+    assert results[0].done and results[0].reward == 0.0 and results[0].info["truncated"]
+    assert "died" in results[0].info["error"] and results[0].info["task_id"] == tasks[0].task_id
+    assert not results[1].done and "error" not in results[1].info
+    first = pool.reset(tasks)  # a fresh worker takes slot 0 over
+    assert victim not in pool.worker_pids()
+    assert first[0][1]["task_id"] == tasks[0].task_id
+    assert not pool.step({0: "look"})[0].done
