@@ -62,6 +62,35 @@ def eval_command(overrides: list[str] = OVERRIDES_ARG) -> None:
     run_eval(list(overrides or []))
 
 
+@app.command(context_settings=EXTRA)
+def sweep(overrides: list[str] = OVERRIDES_ARG) -> None:
+    """Many runs through Hydra multirun: `epo sweep algo=grpo,epo seed=0,1,2` (comma lists, range(a,b),
+    hydra/launcher=joblib|submitit_slurm, hydra/sweeper=optuna with sweep.metric and sweep.direction).
+    `epo sweep summarize <sweep_dir>` rebuilds the summary table of a (possibly interrupted) sweep."""
+    from epo_cli.sweep import run_sweep, summarize_command
+
+    args = list(overrides or [])
+    if args and args[0] == "summarize":
+        summarize_command(args[1:])
+    else:
+        run_sweep(args)
+
+
+REPORT_PATHS = typer.Argument(..., help="Run directories and/or sweep directories.", metavar="DIR...",
+                              show_default=False)
+REPORT_OUT = typer.Option(None, "--out", help="Output folder (default: <first dir>/plots).")
+
+
+@app.command()
+def report(paths: list[str] = REPORT_PATHS, out: str | None = REPORT_OUT) -> None:
+    """PNG plots (entropy with EPO's band, fluctuation, success, KL, coefficients, lr) and an index page."""
+    from pathlib import Path
+
+    from epo_cli.report import run_report
+
+    run_report([Path(p) for p in paths], Path(out) if out else None)
+
+
 @config_app.command("show", context_settings=EXTRA, epilog=groups_help())
 def config_show(overrides: list[str] = OVERRIDES_ARG) -> None:
     """Print the fully resolved config for these overrides (nothing runs)."""

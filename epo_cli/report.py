@@ -1,0 +1,325 @@
+"""`epo report <run_dir>|<sweep_dir> [...] [--out DIR]`: PNG plots of one run or many runs overlaid, and an
+index page (Markdown) that shows them with a small table. Default output: <first dir>/plots/.
+
+    entropy.png              policy/entropy; for EPO runs (entropy_smoothing in algo.loss_terms) also the
+                             smoothing reference Href (dashed) and its band [kappa_low, kappa_high] x Href
+    entropy_fluctuation.png  policy/entropy_fluctuation (monitor sigma) and policy/entropy_swing
+    success.png              rollout/success (training) and eval/<split>/success for each split
+    kl.png                   policy/kl_ref
+    coefficients.png         every coef/* (one panel each)
+    lr.png                   perf/lr
+    index.md                 the table and the images
+
+Runs whose overrides differ only in `seed` are one configuration: its seeds are drawn as the mean with a
+shaded band of +- one standard deviation. The EPO reference is recomputed from the logged policy/entropy
+values exactly as training keeps it (epo_cli.algos.entropy, mode algo.entropy_smoothing.history: the mean of
+all past steps, of the last `window` steps, or their EMA; the global reference, also for per_turn runs).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from omegaconf import OmegaConf
+
+from epo_cli.errors import UserError
+from epo_cli.metrics import read_metrics
+from epo_cli.sweep import config_key, config_label, is_run_dir, job_number, run_overrides, varying_keys
+
+
+@dataclass
+class RunData:
+    path: Path
+    overrides: list[str]
+    config: dict[str, Any]  # the run's saved config.yaml (empty if it has none)
+    rows: list[dict[str, Any]]  # metrics.jsonl
+
+
+@dataclass
+class Group:
+    """Runs of one configuration (its seeds)."""
+
+    label: str
+    runs: list[RunData]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loading
+# ----------------------------------------------------------------------------------------------------
+
+def find_runs(paths: list[Path]) -> list[Path]:
+    """Run folders behind the given paths: a run directory itself, or the job folders of a sweep."""
+    found: list[Path] = []
+    for path in paths:
+        if not path.is_dir():
+            raise UserError(f"'{path}' does not exist. Pass a run directory (outputs/<date>/<time>-<name>) "
+                            "or a sweep directory (outputs/sweeps/<date>/<time>-<name>).")
+        if (path / "metrics.jsonl").exists() or (path / "config.yaml").exists():
+            found.append(path)
+            continue
+        jobs = sorted((p for p in path.iterdir() if is_run_dir(p)),
+                      key=lambda p: (job_number(p) is None, job_number(p) or 0, p.name))
+        if not jobs:
+            raise UserError(f"'{path}' holds no run (no metrics.jsonl or config.yaml, and no job folders). "
+                            "Pass a run directory or a sweep directory.")
+        found += jobs
+    return found
+
+
+def load_run(path: Path) -> RunData:
+    cfg_path = path / "config.yaml"
+    config = OmegaConf.to_container(OmegaConf.load(cfg_path)) if cfg_path.exists() else {}
+    return RunData(path, run_overrides(path), config if isinstance(config, dict) else {}, read_metrics(path))
+
+
+def group_runs(runs: list[RunData]) -> list[Group]:
+    shown = varying_keys([r.overrides for r in runs])
+    groups: dict[tuple[str, ...], list[RunData]] = {}
+    for r in runs:
+        groups.setdefault(config_key(r.overrides), []).append(r)
+    out = []
+    for key, members in groups.items():
+        label = config_label(list(key), shown)
+        if label == "(all runs)":  # nothing tells the configurations apart: name them by folder
+            name = members[0].path.name
+            label = name if len(members) == 1 else f"{name} (+{len(members) - 1} seeds)"
+        out.append(Group(label, members))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Series
+# ----------------------------------------------------------------------------------------------------
+
+def _num(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def series(rows: list[dict[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, values) of one metric, finite values only."""
+    pairs = [(r["step"], _num(r[key])) for r in rows if key in r]
+    pairs = [(s, v) for s, v in pairs if math.isfinite(v)]
+    return np.array([p[0] for p in pairs], dtype=float), np.array([p[1] for p in pairs], dtype=float)
+
+
+def mean_band(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Mean and (population) std across runs at every step any of them logged."""
+    steps = np.unique(np.concatenate([s for s, _ in parts])) if parts else np.array([])
+    mean, std = np.full(len(steps), np.nan), np.zeros(len(steps))
+    for i, step in enumerate(steps):
+        vals = [v[s == step][0] for s, v in parts if np.any(s == step)]
+        mean[i], std[i] = float(np.mean(vals)), float(np.std(vals))
+    return steps, mean, std
+
+
+def smoothing_settings(config: dict[str, Any]) -> dict[str, Any] | None:
+    """algo.entropy_smoothing of an EPO run (None when the run has no smoothing term)."""
+    algo = config.get("algo", {})
+    if "entropy_smoothing" not in (algo.get("loss_terms") or []):
+        return None
+    return algo.get("entropy_smoothing") or {}
+
+
+def entropy_reference(rows: list[dict[str, Any]], settings: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """Href at each step, from the entropies of the steps before it (training's own history class)."""
+    from epo_cli.algos.entropy import _Stream
+
+    stream = _Stream(settings.get("history", "cumulative"), int(settings.get("window", 10)),
+                     float(settings.get("ema_decay", 0.9)))
+    steps, refs = [], []
+    for step, h in zip(*series(rows, "policy/entropy")):
+        steps.append(step)
+        refs.append(stream.value())  # NaN at the first step: no history yet
+        stream.add(float(h))
+    return np.array(steps, dtype=float), np.array(refs, dtype=float)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Plots
+# ----------------------------------------------------------------------------------------------------
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _axes(n: int, title: str):
+    plt = _pyplot()
+    cols = min(n, 3)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 3.6 * rows), squeeze=False)
+    fig.suptitle(title)
+    flat = list(axes.flat)
+    for ax in flat[n:]:
+        ax.set_visible(False)
+    return fig, flat[:n]
+
+
+def draw_metric(ax: Any, groups: list[Group], key: str, title: str) -> bool:
+    """One metric, one line per configuration (mean over seeds, shaded +- std). False if nothing logged."""
+    drawn = False
+    for i, group in enumerate(groups):
+        parts = [p for p in (series(r.rows, key) for r in group.runs) if len(p[0])]
+        if not parts:
+            continue
+        steps, mean, std = mean_band(parts)
+        color = f"C{i % 10}"
+        few = len(steps) <= 3  # sparse series (evaluations): show the points
+        ax.plot(steps, mean, color=color, label=f"{group.label} (n={len(parts)})",
+                marker="o" if few else None)
+        if len(parts) > 1:
+            ax.fill_between(steps, mean - std, mean + std, color=color, alpha=0.2, linewidth=0)
+        drawn = True
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    if drawn:
+        ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
+    return drawn
+
+
+def draw_entropy_band(ax: Any, groups: list[Group]) -> None:
+    """EPO's smoothing reference and band, averaged over each configuration's seeds."""
+    for i, group in enumerate(groups):
+        parts, settings = [], None
+        for r in group.runs:
+            settings = smoothing_settings(r.config)
+            if settings is not None:
+                steps, refs = entropy_reference(r.rows, settings)
+                ok = np.isfinite(refs)
+                if ok.any():
+                    parts.append((steps[ok], refs[ok]))
+        if not parts or settings is None:
+            continue
+        steps, ref, _ = mean_band(parts)
+        low, high = float(settings.get("kappa_low", 0.0)), float(settings.get("kappa_high", 2.0))
+        color = f"C{i % 10}"
+        ax.plot(steps, ref, color=color, linestyle="--", linewidth=1, label=f"{group.label}: Href")
+        ax.fill_between(steps, low * ref, high * ref, color=color, alpha=0.08, linewidth=0,
+                        label=f"{group.label}: band [{low:g}, {high:g}] x Href")
+    ax.legend(fontsize=7)
+
+
+def _keys(runs: list[RunData], prefix: str, suffix: str = "") -> list[str]:
+    keys = {k for r in runs for row in r.rows for k in row if k.startswith(prefix) and k.endswith(suffix)}
+    return sorted(keys)
+
+
+def make_plots(groups: list[Group], out: Path) -> dict[str, tuple[str, bool]]:
+    """Write every PNG; returns {file: (title, anything drawn)}."""
+    plt = _pyplot()
+    runs = [r for g in groups for r in g.runs]
+    written: dict[str, tuple[str, bool]] = {}
+
+    def save(fig: Any, name: str, title: str, drawn: bool) -> None:
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=90)
+        plt.close(fig)
+        written[name] = (title, drawn)
+
+    fig, (ax,) = _axes(1, "Policy entropy (token mean)")
+    drawn = draw_metric(ax, groups, "policy/entropy", "policy/entropy")
+    if drawn and any(smoothing_settings(r.config) is not None for r in runs):
+        draw_entropy_band(ax, groups)
+    save(fig, "entropy.png", "Entropy", drawn)
+
+    fig, axes = _axes(2, "Entropy fluctuation")
+    drawn = draw_metric(axes[0], groups, "policy/entropy_fluctuation", "policy/entropy_fluctuation (sigma)")
+    drawn |= draw_metric(axes[1], groups, "policy/entropy_swing", "policy/entropy_swing |dH|/H")
+    save(fig, "entropy_fluctuation.png", "Entropy fluctuation", drawn)
+
+    # eval/<split>/success, not eval/<split>/success/<task type> nor the eval/success alias
+    splits = [k for k in _keys(runs, "eval/", "/success") if k.count("/") == 2]
+    fig, axes = _axes(1 + len(splits), "Success")
+    drawn = draw_metric(axes[0], groups, "rollout/success", "rollout/success (training)")
+    for ax, key in zip(axes[1:], splits):
+        drawn |= draw_metric(ax, groups, key, key)
+    save(fig, "success.png", "Success", drawn)
+
+    fig, (ax,) = _axes(1, "KL to the reference policy")
+    save(fig, "kl.png", "KL", draw_metric(ax, groups, "policy/kl_ref", "policy/kl_ref"))
+
+    coefs = _keys(runs, "coef/") or ["coef/"]
+    fig, axes = _axes(len(coefs), "Loss coefficients")
+    drawn = False
+    for ax, key in zip(axes, coefs):
+        drawn |= draw_metric(ax, groups, key, key)
+    save(fig, "coefficients.png", "Coefficients", drawn)
+
+    fig, (ax,) = _axes(1, "Learning rate")
+    save(fig, "lr.png", "Learning rate", draw_metric(ax, groups, "perf/lr", "perf/lr"))
+    return written
+
+
+# ----------------------------------------------------------------------------------------------------
+# Index page and command
+# ----------------------------------------------------------------------------------------------------
+
+def _last(rows: list[dict[str, Any]], key: str) -> float:
+    _, values = series(rows, key)
+    return float(values[-1]) if len(values) else math.nan
+
+
+def _fmt(values: list[float]) -> str:
+    xs = [v for v in values if math.isfinite(v)]
+    if not xs:
+        return "-"
+    return f"{np.mean(xs):.3g}" + (f" ± {np.std(xs, ddof=1):.2g}" if len(xs) > 1 else "")
+
+
+def write_index(groups: list[Group], written: dict[str, tuple[str, bool]], out: Path,
+                sources: list[Path]) -> Path:
+    from epo_cli.run_dir import read_status
+
+    lines = [f"# Report: {', '.join(str(s) for s in sources)}", "",
+             "Mean ± sample std over the seeds of each configuration (final values).", "",
+             "| configuration | runs | last step | final success | final eval/success | final entropy "
+             "| status |",
+             "|---|---|---|---|---|---|---|"]
+    for g in groups:
+        statuses = sorted({read_status(r.path).get("status", "unknown") for r in g.runs})
+        last = max((int(r.rows[-1]["step"]) for r in g.runs if r.rows), default=0)
+        lines.append(f"| {g.label} | {len(g.runs)} | {last} | "
+                     f"{_fmt([_last(r.rows, 'rollout/success') for r in g.runs])} | "
+                     f"{_fmt([_last(r.rows, 'eval/success') for r in g.runs])} | "
+                     f"{_fmt([_last(r.rows, 'policy/entropy') for r in g.runs])} | {', '.join(statuses)} |")
+    lines.append("")
+    for name, (title, drawn) in written.items():
+        note = "" if drawn else " (not logged by these runs)"
+        lines += [f"## {title}", "", f"![{title}]({name}){note}", ""]
+    index = out / "index.md"
+    index.write_text("\n".join(lines))
+    return index
+
+
+def run_report(paths: list[Path], out: Path | None = None) -> Path:
+    """`epo report`: plots + index for runs and sweeps; returns the index page."""
+    if not paths:
+        raise UserError("Usage: epo report <run_dir>|<sweep_dir> [...] [--out DIR]")
+    runs = [load_run(p) for p in find_runs([Path(p).expanduser() for p in paths])]
+    if not any(r.rows for r in runs):
+        raise UserError(f"No metrics to plot: none of {', '.join(str(r.path) for r in runs[:3])} has a "
+                        "metrics.jsonl with rows yet (logger.jsonl=false, or the run failed before step 1).")
+    out = Path(out) if out is not None else Path(paths[0]).expanduser() / "plots"
+    out.mkdir(parents=True, exist_ok=True)
+    groups = group_runs(runs)
+    written = make_plots(groups, out)
+    index = write_index(groups, written, out, [Path(p) for p in paths])
+    from rich.console import Console
+
+    Console(highlight=False).print(f"{len(written)} plots of {len(runs)} runs ({len(groups)} configurations) "
+                                   f"-> {out}\nindex: {index}")
+    return index
