@@ -157,3 +157,21 @@ def test_killed_worker_truncates_the_episode_and_is_replaced(pool: EnvPool) -> N
     assert victim not in pool.worker_pids()
     assert first[0][1]["task_id"] == tasks[0].task_id
     assert not pool.step({0: "look"})[0].done
+
+
+@pytest.mark.slow
+def test_parser_cache_leaves_the_game_unchanged(pool: EnvPool) -> None:
+    """The pool's workers cache TextWorld's parsing (the default); a stock worker must play identically."""
+    task = _task(suite(), "pick_heat_then_place", seed=3)
+
+    def trajectory(p: EnvPool) -> list:
+        (obs, info), = p.reset([task])
+        trace, rng = [(obs, info)], random.Random(0)
+        for _ in range(15):
+            result = p.step({0: rng.choice(info["admissible_commands"])})[0]
+            info = result.info
+            trace.append((result.observation, result.reward, result.done, info))
+        return trace
+
+    with EnvPool(suite(fast_textgen=False), num_workers=1, step_timeout_s=60) as stock:
+        assert trajectory(pool) == trajectory(stock)
