@@ -6,25 +6,117 @@ The training loop asks its curriculum, every iteration:
     subgoal_coef(step, total)                 -> weight of intermediate rewards (0 = sparse reward only)
 and reports back the iteration's true task success per level with `observe(...)` (identical on all
 ranks: the statistics are all-reduced first). State survives checkpoints via state_dict().
+
+Options (`curriculum=<name>`, conf/curriculum/<name>.yaml):
+    none             tasks of the configured env (or a fixed uniform mix of `curriculum.levels` if given)
+    staged           one level at a time, easiest first; promote when the success over the last `window`
+                     iterations at the current level reaches `promote_at`, optionally demote below
+                     `demote_at`; a `replay_share` of each batch replays earlier levels
+    adaptive         every level each iteration, sampled by a score: learning progress (|change in
+                     success| between the last two windows) or closeness of success to 0.5 (4p(1-p)),
+                     mixed with a uniform `exploration_floor`
+    horizon          the turn limit grows linearly from `start_turns` to env.max_turns over `horizon_share`
+                     of training
+    subgoal_rewards  sparse task reward plus intermediate rewards (same as `curriculum.subgoal_rewards=true`,
+                     which combines with every option above)
+
+What a level means depends on the env suite; the curriculum passes the level string to
+`suite.sample_tasks(split, n, rng, level=...)` and each suite interprets it:
+    household     a level name of HouseholdSuite.levels() (tiny_open_pick_place ... alfworld_size_all_tasks);
+                  default levels: all five, easiest first
+    alfworld      a task type (1-6, our short name or alfworld's name), or several joined by commas
+                  ("pick_clean_then_place,pick_heat_then_place" is one level); default: the configured
+                  env.task_types in alfworld's order (pick_and_place, look_at_obj_in_light, clean, heat, cool,
+                  pick_two), which is also a sensible order of difficulty
+    scienceworld  a task name (or id such as 1-1), or several joined by commas; default: env.tasks in the
+                  order given, one task per level, else SCIENCEWORLD_STAGES below (all 30 tasks in four
+                  groups of rising horizon)
+    other suites  their own `levels()`; `curriculum.levels` must be set when a suite has none
+Suites that leave Task.level unset (alfworld, scienceworld) get it set to the level string here, so that the
+trainer's per-level success (curriculum/level_success/<level>) comes back under the curriculum's names.
+
+Metrics (logged after each iteration's `observe`, i.e. the state the next iteration draws from):
+curriculum/level (staged: the stage index; adaptive and mixtures: the expected index under the weights),
+curriculum/weight/<level>; staged adds curriculum/window_success, window_fill, promotions, demotions;
+adaptive adds curriculum/score/<level>. The trainer logs curriculum/level_success/<level> (true task success
+per level), rollout/max_turns and rollout/subgoal_coef.
+
+Every decision is a function of the global statistics passed to `observe` and of the rng the trainer seeds
+identically on all ranks, so every rank holds the same state; the state is JSON (state_dict()).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import random
+import warnings
+from collections.abc import Sequence
 from typing import Any
 
 from epo_cli.envs.base import EnvSuite, Task
+from epo_cli.errors import ConfigError, UserError
+
+#: Default ScienceWorld levels when env.tasks is empty: groups of tasks, shortest/simplest first. A heuristic
+#: from the tasks' gold-path lengths and the number of sub-procedures they need (find and identify; use one
+#: instrument or mix; change a state of matter or measure; grow and breed over many steps).
+SCIENCEWORLD_STAGES: tuple[tuple[str, ...], ...] = (
+    ("find-living-thing", "find-non-living-thing", "find-plant", "find-animal", "lifespan-longest-lived",
+     "lifespan-shortest-lived", "lifespan-longest-lived-then-shortest-lived", "identify-life-stages-1",
+     "identify-life-stages-2"),
+    ("use-thermometer", "test-conductivity", "test-conductivity-of-unknown-substances", "power-component",
+     "power-component-renewable-vs-nonrenewable-energy", "chemistry-mix",
+     "chemistry-mix-paint-secondary-color", "chemistry-mix-paint-tertiary-color",
+     "inclined-plane-determine-angle"),
+    ("boil", "melt", "freeze", "change-the-state-of-matter-of", "measure-melting-point-known-substance",
+     "measure-melting-point-unknown-substance", "inclined-plane-friction-named-surfaces",
+     "inclined-plane-friction-unnamed-surfaces"),
+    ("grow-plant", "grow-fruit", "mendelian-genetics-known-plant", "mendelian-genetics-unknown-plant"),
+)
+
+NAMES = ("none", "staged", "adaptive", "horizon", "subgoal_rewards")
+ADAPTIVE_SIGNALS = ("progress", "closeness")
+
+Stats = tuple[float, float]  # (wins, episodes)
+
+
+def _rate(entries: Sequence[Sequence[float]]) -> float:
+    """Episode-weighted success over iterations: sum of wins / sum of episodes."""
+    episodes = sum(e for _, e in entries)
+    return sum(w for w, _ in entries) / episodes if episodes > 0 else 0.0
+
+
+def _in_range(key: str, value: float, low: float, high: float, high_open: bool = False) -> None:
+    if not (low <= value < high if high_open else low <= value <= high):
+        bracket = ")" if high_open else "]"
+        raise ConfigError(f"curriculum.{key} must be in [{low}, {high}{bracket} (got {value}).")
 
 
 class Curriculum:
-    """`curriculum=none`: tasks of the configured env/level, fixed turn limit, optional subgoal rewards."""
+    """`curriculum=none` (and the base of the others): tasks of the configured env, fixed turn limit,
+    optional subgoal rewards. With `curriculum.levels` set it draws every task from a uniform mix of them."""
 
-    def __init__(self, cfg: Any, env_cfg: Any) -> None:
+    name = "none"
+
+    def __init__(self, cfg: Any, env_cfg: Any, levels: Sequence[str] = ()) -> None:
         self.cfg = cfg
         self.env_cfg = env_cfg
+        self.levels = [str(level).strip() for level in levels]
+        dupes = sorted({lv for lv in self.levels if self.levels.count(lv) > 1})
+        if dupes:
+            raise ConfigError(f"curriculum.levels lists {dupes} more than once; each level must appear once.")
+        if cfg.subgoal_coef < 0:
+            raise ConfigError(f"curriculum.subgoal_coef must be >= 0 (got {cfg.subgoal_coef}).")
+        share = cfg.subgoal_decay_share
+        if share is not None and share < 0:
+            raise ConfigError(f"curriculum.subgoal_decay_share must be >= 0 or null (got {share}).")
+        self._levels_checked = False  # checked against the suite on the first draw (not state: cheap to redo)
 
+    # -- what the trainer calls ------------------------------------------------------------------------------
     def sample_tasks(self, suite: EnvSuite, n: int, rng: random.Random, step: int, total: int) -> list[Task]:
-        return suite.sample_tasks(self.env_cfg.train_split, n, rng)
+        if not self.levels:
+            return suite.sample_tasks(self.env_cfg.train_split, n, rng)
+        return self._draw(suite, self._choose_levels(n, rng), rng)
 
     def max_turns(self, step: int, total: int) -> int:
         return self.env_cfg.max_turns
@@ -39,18 +131,316 @@ class Curriculum:
         progress = step / max(total, 1)
         return self.cfg.subgoal_coef * max(0.0, 1.0 - progress / share) if share > 0 else 0.0
 
-    def observe(self, step: int, success_by_level: dict[str, tuple[float, float]]) -> None:
-        """Global (wins, episodes) per level for this iteration."""
+    def observe(self, step: int, success_by_level: dict[str, Stats]) -> None:
+        """Global (wins, episodes) per level for this iteration (levels not in the list are ignored)."""
 
     def metrics(self) -> dict[str, float]:
-        return {}
+        if not self.levels:
+            return {}
+        weights = self.level_weights()
+        out = {f"curriculum/weight/{lv}": w for lv, w in zip(self.levels, weights)}
+        out["curriculum/level"] = self.level_index()
+        return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {}
+        return {"name": self.name, "levels": list(self.levels)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
+        if not state:  # a checkpoint from before curricula kept state
+            return
+        if state.get("levels", self.levels) != self.levels or state.get("name", self.name) != self.name:
+            raise UserError(
+                f"The checkpoint's curriculum ({state.get('name')}, levels {state.get('levels')}) differs "
+                f"from the configured one ({self.name}, levels {self.levels}); resume with the same "
+                "curriculum settings, or start a new run from the exported model (model.path=<run>/final).")
+
+    # -- level mixture -------------------------------------------------------------------------------------
+    def level_weights(self) -> list[float]:
+        """Probability of each level for the next draw."""
+        return [1.0 / len(self.levels)] * len(self.levels) if self.levels else []
+
+    def level_index(self) -> float:
+        """curriculum/level: the expected level index of the next draw (the index itself for staged)."""
+        return sum(i * w for i, w in enumerate(self.level_weights()))
+
+    def _choose_levels(self, n: int, rng: random.Random) -> list[int]:
+        """Level index of each of the n task slots, drawn independently from level_weights()."""
+        cumulative, acc = [], 0.0
+        for w in self.level_weights():
+            acc += w
+            cumulative.append(acc)
+        out = []
+        for _ in range(n):
+            u = rng.random() * acc
+            out.append(next((i for i, c in enumerate(cumulative) if u < c), len(cumulative) - 1))
+        return out
+
+    def _draw(self, suite: EnvSuite, slots: list[int], rng: random.Random) -> list[Task]:
+        """Tasks for the given level index per slot: one suite call per level (in level order, so the draw
+        depends on the rng only), then placed back in slot order."""
+        self._check_levels(suite)
+        drawn: dict[int, list[Task]] = {}
+        for i, level in enumerate(self.levels):
+            count = slots.count(i)
+            if count:
+                tasks = suite.sample_tasks(self.env_cfg.train_split, count, rng, level=level)
+                # alfworld/scienceworld leave Task.level unset: tag it so per-level success comes back here
+                drawn[i] = [t if t.level is not None else dataclasses.replace(t, level=level) for t in tasks]
+        return [drawn[i].pop(0) for i in slots]
+
+    def _check_levels(self, suite: EnvSuite) -> None:
+        """Every level must be one the suite can draw from: fail at the first iteration, not at promotion."""
+        if self._levels_checked:
+            return
+        for level in self.levels:
+            try:
+                (task,) = suite.sample_tasks(self.env_cfg.train_split, 1, random.Random(0), level=level)
+            except UserError as err:
+                raise ConfigError(f"curriculum level '{level}' is not valid for env={suite.name}: {err}") \
+                    from None
+            if task.level is not None and task.level != level:
+                raise ConfigError(f"env={suite.name} reports level '{task.level}' for curriculum level "
+                                  f"'{level}'; write the level exactly as the env names it.")
+        self._levels_checked = True
 
 
-def build_curriculum(cfg: Any) -> Curriculum:
-    return Curriculum(cfg.curriculum, cfg.env)
+class StagedCurriculum(Curriculum):
+    """One level at a time, easiest first, with promotion, optional demotion and replay of earlier levels.
+
+    Promotion/demotion look at the current level's success over its last `window` iterations (episode-
+    weighted); the window restarts at every level change, so each decision rests on `window` fresh
+    iterations. Replay: each iteration replays floor(replay_share * n + u) tasks (u ~ U[0,1) from the
+    trainer's rng, so the expected share is exactly replay_share), each from an earlier level chosen
+    uniformly; replayed episodes do not count towards promotion.
+    """
+
+    name = "staged"
+
+    def __init__(self, cfg: Any, env_cfg: Any, levels: Sequence[str] = ()) -> None:
+        super().__init__(cfg, env_cfg, levels)
+        if not self.levels:
+            raise ConfigError("curriculum=staged needs at least one level (curriculum.levels).")
+        if cfg.window < 1:
+            raise ConfigError(f"curriculum.window must be >= 1 (got {cfg.window}).")
+        _in_range("promote_at", cfg.promote_at, 0.0, 1.0)
+        _in_range("replay_share", cfg.replay_share, 0.0, 1.0, high_open=True)
+        if cfg.demote_at is not None and not 0.0 <= cfg.demote_at < cfg.promote_at:
+            raise ConfigError(f"curriculum.demote_at must be in [0, promote_at) or null (got "
+                              f"{cfg.demote_at}, promote_at={cfg.promote_at}); the gap keeps a level from "
+                              "flapping.")
+        self.stage = 0
+        self.window: list[list[float]] = []  # [wins, episodes] of the current level, one entry per iteration
+        self.promotions = 0
+        self.demotions = 0
+        self.last_success: dict[str, float] = {}
+
+    def level_weights(self) -> list[float]:
+        weights = [0.0] * len(self.levels)
+        replay = self.cfg.replay_share if self.stage > 0 else 0.0
+        weights[self.stage] = 1.0 - replay
+        for i in range(self.stage):
+            weights[i] = replay / self.stage
+        return weights
+
+    def level_index(self) -> float:
+        return float(self.stage)
+
+    def _choose_levels(self, n: int, rng: random.Random) -> list[int]:
+        slots = [self.stage] * n
+        if self.stage > 0 and self.cfg.replay_share > 0:
+            k = min(n, math.floor(self.cfg.replay_share * n + rng.random()))
+            for pos in rng.sample(range(n), k):
+                slots[pos] = rng.randrange(self.stage)
+        return slots
+
+    def observe(self, step: int, success_by_level: dict[str, Stats]) -> None:
+        for level, (wins, episodes) in success_by_level.items():
+            if episodes > 0 and level in self.levels:
+                self.last_success[level] = wins / episodes
+        wins, episodes = success_by_level.get(self.levels[self.stage], (0.0, 0.0))
+        if episodes <= 0:  # only replay this iteration (possible for tiny batches): nothing to judge
+            return
+        self.window = [*self.window, [float(wins), float(episodes)]][-self.cfg.window:]
+        if len(self.window) < self.cfg.window:
+            return
+        success = _rate(self.window)
+        if success >= self.cfg.promote_at and self.stage < len(self.levels) - 1:
+            self.stage, self.window, self.promotions = self.stage + 1, [], self.promotions + 1
+        elif self.cfg.demote_at is not None and success < self.cfg.demote_at and self.stage > 0:
+            self.stage, self.window, self.demotions = self.stage - 1, [], self.demotions + 1
+
+    def metrics(self) -> dict[str, float]:
+        out = super().metrics()
+        out.update({
+            "curriculum/promotions": float(self.promotions),
+            "curriculum/demotions": float(self.demotions),
+            "curriculum/window_fill": float(len(self.window)),
+        })
+        if self.window:
+            out["curriculum/window_success"] = _rate(self.window)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "stage": self.stage, "window": [list(e) for e in self.window],
+                "promotions": self.promotions, "demotions": self.demotions,
+                "last_success": dict(self.last_success)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if not state:
+            return
+        self.stage = int(state["stage"])
+        self.window = [[float(w), float(e)] for w, e in state["window"]]
+        self.promotions, self.demotions = int(state["promotions"]), int(state["demotions"])
+        self.last_success = {str(k): float(v) for k, v in state.get("last_success", {}).items()}
+
+
+class AdaptiveCurriculum(Curriculum):
+    """Every level is drawn each iteration with probability
+
+        w_i = floor / L + (1 - floor) * s_i / sum_j s_j          (uniform if all s_j = 0)
+
+    where s_i is the level's score from its last 2*window iterations in which it was played:
+        progress   s = |success(last window) - success(the window before)|: the absolute learning progress
+                   (Matiisen et al. 2017; Portelas et al. 2020); with fewer than 2*window entries the history
+                   is split in two halves (older/newer);
+        closeness  s = 4 p (1 - p), p = success over the last window: 1 at p = 0.5, 0 at p = 0 or 1. GRPO
+                   learns only from groups with mixed outcomes, which are likeliest at p = 0.5.
+    A level without enough history (progress: < 2 entries, closeness: none) scores 1, the highest score,
+    so every level gets measured early; `exploration_floor` keeps every level in play afterwards.
+    """
+
+    name = "adaptive"
+
+    def __init__(self, cfg: Any, env_cfg: Any, levels: Sequence[str] = ()) -> None:
+        super().__init__(cfg, env_cfg, levels)
+        if not self.levels:
+            raise ConfigError("curriculum=adaptive needs at least one level (curriculum.levels).")
+        if cfg.adaptive_signal not in ADAPTIVE_SIGNALS:
+            raise ConfigError(f"Invalid value '{cfg.adaptive_signal}' for 'curriculum.adaptive_signal'. "
+                              f"Valid values: {', '.join(ADAPTIVE_SIGNALS)}.")
+        if cfg.window < 1:
+            raise ConfigError(f"curriculum.window must be >= 1 (got {cfg.window}).")
+        _in_range("exploration_floor", cfg.exploration_floor, 0.0, 1.0)
+        #: per level: [wins, episodes] of the iterations it was played in, the last 2*window of them
+        self.history: dict[str, list[list[float]]] = {lv: [] for lv in self.levels}
+        self.weights = self._weights()
+
+    def score(self, level: str) -> float | None:
+        """The level's score, or None while its history is too short to tell."""
+        h, window = self.history[level], self.cfg.window
+        if self.cfg.adaptive_signal == "closeness":
+            if not h:
+                return None
+            p = _rate(h[-window:])
+            return 4.0 * p * (1.0 - p)
+        if len(h) < 2:
+            return None
+        half = len(h) // 2 if len(h) < 2 * window else window
+        return abs(_rate(h[-half:]) - _rate(h[:-half][-half:]))
+
+    def _weights(self) -> list[float]:
+        scores = [self.score(lv) for lv in self.levels]
+        scores = [1.0 if s is None else s for s in scores]
+        total, floor, k = sum(scores), self.cfg.exploration_floor, len(self.levels)
+        if total <= 0:
+            return [1.0 / k] * k
+        return [floor / k + (1.0 - floor) * s / total for s in scores]
+
+    def level_weights(self) -> list[float]:
+        return list(self.weights)
+
+    def observe(self, step: int, success_by_level: dict[str, Stats]) -> None:
+        for level, (wins, episodes) in success_by_level.items():
+            if episodes > 0 and level in self.history:
+                entries = [*self.history[level], [float(wins), float(episodes)]]
+                self.history[level] = entries[-2 * self.cfg.window:]
+        self.weights = self._weights()
+
+    def metrics(self) -> dict[str, float]:
+        out = super().metrics()
+        for level in self.levels:
+            s = self.score(level)
+            if s is not None:
+                out[f"curriculum/score/{level}"] = s
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "history": {k: [list(e) for e in v] for k, v in self.history.items()},
+                "weights": list(self.weights)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if not state:
+            return
+        saved = state["history"]
+        self.history = {lv: [[float(w), float(e)] for w, e in saved.get(lv, [])] for lv in self.levels}
+        self.weights = [float(w) for w in state["weights"]]
+
+
+class HorizonCurriculum(Curriculum):
+    """The turn limit grows linearly from start_turns (step 0) to env.max_turns (at horizon_share of
+    training), rounded to the nearest turn; short episodes first, so the early, mostly random policy gets
+    its (rare) successes from short solutions and the rollout costs less while little is learned."""
+
+    name = "horizon"
+
+    def __init__(self, cfg: Any, env_cfg: Any, levels: Sequence[str] = ()) -> None:
+        super().__init__(cfg, env_cfg, levels)
+        if not 1 <= cfg.start_turns <= env_cfg.max_turns:
+            raise ConfigError(f"curriculum.start_turns must be in [1, env.max_turns={env_cfg.max_turns}] "
+                              f"(got {cfg.start_turns}).")
+        _in_range("horizon_share", cfg.horizon_share, 0.0, 1.0)
+
+    def max_turns(self, step: int, total: int) -> int:
+        start, end = self.cfg.start_turns, self.env_cfg.max_turns
+        span = self.cfg.horizon_share * total
+        progress = 1.0 if span <= 0 else min(1.0, step / span)
+        return int(math.floor(start + (end - start) * progress + 0.5))
+
+
+CURRICULA: dict[str, type[Curriculum]] = {
+    "none": Curriculum,
+    "subgoal_rewards": Curriculum,  # the yaml turns subgoal_rewards on; tasks and turns as `none`
+    "staged": StagedCurriculum,
+    "adaptive": AdaptiveCurriculum,
+    "horizon": HorizonCurriculum,
+}
+
+
+def default_levels(env_cfg: Any, suite: EnvSuite) -> list[str]:
+    """The suite's levels, easiest first (see the module docstring for each suite)."""
+    if env_cfg.name == "scienceworld":
+        tasks = list(getattr(env_cfg, "tasks", None) or [])
+        return [str(t) for t in tasks] if tasks else [",".join(group) for group in SCIENCEWORLD_STAGES]
+    return list(suite.levels())
+
+
+def _check_subgoal_source(env_cfg: Any) -> None:
+    """Subgoal rewards need an env that reports progress events in info['subgoals']."""
+    if env_cfg.name == "scienceworld" and getattr(env_cfg, "reward", "dense") != "dense":
+        raise ConfigError("curriculum.subgoal_rewards=true on env=scienceworld needs its progress events, "
+                          "which it reports only with env.reward=dense. Fix: add env.reward=dense.")
+    if env_cfg.name in ("alfworld", "textworld"):
+        warnings.warn(f"env={env_cfg.name} reports no subgoal events (info['subgoals'] is empty), so "
+                      "curriculum.subgoal_rewards=true adds no reward there.", stacklevel=3)
+
+
+def build_curriculum(cfg: Any, suite: EnvSuite | None = None) -> Curriculum:
+    """The curriculum named by cfg.curriculum.name; `suite` supplies default levels (built if not given)."""
+    ccfg, env_cfg = cfg.curriculum, cfg.env
+    if ccfg.name not in CURRICULA:
+        raise ConfigError(f"Unknown curriculum '{ccfg.name}'. Valid curricula: {', '.join(CURRICULA)}.")
+    levels = list(ccfg.levels or [])
+    if not levels and ccfg.name in ("staged", "adaptive"):
+        if suite is None:
+            from epo_cli.envs import make_suite
+
+            suite = make_suite(env_cfg)  # cheap: suites do their expensive work in check()
+        levels = default_levels(env_cfg, suite)
+        if not levels:
+            raise ConfigError(f"curriculum={ccfg.name} needs levels and env={env_cfg.name} defines none. "
+                              "Fix: set curriculum.levels=[...] (easiest first).")
+    if ccfg.subgoal_rewards:
+        _check_subgoal_source(env_cfg)
+    return CURRICULA[ccfg.name](ccfg, env_cfg, levels)
