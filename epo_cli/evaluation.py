@@ -9,9 +9,20 @@ Weights load without DeepSpeed engines: from <run>/final (a Hugging Face folder)
 `module` state dict (ZeRO-0: mp_rank_00_model_states.pt) or its consolidated ZeRO 1-3 shards
 (deepspeed's zero_to_fp32), loaded into the model the run's config builds.
 
-Results: <run>/eval/<name>.json (fields: EVAL_JSON_FIELDS below), <run>/eval/<name>.samples.md (a few
-decoded trajectories, the trainer's samples format), and a table on the console. Without a run they go to
-<output_dir>/eval/<date>_<time>/. <name> = <checkpoint or policy>-<split>-<t0.4 | greedy>.
+Results: <run>/eval/<name>.json, <run>/eval/<name>.samples.md (a few decoded trajectories, the trainer's
+samples format) and a table on the console. Without a run they go to <output_dir>/eval/<date>_<time>/ (or
+out=DIR). <name> = <final | step_N (what latest/best resolved to) | model | policy>-<split>-<t0.4 | greedy>.
+
+The JSON (format "epo-eval/1"; EVAL_JSON_FIELDS lists the top-level keys):
+    run, checkpoint, checkpoint_resolved, model_source, policy     what was evaluated
+    env {name, level}, split, episodes, temperature, greedy, seed, max_turns
+    success              {rate, wins, n, ci95: [lo, hi], ci_method: "wilson"}
+    success_by_task_type {<task type>: same fields}
+    episode_len          {mean, std, n, ci95, ci_method: "normal (mean +- 1.96 std/sqrt(n))"}
+    invalid_rate         {rate, invalid_turns, turns, ci95, ci_method: "wilson over turns"}
+    metrics              eval/<split>/* exactly as the trainer logs them in metrics.jsonl
+    per_episode          [{task_id, task_type, won, turns, invalid_turns}]
+    samples, created, command, duration_s, name, format
 """
 
 from __future__ import annotations
@@ -40,7 +51,7 @@ Z95 = 1.959963984540054
 EVAL_JSON_FIELDS = (
     "format", "name", "created", "command", "run", "checkpoint", "checkpoint_resolved", "model_source",
     "policy", "env", "split", "episodes", "temperature", "greedy", "seed", "max_turns", "success",
-    "success_by_task_type", "episode_len", "invalid_rate", "metrics", "samples", "duration_s",
+    "success_by_task_type", "episode_len", "invalid_rate", "metrics", "per_episode", "samples", "duration_s",
 )
 EVAL_FORMAT = "epo-eval/1"
 
@@ -424,6 +435,9 @@ def run_eval(args: list[str]) -> dict[str, Any]:
         "max_turns": cfg.env.max_turns,
         **score_episodes(episodes),
         "metrics": metrics,
+        "per_episode": [{"task_id": ep.task.task_id, "task_type": ep.task.task_type, "won": ep.won,
+                         "turns": len(ep.turns), "invalid_turns": sum(not t.valid for t in ep.turns)}
+                        for ep in episodes],
         "samples": str(samples),
         "duration_s": round(time.perf_counter() - started, 2),
     }

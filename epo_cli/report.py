@@ -158,7 +158,8 @@ def _axes(n: int, title: str):
     plt = _pyplot()
     cols = min(n, 3)
     rows = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 3.6 * rows), squeeze=False)
+    width = 5.5 * cols if cols > 1 else 8.0  # one panel: wide enough for its legend
+    fig, axes = plt.subplots(rows, cols, figsize=(width, 3.6 * rows if cols > 1 else 4.5), squeeze=False)
     fig.suptitle(title)
     flat = list(axes.flat)
     for ax in flat[n:]:

@@ -271,8 +271,13 @@ def run_sweep(args: list[str]) -> Path:
     version.setbase("1.3")
     parser = get_args_parser()
     hydra_args = parser.parse_args(hydra_argv(overrides, parsed, sweep_dir, options))
-    _run_hydra(args=hydra_args, args_parser=parser, task_function=SweepJob(options),
-               config_path=str(config_dir()), config_name="config")
+    try:
+        _run_hydra(args=hydra_args, args_parser=parser, task_function=SweepJob(options),
+                   config_path=str(config_dir()), config_name="config")
+    except KeyboardInterrupt:
+        if any(is_run_dir(p) for p in sweep_dir.iterdir()):  # keep what ran: the summary of the jobs so far
+            summarize(sweep_dir, options)
+        raise
     summarize(sweep_dir, options)
     return sweep_dir
 
@@ -538,11 +543,13 @@ def print_summary(sweep_dir: Path, runs: list[RunResult], groups: list[ConfigSum
     from rich.table import Table
 
     console = Console(highlight=False)
+    if not console.is_terminal:  # logs and pipes: no need to squeeze the table into 80 columns
+        console.width = max(console.width, 150)
     table = Table(title=f"sweep {sweep_dir.name}: {len(runs)} runs (mean ± std over seeds)")
     cols = display_columns(options)
     for header, _ in cols:
-        first = header == "configuration"  # long labels fold; the numbers stay on one line
-        table.add_column(header, justify="left" if first else "right", overflow="fold", no_wrap=not first,
+        first = header == "configuration"
+        table.add_column(header, justify="left" if first else "right", overflow="fold",
                          min_width=12 if first else None)
     for g in groups:
         table.add_row(*(fn(g) for _, fn in cols))
