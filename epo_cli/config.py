@@ -484,13 +484,25 @@ def _translate_hydra_error(err: Exception) -> ConfigError:
     )
 
 
+def hydra_overrides(overrides: list[str] | tuple[str, ...]) -> list[str]:
+    """Value overrides become `++key=value` so that every key of the typed schemas can be set, also when
+    the selected yaml does not spell it out (e.g. algo.entropy_smoothing.alpha under algo=grpo); unknown
+    keys are then reported by the schema merge, with the valid keys. Group selections stay as they are."""
+    out = []
+    for o in overrides:
+        key = o.split("=", 1)[0]
+        is_group = key in GROUPS or "/" in key or key.startswith("hydra")
+        out.append(o if ("=" not in o or o.startswith(("+", "~")) or is_group) else f"++{o}")
+    return out
+
+
 def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
     """Compose conf/ with `overrides` and validate it against the schemas. Raises ConfigError."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    overrides = list(overrides)
+    overrides = hydra_overrides(overrides)
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
