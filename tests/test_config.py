@@ -1,0 +1,113 @@
+"""Config composition: every shipped config composes and validates; bad input fails with one message."""
+
+from __future__ import annotations
+
+import pytest
+
+from epo_cli.config import GROUPS, compose, config_dir, group_options
+from epo_cli.errors import ConfigError
+
+from conftest import REPO, run_cli
+
+
+def shipped_options() -> list[tuple[str, str]]:
+    return [(g, o) for g in GROUPS if (config_dir() / g).is_dir() for o in group_options(g)]
+
+
+@pytest.mark.parametrize(("group", "option"), shipped_options())
+def test_every_shipped_option_composes(group: str, option: str) -> None:
+    cfg = compose([f"{group}={option}"])
+    if group in ("algo", "env", "model", "curriculum", "deepspeed", "launcher", "logger"):
+        assert cfg[group].name == option
+    if group == "entropy":
+        assert cfg.entropy.schedule == option
+
+
+def test_every_algo_env_pair_composes() -> None:
+    for algo in group_options("algo"):
+        for env in group_options("env"):
+            cfg = compose([f"algo={algo}", f"env={env}"])
+            assert cfg.algo.name == algo and cfg.env.name == env
+            assert cfg.algo.estimator != "auto"  # resolved at config time, so the saved config says what ran
+
+
+def test_overrides_reach_typed_fields() -> None:
+    cfg = compose(["trainer.total_steps=20", "seed=3", "model.hidden_size=128", "algo=grpo",
+                   "algo.entropy_smoothing.alpha=0.05"])
+    assert cfg.trainer.total_steps == 20 and cfg.seed == 3 and cfg.model.hidden_size == 128
+    # a key grpo.yaml does not spell out is still overridable, because the schema has it
+    assert cfg.algo.entropy_smoothing.alpha == 0.05
+
+
+def test_epo_states_every_setting_and_base_switch() -> None:
+    grpo_epo = compose(["algo=epo"])
+    assert grpo_epo.algo.estimator == "grpo"
+    assert grpo_epo.algo.loss_terms == ["policy_clip", "kl", "entropy", "entropy_smoothing"]
+    assert grpo_epo.algo.entropy.mode == "trajectory" and grpo_epo.algo.phase.schedule == "paper"
+    assert (grpo_epo.algo.entropy_smoothing.kappa_low, grpo_epo.algo.entropy_smoothing.kappa_high) == (0.0, 2.0)
+    ppo_epo = compose(["algo=epo", "algo.base=ppo"])
+    assert ppo_epo.algo.estimator == "gae" and "entropy_smoothing" in ppo_epo.algo.loss_terms
+    assert compose(["algo=epo_ppo"]).algo.estimator == "gae"
+
+
+@pytest.mark.parametrize(("overrides", "needle"), [
+    (["trainer.foo=1"], "Unknown config key 'trainer.foo'"),
+    (["algo=foo"], "Unknown option 'foo' for config group 'algo'"),
+    (["trainer.total_steps=abc"], "Wrong type for config key 'trainer.total_steps'"),
+    (["algo.loss_terms=[policy_clip,bogus]"], "Valid values: entropy"),
+    (["algo.estimator=gea"], "Did you mean 'gae'"),
+    (["algo=grpo", "algo.group_size=1"], "needs algo.group_size >= 2"),
+    (["entropy.schedule=sine"], "Valid values"),
+])
+def test_bad_config_is_one_clear_error(overrides: list[str], needle: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        compose(overrides)
+    assert needle in str(err.value)
+    assert err.value.exit_code == 2
+
+
+def test_unknown_key_lists_valid_keys() -> None:
+    with pytest.raises(ConfigError) as err:
+        compose(["algo.kl.estimatr=k1"])
+    assert "Did you mean 'algo.kl.estimator'" in str(err.value)
+    assert "Valid keys in 'algo.kl': coef, estimator" in str(err.value)
+
+
+@pytest.mark.parametrize("args", [["train", "trainer.foo=1"], ["train", "algo=foo"],
+                                  ["train", "trainer.total_steps=abc"], ["config", "show", "env=nowhere"]])
+def test_cli_bad_config_exit_2_without_traceback(args: list[str], tmp_path) -> None:
+    proc = run_cli(args, cwd=tmp_path, expect=2)
+    assert "error:" in proc.stderr and "Traceback" not in proc.stderr + proc.stdout
+    assert not (tmp_path / "outputs").exists()  # failed before any work started
+
+
+def test_cli_missing_model_path(tmp_path) -> None:
+    proc = run_cli(["train", "model.path=/nonexistent/model", "trainer.total_steps=1"], cwd=tmp_path, expect=1)
+    assert "does not exist" in proc.stderr and "model.path" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_help_lists_groups(tmp_path) -> None:
+    proc = run_cli(["train", "--help"], cwd=tmp_path)
+    for group in ("algo", "env", "model", "entropy", "curriculum", "deepspeed", "launcher", "logger"):
+        assert group in proc.stdout
+    assert "epo_ppo" in proc.stdout and "household" in proc.stdout
+
+
+def test_config_show_prints_resolved_yaml(tmp_path) -> None:
+    proc = run_cli(["config", "show", "algo=epo", "trainer.total_steps=7"], cwd=tmp_path)
+    assert "total_steps: 7" in proc.stdout and "estimator: grpo" in proc.stdout
+
+
+def test_conf_ships_in_the_wheel(tmp_path) -> None:
+    """An installed wheel must find conf/ without the repository."""
+    import subprocess
+    import sys
+    import zipfile
+
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path), str(REPO)], check=True, capture_output=True, timeout=300)
+    wheel = next(tmp_path.glob("epo-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "epo_cli/conf/config.yaml" in names
+    assert "epo_cli/conf/algo/epo.yaml" in names and "epo_cli/conf/env/household.yaml" in names
