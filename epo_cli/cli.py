@@ -67,7 +67,8 @@ def sweep(overrides: list[str] = OVERRIDES_ARG) -> None:
     """Many runs through Hydra multirun: `epo sweep algo=grpo,epo seed=0,1,2` (comma lists, range(a,b),
     hydra/launcher=joblib|submitit_slurm, hydra/sweeper=optuna with sweep.metric and sweep.direction).
     `epo sweep summarize <sweep_dir>` rebuilds the summary table of a (possibly interrupted) sweep."""
-    from epo_cli.sweep import run_sweep, summarize_command
+    from epo_cli.sweep import run_sweep
+    from epo_cli.sweep_summary import summarize_command
 
     args = list(overrides or [])
     if args and args[0] == "summarize":

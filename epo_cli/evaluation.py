@@ -346,16 +346,47 @@ def eval_name(label: str, split: str, temperature: float) -> str:
     return f"{label}-{split}-{'greedy' if temperature <= 0 else f't{temperature:g}'}"
 
 
+@dataclass
+class PolicyInfo:
+    label: str  # file-name prefix: final | step_N | model | expert | look | random
+    checkpoint: str | None = None  # as asked (final | latest | best | step_N)
+    resolved: str | None = None  # the step_N that latest/best named
+    source: str | None = None  # the model folder or hub id the weights and tokenizer came from
+
+
+def build_policy(opts: EvalArgs, cfg: DictConfig, suite: EnvSuite, temperature: float, device: Any
+                 ) -> tuple[Policy, Any, PolicyInfo]:
+    """The policy to evaluate (the trained model, or a scripted baseline), its tokenizer, and what it is."""
+    from epo_cli.models.loading import load_tokenizer, model_source
+    from epo_cli.rollout.generation import SamplingParams
+    from epo_cli.rollout.rollout import ExpertPolicy, ModelPolicy
+
+    if opts.policy != "model":  # scripted: only the tokenizer (prompts and responses are still tokens)
+        final = opts.run / "final" if opts.run is not None else None
+        source = str(final) if final is not None and (final / "config.json").exists() else \
+            model_source(cfg.model, suite, cfg.seed)
+        tokenizer = load_tokenizer(source, cfg.model)
+        scripted = {"expert": ExpertPolicy, "look": FixedActionPolicy, "random": RandomPolicy}
+        return scripted[opts.policy](tokenizer), tokenizer, PolicyInfo(opts.policy, source=source)
+    has_final = opts.run is not None and (opts.run / "final" / "config.json").exists()
+    which = opts.checkpoint or ("final" if has_final or opts.run is None else "latest")
+    model, tokenizer, source, resolved = load_model(cfg, suite, opts.run, which, device)
+    r = cfg.rollout
+    params = SamplingParams(r.max_new_tokens, temperature, r.top_p, r.top_k, r.stop)
+    policy = ModelPolicy(model, tokenizer, params, len(tokenizer), r.generation_batch_size)
+    # latest/best move as training goes on: name the file after the step they resolved to
+    label = (resolved or which) if opts.run is not None else "model"
+    return policy, tokenizer, PolicyInfo(label, which if opts.run is not None else None, resolved or which,
+                                         source)
+
+
 def run_eval(args: list[str]) -> dict[str, Any]:
     """`epo eval ARGS`: evaluate, write JSON + samples, print a table; returns the JSON payload."""
     import torch
 
     from epo_cli.envs import make_suite
     from epo_cli.envs.pool import EnvPool
-    from epo_cli.models.loading import load_tokenizer, model_source
-    from epo_cli.rollout.generation import SamplingParams
     from epo_cli.rollout.prompts import PromptBuilder
-    from epo_cli.rollout.rollout import ExpertPolicy, ModelPolicy
     from epo_cli.training.trainer import write_samples
 
     started = time.perf_counter()
@@ -375,27 +406,8 @@ def run_eval(args: list[str]) -> dict[str, Any]:
     temperature = 0.0 if opts.greedy else (opts.temperature if opts.temperature is not None
                                           else cfg.rollout.eval_temperature)
 
-    # --- the policy --------------------------------------------------------------------------------------
     device = _device(cfg)
-    which, resolved, source = None, None, None
-    if opts.policy == "model":
-        has_final = opts.run is not None and (opts.run / "final" / "config.json").exists()
-        which = opts.checkpoint or ("final" if has_final or opts.run is None else "latest")
-        model, tokenizer, source, resolved = load_model(cfg, suite, opts.run, which, device)
-        r = cfg.rollout
-        policy: Policy = ModelPolicy(model, tokenizer, SamplingParams(r.max_new_tokens, temperature, r.top_p,
-                                                                      r.top_k, r.stop), len(tokenizer),
-                                     r.generation_batch_size)
-        # latest/best move as training goes on: name the file after the step they resolved to
-        label = (resolved or which) if opts.run is not None else "model"
-    else:
-        final = opts.run / "final" if opts.run is not None else None
-        source = str(final) if final is not None and (final / "config.json").exists() else \
-            model_source(cfg.model, suite, cfg.seed)
-        tokenizer = load_tokenizer(source, cfg.model)
-        scripted = {"expert": ExpertPolicy, "look": FixedActionPolicy, "random": RandomPolicy}
-        policy = scripted[opts.policy](tokenizer)
-        label = opts.policy
+    policy, tokenizer, info = build_policy(opts, cfg, suite, temperature, device)
 
     # --- play and score ----------------------------------------------------------------------------------
     builder = PromptBuilder(cfg.env.prompt_template, cfg.env.history_length, cfg.rollout.max_prompt_tokens,
@@ -410,7 +422,7 @@ def run_eval(args: list[str]) -> dict[str, Any]:
         pool.close()
 
     # --- write -------------------------------------------------------------------------------------------
-    name = eval_name(label, split, temperature)
+    name = eval_name(info.label, split, temperature)
     out = opts.out or ((opts.run / "eval") if opts.run is not None else
                        Path(cfg.output_dir) / "eval" / datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))
     out.mkdir(parents=True, exist_ok=True)
@@ -422,9 +434,9 @@ def run_eval(args: list[str]) -> dict[str, Any]:
         "created": datetime.datetime.now().isoformat(timespec="seconds"),
         "command": " ".join(["epo", *sys.argv[1:]]),
         "run": str(opts.run) if opts.run is not None else None,
-        "checkpoint": which,
-        "checkpoint_resolved": resolved or which,
-        "model_source": source,
+        "checkpoint": info.checkpoint,
+        "checkpoint_resolved": info.resolved if info.checkpoint else None,
+        "model_source": info.source,
         "policy": opts.policy,
         "env": {"name": cfg.env.name, **({"level": cfg.env.level} if "level" in cfg.env else {})},
         "split": split,
@@ -442,13 +454,20 @@ def run_eval(args: list[str]) -> dict[str, Any]:
         "duration_s": round(time.perf_counter() - started, 2),
     }
     path = out / f"{name}.json"
-    path.write_text(json.dumps(payload, indent=2, default=_json_default))
+    path.write_text(json.dumps(_strict_json(payload), indent=2, allow_nan=False, default=str))
     print_eval(payload, path)
     return payload
 
 
-def _json_default(value: Any) -> Any:
-    return None if isinstance(value, float) and math.isnan(value) else str(value)
+def _strict_json(value: Any) -> Any:
+    """NaN/inf are not JSON: write them as null (e.g. an interval over zero episodes)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict_json(v) for v in value]
+    return value
 
 
 def print_eval(payload: dict[str, Any], path: Path) -> None:
@@ -459,7 +478,8 @@ def print_eval(payload: dict[str, Any], path: Path) -> None:
         lo, hi = item["ci95"]
         return f"[{lo:.1%}, {hi:.1%}]" if pct else f"[{lo:.2f}, {hi:.2f}]"
 
-    what = payload["checkpoint_resolved"] if payload["policy"] == "model" else f"policy={payload['policy']}"
+    what = (payload["checkpoint_resolved"] or payload["model_source"]) if payload["policy"] == "model" \
+        else f"policy={payload['policy']}"
     table = Table(title=f"eval {what} on {payload['env']['name']}/{payload['split']} "
                         f"({payload['episodes']} episodes, temperature {payload['temperature']:g})")
     table.add_column("metric")

@@ -28,7 +28,14 @@ from omegaconf import OmegaConf
 
 from epo_cli.errors import UserError
 from epo_cli.metrics import read_metrics
-from epo_cli.sweep import config_key, config_label, is_run_dir, job_number, run_overrides, varying_keys
+from epo_cli.sweep_summary import (
+    config_key,
+    config_label,
+    is_run_dir,
+    job_number,
+    run_overrides,
+    varying_keys,
+)
 
 
 @dataclass
@@ -84,9 +91,8 @@ def group_runs(runs: list[RunData]) -> list[Group]:
     out = []
     for key, members in groups.items():
         label = config_label(list(key), shown)
-        if label == "(all runs)":  # nothing tells the configurations apart: name them by folder
-            name = members[0].path.name
-            label = name if len(members) == 1 else f"{name} (+{len(members) - 1} seeds)"
+        if label == "(all runs)" and len(members) == 1:  # a single run: its folder names it best
+            label = members[0].path.name
         out.append(Group(label, members))
     return out
 

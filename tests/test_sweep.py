@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
-from epo_cli.sweep import RunResult, SweepOptions, aggregate, mean_std, run_result, summarize
+from epo_cli.sweep_summary import RunResult, SweepOptions, aggregate, mean_std, run_result, summarize
 
 #: a job that trains for 2 steps and evaluates 1 episode at the end (~20 s here)
 TINY = ["algo=sft", "env.level=tiny_open_pick_place", "env.prompt_template=compact", "trainer.total_steps=2",
@@ -176,3 +176,16 @@ def test_sweep_user_errors(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "sweep.metric" in proc.stderr
     proc = run_cli(["sweep", "summarize", str(tmp_path / "none")], cwd=tmp_path, expect=None)
     assert proc.returncode == 1 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_slurm_preset_composes_with_the_submitit_launcher() -> None:
+    from hydra import compose, initialize_config_dir
+
+    from epo_cli.config import config_dir
+
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        cfg = compose("config", overrides=["hydra/launcher=epo_slurm", "hydra.launcher.partition=gpu"],
+                      return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("submitit_launcher.SlurmLauncher")
+    assert (launcher.tasks_per_node, launcher.nodes, launcher.partition) == (1, 1, "gpu")
