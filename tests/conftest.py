@@ -81,3 +81,14 @@ def warm_start(epo_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     out = tmp_path_factory.mktemp("warm_start")
     run_cli(["train", *WARM_START_ARGS, f"output_dir={out}", "name=warm"], cwd=out)
     return only_run_dir(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(epo_cache: Path) -> Path:
+    """The default tiny model + tokenizer for household, built once (HF folder)."""
+    from epo_cli.config import compose
+    from epo_cli.envs import make_suite
+    from epo_cli.models.tiny import build_tiny
+
+    cfg = compose([])
+    return build_tiny(cfg.model, make_suite(cfg.env))

@@ -15,13 +15,14 @@ from dataclasses import dataclass, field
 
 # name -> (template for the first turn, template for later turns)
 PROMPT_TEMPLATES: dict[str, tuple[str, str]] = {
-    # The same information as `alfworld` without the prose: a third of the tokens, for tiny models on CPU.
+    # The same information as `alfworld` without the prose (a third of the tokens), ordered so that what
+    # the next action depends on most (the task, then the observation) sits right before the response:
+    # small models on CPU learn to copy from a nearly fixed relative position far sooner than by a
+    # content look-up across a long prompt. The response format is taught by the demonstrations.
     "compact": (
-        "Task: {task}\nObservation: {observation}\nActions: [{admissible}]\n"
-        "Reply <think>...</think><action>...</action>.",
-        "Task: {task}\nHistory ({step_count} steps so far):{history}\n"
-        "Observation: {observation}\nActions: [{admissible}]\n"
-        "Reply <think>...</think><action>...</action>.",
+        "Actions: [{admissible}]\nObservation: {observation}\nTask: {task}",
+        "History ({step_count} steps so far):{history}\nActions: [{admissible}]\n"
+        "Observation: {observation}\nTask: {task}",
     ),
     "alfworld": (
         "You are an expert agent operating in the ALFRED Embodied Environment. Your task is to: {task}\n"
