@@ -59,7 +59,8 @@ log = logging.getLogger("epo.sweep")
 def _slug(text: str) -> str:
     """A folder name for a job's swept overrides: 'algo=epo,seed=1' -> 'algo-epo+seed-1'. No '=' or ',' so
     the path can be passed on as an override value (model.path=<job>/final) without quoting."""
-    slug = re.sub(r"[^A-Za-z0-9._+-]+", "_", str(text).replace("=", "-").replace(",", "+")).strip("_")
+    text = re.sub(r"(^|,)\+\+", r"\1", str(text))  # ++key=value (see hydra_overrides) reads as key=value
+    slug = re.sub(r"[^A-Za-z0-9._+-]+", "_", text.replace("=", "-").replace(",", "+")).strip("_")
     return slug[:120] or "run"
 
 
@@ -84,7 +85,8 @@ class SweepJob:
 
         hc = HydraConfig.get()
         run = Path(hc.runtime.output_dir)
-        overrides = [str(o) for o in hc.overrides.task]
+        # `epo train` turns key=value into ++key=value itself (epo_cli.config.hydra_overrides)
+        overrides = [o[2:] if o.startswith("++") else o for o in map(str, hc.overrides.task)]
         cmd = [self.python, "-m", "epo_cli", "train", *overrides, f"run_dir={_quote(str(run))}"]
         record: dict[str, Any] = {"job": int(hc.job.num), "overrides": overrides, "command": cmd,
                                   "started": _now()}
@@ -212,7 +214,7 @@ def run_sweep(args: list[str]) -> Path:
     from hydra import version
     from hydra._internal.utils import _run_hydra, get_args_parser
 
-    from epo_cli.config import config_dir
+    from epo_cli.config import config_dir, hydra_overrides
 
     options, overrides = split_sweep_options(args)
     if any(o.split("=", 1)[0] == "run_dir" for o in overrides):
@@ -229,7 +231,8 @@ def run_sweep(args: list[str]) -> Path:
 
     version.setbase("1.3")
     parser = get_args_parser()
-    hydra_args = parser.parse_args(hydra_argv(overrides, parsed, sweep_dir, options))
+    # ++key=value: hydra accepts every schema key, also those the selected yaml does not spell out
+    hydra_args = parser.parse_args(hydra_argv(hydra_overrides(overrides), parsed, sweep_dir, options))
     try:
         _run_hydra(args=hydra_args, args_parser=parser, task_function=SweepJob(options),
                    config_path=str(config_dir()), config_name="config")

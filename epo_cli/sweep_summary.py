@@ -353,7 +353,7 @@ def print_summary(sweep_dir: Path, runs: list[RunResult], groups: list[ConfigSum
     best = sweep_dir / "optimization_results.yaml"
     if best.exists():
         res = OmegaConf.load(best)
-        params = dict(res.get("best_params", {}))
+        params = {str(k).lstrip("+"): v for k, v in dict(res.get("best_params", {})).items()}
         console.print(f"optuna best {options.metric}: {res.get('best_value')} with {params}")
     console.print(f"summary: {sweep_dir / 'summary.md'} (also summary.csv, runs.csv)")
 

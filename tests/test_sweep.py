@@ -110,18 +110,22 @@ def _csv(path: Path) -> list[dict[str, str]]:
 
 @pytest.mark.slow
 def test_grid_sweep_of_three_runs(epo_cache: Path, tmp_path: Path) -> None:
-    proc = run_cli(["sweep", *TINY, "algo.lr=1e-3,2e-3,3e-3", f"output_dir={tmp_path}"], cwd=tmp_path)
+    # algo.kl.coef is a schema key that algo=sft's yaml does not spell out: hydra must still accept it
+    proc = run_cli(["sweep", *TINY, "algo.kl.coef=0.01,0.02,0.03", f"output_dir={tmp_path}"], cwd=tmp_path)
     sweep = _sweep_dir(tmp_path)
     jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
-    assert jobs == ["0-algo.lr-0.001", "1-algo.lr-0.002", "2-algo.lr-0.003"]
+    assert jobs == ["0-algo.kl.coef-0.01", "1-algo.kl.coef-0.02", "2-algo.kl.coef-0.03"]
     for job in jobs:  # each job is a normal run directory
         assert json.loads((sweep / job / "status.json").read_text())["status"] == "finished"
         assert (sweep / job / "config.yaml").exists() and (sweep / job / "final" / "config.json").exists()
     summary = _csv(sweep / "summary.csv")
     assert len(summary) == 3
-    assert [row["label"] for row in summary] == ["algo.lr=0.001", "algo.lr=0.002", "algo.lr=0.003"]
+    assert [row["label"] for row in summary] == [f"algo.kl.coef=0.0{i}" for i in (1, 2, 3)]
     assert all(row["finished"] == "1" and row["success_metric"] == "eval/success" for row in summary)
-    assert "algo.lr=0.002" in proc.stdout  # the table is printed too
+    assert "algo.kl.coef=0.02" in proc.stdout  # the table is printed too
+    from omegaconf import OmegaConf
+
+    assert OmegaConf.load(sweep / jobs[1] / "config.yaml").algo.kl.coef == 0.02
     # summarize rebuilds the same table from the run folders
     first = (sweep / "summary.csv").read_text()
     (sweep / "summary.csv").unlink()
