@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from epo_cli.envs.base import EnvSuite, Task  # noqa: E402
-from epo_cli.envs.pool import EnvPool  # noqa: E402
+from epo_cli.envs.pool import EnvPool, descendant_pids  # noqa: E402
 
 DEFAULT_ALFWORLD = REPO.parent / "shared" / "alfworld"
 ENVS = ("household", "alfworld", "scienceworld")
@@ -70,13 +70,28 @@ def choose(rng: random.Random, info: dict[str, Any], env: str) -> str:
     return rng.choice(actions)
 
 
+def tree_cpu_seconds() -> float:
+    """CPU time (user + system) used so far by this process and everything below it (workers, JVMs)."""
+    total = 0.0
+    for pid in [os.getpid(), *descendant_pids(os.getpid())]:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 def run_steps(pool: EnvPool, first: list[tuple[str, dict]], slot_ids: list[int], rounds: int,
-              env: str) -> tuple[int, float]:
-    """`rounds` batched steps of random admissible actions from the reset state `first`; (steps, seconds)."""
+              env: str) -> tuple[int, float, float]:
+    """`rounds` batched steps of random admissible actions from the reset state `first`;
+    (steps, wall seconds, CPU seconds of this process tree)."""
     infos = {i: info for i, (_, info) in enumerate(first)}
     rngs = {i: random.Random(1000 + slot_ids[i]) for i in infos}
     active = set(infos)
     steps = 0
+    cpu_start = tree_cpu_seconds()
     start = time.perf_counter()
     for _ in range(rounds):
         if not active:
@@ -87,16 +102,18 @@ def run_steps(pool: EnvPool, first: list[tuple[str, dict]], slot_ids: list[int],
             if result.done:
                 active.discard(i)
         steps += len(actions)
-    return steps, time.perf_counter() - start
+    elapsed = time.perf_counter() - start
+    return steps, elapsed, tree_cpu_seconds() - cpu_start
 
 
-def bench_pool(suite: EnvSuite, tasks: list[Task], workers: int, rounds: int, env: str) -> tuple[int, float]:
+def bench_pool(suite: EnvSuite, tasks: list[Task], workers: int, rounds: int,
+               env: str) -> tuple[int, float, float]:
     with EnvPool(suite, num_workers=workers, step_timeout_s=120) as pool:
         first = pool.reset(tasks)  # untimed: worker start, game loading, JVM start
         return run_steps(pool, first, list(range(len(tasks))), rounds, env)
 
 
-def bench_processes(args: argparse.Namespace, env: str, nproc: int) -> tuple[int, float]:
+def bench_processes(args: argparse.Namespace, env: str, nproc: int) -> tuple[int, float, float]:
     """`nproc` plain processes at once, process j playing slots j, j+nproc, ... (as the pool splits them).
     They set up, then all start on one signal; the time is from the signal to the last one finishing."""
     children = []
@@ -112,13 +129,14 @@ def bench_processes(args: argparse.Namespace, env: str, nproc: int) -> tuple[int
     for child in children:
         child.stdin.write("go\n")
         child.stdin.flush()
-    steps = 0
+    steps, cpu = 0, 0.0
     for child in children:
-        steps += json.loads(child.stdout.readline())["steps"]
+        report = json.loads(child.stdout.readline())
+        steps, cpu = steps + report["steps"], cpu + report["cpu"]
     elapsed = time.perf_counter() - start
     for child in children:
         child.wait(timeout=60)
-    return steps, elapsed
+    return steps, elapsed, cpu
 
 
 def child_main(args: argparse.Namespace) -> None:
@@ -131,18 +149,19 @@ def child_main(args: argparse.Namespace) -> None:
         first = pool.reset([tasks[i] for i in slot_ids])  # untimed, before the signal
         print("ready", flush=True)
         sys.stdin.readline()
-        steps, seconds = run_steps(pool, first, slot_ids, args.rounds, args.child)
-    print(json.dumps({"steps": steps, "seconds": seconds}), flush=True)
+        steps, seconds, cpu = run_steps(pool, first, slot_ids, args.rounds, args.child)
+    print(json.dumps({"steps": steps, "seconds": seconds, "cpu": cpu}), flush=True)
 
 
-def measure(ways: dict[str, tuple[Any, ...]], repeats: int) -> dict[str, float]:
-    """Best steps/s of each way over `repeats` rounds; the ways take turns so that a burst of load from
-    other processes on a shared machine hits them alike."""
-    best = dict.fromkeys(ways, 0.0)
+def measure(ways: dict[str, tuple[Any, ...]], repeats: int) -> dict[str, tuple[float, float]]:
+    """Best steps/s and least CPU ms per step of each way over `repeats` rounds; the ways take turns so
+    that a burst of load from other processes on a shared machine hits them alike."""
+    best = {name: (0.0, float("inf")) for name in ways}
     for _ in range(repeats):
         for name, (fn, *args) in ways.items():
-            steps, seconds = fn(*args)
-            best[name] = max(best[name], steps / seconds)
+            steps, seconds, cpu = fn(*args)
+            rate, cpu_ms = best[name]
+            best[name] = (max(rate, steps / seconds), min(cpu_ms, 1000 * cpu / steps))
     return best
 
 
@@ -169,9 +188,10 @@ def main() -> None:
     from rich.table import Table
 
     console = Console(width=150)
-    table = Table(title=f"env steps/s ({args.slots} slots; best of {repeats}; {os.cpu_count()} CPUs)")
+    table = Table(title=f"env steps/s ({args.slots} slots; best of {repeats}; {os.cpu_count()} CPUs; "
+                        f"load average {os.getloadavg()[0]:.1f} at the start)")
     for column in ("env", "1 process", "2 processes", "pool 1 worker", "pool 2 workers", "pool 2/1",
-                   "ceiling 2/1", "pool 2 / 2 proc"):
+                   "ceiling 2/1", "pool 2 / 2 proc", "CPU ms/step: 1 proc", "pool 1", "pool 2"):
         table.add_column(column, justify="right" if column != "env" else "left")
     for env in args.envs.split(","):
         rounds = household_steps if env == "household" else args.rounds
@@ -184,18 +204,22 @@ def main() -> None:
             console.print(f"[yellow]skipping {env}: {type(err).__name__}: {str(err).splitlines()[0]}")
             continue
         console.print(f"measuring {env} ({rounds} rounds x {args.slots} slots) ...")
-        rate = measure({
+        best = measure({
             "one": (bench_processes, run_args, env, 1),
             "two": (bench_processes, run_args, env, 2),
             "pool1": (bench_pool, suite, tasks, 1, rounds, env),
             "pool2": (bench_pool, suite, tasks, 2, rounds, env),
         }, repeats)
-        one, two, pool1, pool2 = rate["one"], rate["two"], rate["pool1"], rate["pool2"]
+        (one, cpu_one), (two, _), (pool1, cpu_pool1), (pool2, cpu_pool2) = (
+            best["one"], best["two"], best["pool1"], best["pool2"])
         table.add_row(env, f"{one:.1f}", f"{two:.1f}", f"{pool1:.1f}", f"{pool2:.1f}",
-                      f"{pool2 / pool1:.2f}x", f"{two / one:.2f}x", f"{pool2 / two:.2f}")
+                      f"{pool2 / pool1:.2f}x", f"{two / one:.2f}x", f"{pool2 / two:.2f}",
+                      f"{cpu_one:.2f}", f"{cpu_pool1:.2f}", f"{cpu_pool2:.2f}")
     console.print(table)
     console.print("pool 2/1: speed-up of the pool from 1 to 2 workers; ceiling 2/1: two independent "
-                  "processes vs one on this machine; pool 2 / 2 proc: the pool's share of that ceiling.")
+                  "processes vs one on this machine; pool 2 / 2 proc: the pool's share of that ceiling.\n"
+                  "CPU ms/step: CPU time of all processes involved (parent, workers, JVMs) per env step; "
+                  "pool minus 1 proc is the pool's overhead, and unlike steps/s it hardly depends on load.")
 
 
 if __name__ == "__main__":

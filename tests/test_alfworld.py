@@ -62,6 +62,7 @@ def test_lists_solvable_games_per_split_and_task_type() -> None:
     assert tasks == everything.sample_tasks("train", 5, random.Random(3), level="look_at_obj_in_light,6")
     assert everything.levels()[0] == "pick_and_place" and len(everything.levels()) == 6
     assert set(everything.versions()) >= {"alfworld", "textworld"}
+    assert everything.splits == ("train", "eval_in_distribution")  # the shared folder has no valid_unseen
 
 
 def test_missing_data_says_how_to_get_it(tmp_path: Path) -> None:

@@ -177,6 +177,14 @@ class AlfworldSuite(EnvSuite):
             path = path.parent
         return path
 
+    @property
+    def splits(self) -> tuple[str, ...]:  # type: ignore[override]
+        """The splits present in the data folder (a partial download may lack valid_unseen); all three
+        when none is, so that asking for any of them explains how to get the data."""
+        root = self.data_dir() / DATA_SUBDIR
+        present = tuple(split for split, folder in SPLIT_DIRS.items() if (root / folder).is_dir())
+        return present or tuple(SPLIT_DIRS)
+
     def task_types(self) -> list[str]:
         """The configured task types (short names) in alfworld's order; all six if none are configured."""
         chosen = {resolve_task_type(t) for t in self.cfg.task_types} if self.cfg.task_types else None
