@@ -191,7 +191,7 @@ def main() -> None:
     table = Table(title=f"env steps/s ({args.slots} slots; best of {repeats}; {os.cpu_count()} CPUs; "
                         f"load average {os.getloadavg()[0]:.1f} at the start)")
     for column in ("env", "1 process", "2 processes", "pool 1 worker", "pool 2 workers", "pool 2/1",
-                   "ceiling 2/1", "pool 2 / 2 proc", "CPU ms/step: 1 proc", "pool 1", "pool 2"):
+                   "ceiling 2/1", "pool 2 / 2 proc", "CPU ms/step: 1 proc", "2 proc", "pool 1", "pool 2"):
         table.add_column(column, justify="right" if column != "env" else "left")
     for env in args.envs.split(","):
         rounds = household_steps if env == "household" else args.rounds
@@ -210,16 +210,17 @@ def main() -> None:
             "pool1": (bench_pool, suite, tasks, 1, rounds, env),
             "pool2": (bench_pool, suite, tasks, 2, rounds, env),
         }, repeats)
-        (one, cpu_one), (two, _), (pool1, cpu_pool1), (pool2, cpu_pool2) = (
+        (one, cpu_one), (two, cpu_two), (pool1, cpu_pool1), (pool2, cpu_pool2) = (
             best["one"], best["two"], best["pool1"], best["pool2"])
         table.add_row(env, f"{one:.1f}", f"{two:.1f}", f"{pool1:.1f}", f"{pool2:.1f}",
                       f"{pool2 / pool1:.2f}x", f"{two / one:.2f}x", f"{pool2 / two:.2f}",
-                      f"{cpu_one:.2f}", f"{cpu_pool1:.2f}", f"{cpu_pool2:.2f}")
+                      f"{cpu_one:.2f}", f"{cpu_two:.2f}", f"{cpu_pool1:.2f}", f"{cpu_pool2:.2f}")
     console.print(table)
     console.print("pool 2/1: speed-up of the pool from 1 to 2 workers; ceiling 2/1: two independent "
                   "processes vs one on this machine; pool 2 / 2 proc: the pool's share of that ceiling.\n"
                   "CPU ms/step: CPU time of all processes involved (parent, workers, JVMs) per env step; "
-                  "pool minus 1 proc is the pool's overhead, and unlike steps/s it hardly depends on load.")
+                  "pool 1 vs 1 proc and pool 2 vs 2 proc is the pool's overhead; unlike steps/s it hardly "
+                  "depends on load.")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,12 @@ class FakeEnv(Env):
         self.turn = 0
 
     def reset(self, task: Task) -> tuple[str, dict[str, Any]]:
+        marker = task.extra.get("crash_once")  # a file: crash the worker the first time only
+        if marker and not os.path.exists(marker):
+            open(marker, "w").close()
+            os._exit(4)
+        if task.task_id == "bad":
+            raise ValueError("no such game")
         self.task, self.turn = task, 0
         self.rng = random.Random(task.seed)
         return f"start {task.task_id}", self._info(won=False)
@@ -177,6 +183,19 @@ def test_hung_worker_times_out_and_is_replaced() -> None:
         assert r3.done and r3.info["truncated"]
         pool.reset(TASKS)
         assert not pool.step({1: "wait"})[1].done
+
+
+@pytest.mark.slow
+def test_reset_retries_a_crashed_worker_once_and_raises_env_errors(tmp_path: Path) -> None:
+    with EnvPool(FakeSuite(None), num_workers=2, step_timeout_s=30) as pool:
+        tasks = [*TASKS[:2], Task("t2", "fake", 5, extra={"crash_once": str(tmp_path / "crashed")})]
+        first = pool.reset(tasks)  # slot 2's worker dies once; the pool restarts it and resets again
+        assert [obs for obs, _ in first] == ["start t0", "start t1", "start t2"]
+        assert (tmp_path / "crashed").exists()
+        assert not any(r.done for r in pool.step({0: "wait", 2: "wait"}).values())
+        with pytest.raises(ValueError, match="no such game"):  # the env's own error, raised here
+            pool.reset([TASKS[0], Task("bad", "fake", 0)])
+        assert pool.reset(TASKS)[3][0] == "start t3"  # and the pool is still usable
 
 
 def test_in_process_pool_steps_without_workers() -> None:

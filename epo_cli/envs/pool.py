@@ -474,7 +474,7 @@ class EnvPool:
         for index, items in by_worker.items():
             pending[index] = [slot for slot, _ in items]
             if not workers[index].send((command, items)):
-                failed[index] = "worker pipe broke (the worker died)"
+                failed[index] = f"env worker {index} died (its pipe broke)"
         deadline = {index: time.monotonic() + timeout for index in pending}
         answers: dict[int, tuple] = {}
         waiting = {index for index in pending if index not in failed}
