@@ -35,6 +35,8 @@ def compose_for_train(overrides: list[str]) -> tuple[DictConfig, list[str]]:
             raise ConfigError(f"Invalid override when resuming: {err}") from None
         merged.trainer.resume = resume
         merged.run_dir = str(Path(resume))
+        if not any(o.startswith("trainer.stop_after=") for o in rest):
+            merged.trainer.stop_after = None  # the earlier stop point is behind us
         return validate(merged), overrides
     return compose(overrides), overrides
 

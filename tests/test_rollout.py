@@ -77,13 +77,15 @@ def _episode(traj: int, group: int, valid: list[bool], won: bool, subgoals: list
 
 
 def test_rewards_outcome_penalty_and_subgoals() -> None:
-    episodes = [_episode(0, 0, [True, False, True], won=True, subgoals=[0, 2, 1]), _episode(1, 0, [False], won=False)]
+    episodes = [_episode(0, 0, [True, False, True], won=True, subgoals=[0, 2, 1]),
+                _episode(1, 0, [False], won=False)]
     batch = episodes_to_batch(episodes, reward_scale=10.0, invalid_penalty=0.1, subgoal_reward=0.5)
     # trajectory 0: outcome 10 on every turn; turn rewards 0, -0.1 + 2*0.5, 1*0.5
     assert batch.outcome.tolist() == [10.0, 10.0, 10.0, 0.0]
     assert torch.allclose(batch.reward, torch.tensor([0.0, 0.9, 0.5, -0.1]))
     assert batch.turn_index.tolist() == [0, 1, 2, 0] and batch.num_turns.tolist() == [3, 3, 3, 1]
-    assert batch.valid.tolist() == [True, False, True, False] and batch.is_last_turn.tolist() == [False, False, True, True]
+    assert batch.valid.tolist() == [True, False, True, False]
+    assert batch.is_last_turn.tolist() == [False, False, True, True]
 
 
 def test_sample_next_greedy_topk_and_seeded() -> None:

@@ -74,11 +74,13 @@ class EnvSuite(ABC):
     #: Names of the splits `sample_tasks` accepts. Conventional: train, eval_in_distribution,
     #: eval_out_of_distribution.
     splits: tuple[str, ...] = ("train", "eval_in_distribution", "eval_out_of_distribution")
+    #: expert episodes played to train the tiny model's tokenizer on this env's text (slow envs: few)
+    tokenizer_episodes: int = 8
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
 
-    def check(self) -> None:
+    def check(self) -> None:  # noqa: B027 - optional hook, most suites need no check
         """Raise `epo_cli.errors.UserError` with the fix if the env cannot run here
         (missing data directory, Java missing, package not installed)."""
 

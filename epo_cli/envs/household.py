@@ -641,6 +641,7 @@ class HouseholdEnv(Env):
 
 class HouseholdSuite(EnvSuite):
     name = "household"
+    tokenizer_episodes = 60  # thousands of steps per second: a rich corpus costs nothing
     config_class = HouseholdConfig
 
     def __init__(self, cfg: Any = None) -> None:

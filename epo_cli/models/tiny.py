@@ -51,12 +51,14 @@ def tiny_cache_key(model_cfg: Any, env_name: str, seed: int) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-def tokenizer_corpus(suite: EnvSuite, episodes: int = 60, seed: int = 0) -> list[str]:
-    """Text the tokenizer is trained on: templates, response format and expert episodes of `suite`."""
+def tokenizer_corpus(suite: EnvSuite, episodes: int | None = None, seed: int = 0) -> list[str]:
+    """Text the tokenizer is trained on: templates, response format and expert episodes of `suite`
+    (`suite.tokenizer_episodes` of them by default: real simulators are slow)."""
     from epo_cli.rollout.prompts import PROMPT_TEMPLATES, format_response
 
     texts = [t for pair in PROMPT_TEMPLATES.values() for t in pair]
     rng = random.Random(seed)
+    episodes = suite.tokenizer_episodes if episodes is None else episodes
     env = suite.make_env()
     levels = suite.levels() or [None]
     try:

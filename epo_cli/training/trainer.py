@@ -82,6 +82,7 @@ from epo_cli.training.engine import (
     all_reduce_sum,
     build_engine,
     grad_norm,
+    inference_copy,
     init_distributed,
     set_lr,
     step_was_skipped,
@@ -141,14 +142,15 @@ class Trainer:
         if critic is not None:
             for p in critic.parameters():
                 p.requires_grad_(True)
-        template = policy  # the inference copy (ZeRO-3) must be made before DeepSpeed partitions
+        template = inference_copy(policy, cfg.deepspeed.zero_stage)  # ZeRO-3: before DeepSpeed partitions
         self.engine = build_engine(policy, cfg, self.dist, lr=algo.lr, weight_decay=algo.weight_decay)
         self.policy = RolloutModule(self.engine, template, cfg.deepspeed.zero_stage)
         self.critic_engine = None
         if critic is not None:
-            critic_template = critic
+            critic_template = inference_copy(critic, cfg.deepspeed.zero_stage)
             self.critic_engine = build_engine(critic, cfg, self.dist, lr=algo.value.lr or algo.lr)
             self.critic = RolloutModule(self.critic_engine, critic_template, cfg.deepspeed.zero_stage)
+            self.critic.refresh()  # ZeRO-3 copies take rank 0's weights, which DeepSpeed broadcast
         self.policy.refresh()
 
         # --- algorithm components -----------------------------------------------------------------------
@@ -172,7 +174,7 @@ class Trainer:
         self.logger = MetricsLogger(cfg, run, enabled=self.dist.is_main, resume_ids=self.state.logger_ids)
         self.state.logger_ids = self.logger.run_ids
         if resume_from is not None and self.dist.is_main:
-            truncate_metrics_file(run, self.state.step - 1)
+            truncate_metrics_file(run, self.state.step)  # rows after the checkpoint are re-logged
             self.logger.info(f"resumed from {resume_from} at step {self.state.step}")
 
     # ------------------------------------------------------------------------------------------------------
@@ -241,7 +243,8 @@ class Trainer:
         if groups % self.dist.world_size:
             raise UserError(f"algo.tasks_per_step={groups} must be divisible by the number of ranks "
                             f"({self.dist.world_size}) so every GRPO group stays on one rank.")
-        rng = random.Random(hash((cfg.seed, step, "tasks")) & 0xFFFFFFFF)
+        # a string seed, not hash(): str hashes are salted per process, so ranks (and resumes) would differ
+        rng = random.Random(f"{cfg.seed}-{step}-tasks")
         tasks = self.curriculum.sample_tasks(self.suite, groups, rng, step, total)
         mine = range(self.dist.rank * groups // self.dist.world_size,
                      (self.dist.rank + 1) * groups // self.dist.world_size)
@@ -268,6 +271,8 @@ class Trainer:
         entropy_now = float(sums.sum() / counts.sum().clamp(min=1))
         reference_history = self.history  # refs for this update use steps 0..k-1 only (paper: Href(k))
         metrics = {"policy/entropy": entropy_now}
+        if self.history.num_steps > 0:  # the smoothing band's centre (global reference) for this update
+            metrics["policy/entropy_ref"] = self.history.global_stream.value()
         for t in torch.nonzero(counts).flatten().tolist():
             metrics[f"policy/entropy_turn/{t}"] = float(sums[t] / counts[t])
         metrics.update(self.monitor.update(entropy_now))
@@ -391,8 +396,11 @@ class Trainer:
         world = self.dist.world_size
         pad = self.tokenizer.pad_token_id
         lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
-        modes = self._aggregation_modes()
+        # sorted: each mode's denominator is one all-reduce, and a set's order (str hashes are salted per
+        # process) differs between ranks, which would pair up different modes' sums
+        modes = sorted(self._aggregation_modes())
         decay = algo.entropy.decay
+        row_denominators = _row_denominators(batch, modes, decay)
         totals: dict[str, float] = {}
         n_updates, real_tokens, padded_tokens, skipped = 0, 0, 0, 0
         norms: list[float] = []
@@ -403,15 +411,8 @@ class Trainer:
                 n_micro = int(all_reduce_max(torch.tensor(len(micro))).item())
                 micro += [[] for _ in range(n_micro - len(micro))]
                 # global denominators of each aggregation mode over this mini-batch (all ranks)
-                denominators = {}
-                for mode in modes:
-                    d = torch.zeros((), dtype=torch.float64)
-                    for m in micro:
-                        if m:
-                            mb = collate(batch, m, pad, torch.device("cpu"))
-                            d += AGGREGATIONS[mode].weights(mb.response_mask, mb.turn_index, mb.num_turns,
-                                                            decay)[1].sum().double()
-                    denominators[mode] = float(all_reduce_sum(d.to(device)).clamp(min=1e-12))
+                denominators = {mode: float(all_reduce_sum(row_denominators[mode][rows].sum().to(device))
+                                            .clamp(min=1e-12)) for mode in modes}
                 step_metrics: dict[str, float] = {}
                 for m in micro:
                     mb = collate(batch, m, pad, device, num_rows=max(len(m), 1))
@@ -621,6 +622,16 @@ class Trainer:
         elif self.dist.is_main:
             write_status(self.run, "stopped", step=self.state.step,
                          resume=f"epo train trainer.resume={self.run}")
+
+
+def _row_denominators(batch: TurnBatch, modes: list[str], decay: float) -> dict[str, torch.Tensor]:
+    """Each sample's contribution d to every aggregation mode's denominator ([N] float64 per mode),
+    from the sample metadata alone (no padding of token ids needed)."""
+    lengths = batch.response_lengths
+    mask = torch.arange(max(int(lengths.max()), 1) if len(lengths) else 1)[None, :] < lengths[:, None]
+    num_turns = batch.num_turns.clamp(min=1)
+    return {mode: AGGREGATIONS[mode].weights(mask, batch.turn_index, num_turns, decay)[1].double()
+            for mode in modes}
 
 
 def _level_totals(reduced: dict[str, float], sums: dict[str, tuple[float, float]],
