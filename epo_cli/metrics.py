@@ -104,11 +104,11 @@ class MetricsLogger:
             shown = "  ".join(f"{SHORT[k]}={clean[k]:.3g}" for k in CONSOLE_KEYS if k in clean)
             where = f"{step}/{total}" if total else str(step)
             alert = "  [bold red]entropy alert[/]" if clean.get("policy/entropy_alert") else ""
-            self.console.print(f"[cyan]step {where}[/]  {shown}{alert}")
+            self.console.print(f"[cyan]step {where}[/]  {shown}{alert}", soft_wrap=True)
 
     def info(self, message: str) -> None:
         if self.enabled and self.cfg.logger.console:
-            self.console.print(message)
+            self.console.print(message, soft_wrap=True)
 
     def warn(self, message: str) -> None:
         if self.enabled:

@@ -33,5 +33,6 @@ def print_summary(cfg: Any, run: Path, metrics: dict[str, float]) -> None:
         if key.startswith("eval/") and key.endswith("/success") and key != "eval/success":
             table.add_row(key, f"{metrics[key]:.4g}")
     console.print(table)
-    console.print(f"run directory: {run}")
-    console.print(f"  config.yaml, metrics.jsonl, tb/ (tensorboard --logdir {run / 'tb'}), checkpoints/, final/")
+    console.print(f"run directory: {run}", soft_wrap=True)
+    console.print(f"  config.yaml, metrics.jsonl, tb/ (tensorboard --logdir {run / 'tb'}), checkpoints/, final/",
+                  soft_wrap=True)
