@@ -226,11 +226,7 @@ class Trainer:
                 set_lr(self.critic_engine, (cfg.algo.value.lr or cfg.algo.lr) *
                        lr_multiplier(step, total, cfg.algo.warmup_ratio, cfg.algo.min_lr_ratio))
             metrics = self.rl_step(step, total)
-            self.state.step = step + 1
-            metrics.update(self._maybe_evaluate(step + 1, total))
-            self.logger.log(step + 1, metrics, total)
-            self._maybe_checkpoint(step + 1, total, metrics)
-            if self._should_stop(step + 1):
+            if self._after_step(step + 1, total, metrics):
                 break
         self._finish()
         return metrics
@@ -506,12 +502,8 @@ class Trainer:
             metrics.update({"perf/update_s": update_s, "perf/tokens_per_s": tokens / max(update_s, 1e-9),
                             "perf/lr": self.engine.optimizer.param_groups[0]["lr"],
                             "sft/epoch": step / per_epoch})
-            self.state.step = step + 1
             self.policy.refresh()
-            metrics.update(self._maybe_evaluate(step + 1, total))
-            self.logger.log(step + 1, metrics, total)
-            self._maybe_checkpoint(step + 1, total, metrics)
-            if self._should_stop(step + 1):
+            if self._after_step(step + 1, total, metrics):
                 break
         self._finish()
         return metrics
@@ -602,6 +594,14 @@ class Trainer:
             checkpoint.save(self.run, done_steps, self.engine, self.critic_engine, self._state_payload(),
                             self.dist.rank, keep=cfg.trainer.keep_checkpoints,
                             best_step=self.state.best_step)
+
+    def _after_step(self, done_steps: int, total: int, metrics: dict[str, float]) -> bool:
+        """Evaluate, log and checkpoint a finished step; True when this process should stop now."""
+        self.state.step = done_steps
+        metrics.update(self._maybe_evaluate(done_steps, total))
+        self.logger.log(done_steps, metrics, total)
+        self._maybe_checkpoint(done_steps, total, metrics)
+        return self._should_stop(done_steps)
 
     def _should_stop(self, done_steps: int) -> bool:
         stop = self.cfg.trainer.stop_after
