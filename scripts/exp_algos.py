@@ -1,0 +1,134 @@
+"""PPO vs GRPO vs PPO+EPO vs GRPO+EPO on household from the warm start: success and entropy stability.
+
+    python scripts/exp_algos.py --out outputs/exp_algos [--warm-start RUN] [--algos ppo,grpo,epo_ppo,epo]
+                                [--seeds 0,1,2] [--steps 20] [--jobs 2] [--episodes 64] [OVERRIDES...]
+
+Serves two checks of the issues:
+- learning check (RL core): from the SFT warm start, do ppo and grpo raise household success above the
+  warm start's? Success is measured the same way for every policy: `epo eval` on the same fixed tasks of
+  eval_in_distribution at the sampling temperature (1.0) and greedily.
+- entropy experiment (EPO): entropy fluctuation of each algorithm: the mean relative step-to-step swing
+  |H_t - H_{t-1}| / H_{t-1}, its maximum, and the monitor's sigma; next to final success.
+The runs go through `epo sweep` (one subprocess per run, summary over seeds) and the curves through
+`epo report`; this script adds the evaluations, the comparison table (Markdown) and a combined PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ALGO_NAMES = {"ppo": "PPO", "grpo": "GRPO", "epo_ppo": "PPO+EPO", "epo": "GRPO+EPO"}
+
+
+def epo(*args: str, cwd: Path) -> None:
+    print("$ epo " + " ".join(args), flush=True)
+    proc = subprocess.run([sys.executable, "-m", "epo_cli", *args], cwd=cwd)
+    if proc.returncode != 0:
+        sys.exit(f"epo {args[0]} failed with exit code {proc.returncode}")
+
+
+def eval_rate(run: Path, out: Path, episodes: int, greedy: bool, cwd: Path) -> float:
+    target = out / ("greedy" if greedy else "t1")
+    if not list(target.glob("*.json")):
+        mode = ["greedy=true"] if greedy else ["temperature=1.0"]
+        epo("eval", f"run={run}", f"episodes={episodes}", *mode, "split=eval_in_distribution", f"out={target}",
+            cwd=cwd)
+    return json.loads(next(target.glob("*.json")).read_text())["success"]["rate"]
+
+
+def rows_of(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def fluctuation(rows: list[dict]) -> dict[str, float]:
+    h = [r["policy/entropy"] for r in rows]
+    swings = [abs(b - a) / a for a, b in zip(h, h[1:]) if a > 0]
+    return {"swing_mean": statistics.mean(swings) if swings else float("nan"),
+            "swing_max": max(swings) if swings else float("nan"),
+            "sigma": statistics.mean(r.get("policy/entropy_fluctuation", float("nan")) for r in rows),
+            "entropy_range": (max(h) - min(h)) / statistics.mean(h) if h else float("nan")}
+
+
+def mean_std(xs: list[float]) -> str:
+    if not xs:
+        return "-"
+    return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="outputs/exp_algos")
+    parser.add_argument("--warm-start", help="run dir of an existing warm start (default: train one)")
+    parser.add_argument("--algos", default="ppo,grpo,epo_ppo,epo")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--jobs", type=int, default=1, help="parallel runs (hydra joblib launcher)")
+    parser.add_argument("--episodes", type=int, default=64)
+    parser.add_argument("overrides", nargs="*", help="extra overrides for every run")
+    args = parser.parse_args()
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+
+    if args.warm_start:
+        warm = Path(args.warm_start).resolve()
+    else:
+        epo("train", "experiment=warm_start", f"output_dir={out / 'warm_start'}", cwd=out)
+        warm = max((p for p in (out / "warm_start").glob("*/*") if (p / "final").exists()),
+                   key=lambda p: p.stat().st_mtime)
+
+    sweep_root = out / "sweep"
+    if not any(sweep_root.glob("*/*/summary.csv")):
+        launcher = [f"hydra/launcher=joblib", f"hydra.launcher.n_jobs={args.jobs}"] if args.jobs > 1 else []
+        epo("sweep", "experiment=epo_household", f"algo={args.algos}", f"seed={args.seeds}",
+            f"model.path={warm / 'final'}", f"trainer.total_steps={args.steps}", "trainer.eval_every=0",
+            "env.eval_splits=[]", "logger=none", f"output_dir={sweep_root}", "sweep.name=algos", *launcher,
+            *args.overrides, cwd=out)
+    sweep = max(sweep_root.glob("*/*"), key=lambda p: p.stat().st_mtime)
+    epo("report", str(sweep), cwd=out)
+
+    base_t1 = eval_rate(warm, out / "eval" / "warm_start", args.episodes, False, out)
+    base_greedy = eval_rate(warm, out / "eval" / "warm_start", args.episodes, True, out)
+    results: dict[str, dict[str, list[float]]] = {}
+    for run in sorted(p for p in sweep.iterdir() if (p / "metrics.jsonl").exists()):
+        config = (run / "config.yaml").read_text()
+        algo = next(line.split(":", 1)[1].strip() for line in config.splitlines() if line.startswith("  name:"))
+        if not (run / "final").exists():
+            print(f"skipping unfinished run {run}")
+            continue
+        rows = rows_of(run)
+        r = results.setdefault(algo, {k: [] for k in ("t1", "greedy", "train_first", "train_last", "swing_mean",
+                                                      "swing_max", "sigma", "entropy_range")})
+        r["t1"].append(eval_rate(run, run / "eval_exp", args.episodes, False, out))
+        r["greedy"].append(eval_rate(run, run / "eval_exp", args.episodes, True, out))
+        r["train_first"].append(rows[0]["rollout/success"])
+        r["train_last"].append(statistics.mean(x["rollout/success"] for x in rows[-3:]))
+        for k, v in fluctuation(rows).items():
+            r[k].append(v)
+
+    lines = [f"Warm start: eval success {base_t1:.3f} (T=1.0), {base_greedy:.3f} (greedy) on {args.episodes} fixed "
+             f"eval_in_distribution tasks.", "",
+             "| algorithm | runs | eval success T=1.0 | eval success greedy | train success (last 3 iters) | "
+             "entropy swing mean | entropy swing max | sigma (monitor) | entropy range / mean |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for algo in args.algos.split(","):
+        if algo not in results:
+            continue
+        r = results[algo]
+        lines.append(f"| {ALGO_NAMES.get(algo, algo)} | {len(r['t1'])} | {mean_std(r['t1'])} | {mean_std(r['greedy'])} | "
+                     f"{mean_std(r['train_last'])} | {mean_std(r['swing_mean'])} | {mean_std(r['swing_max'])} | "
+                     f"{mean_std(r['sigma'])} | {mean_std(r['entropy_range'])} |")
+    table = "\n".join(lines)
+    (out / "results.md").write_text(table + f"\n\nCurves: {sweep / 'plots' / 'index.md'}\n")
+    (out / "results.json").write_text(json.dumps({"warm_start": {"t1": base_t1, "greedy": base_greedy},
+                                                  "algos": results, "sweep": str(sweep)}, indent=1))
+    print(table)
+    print(f"\nwritten: {out / 'results.md'}, plots: {sweep / 'plots'}")
+
+
+if __name__ == "__main__":
+    main()
