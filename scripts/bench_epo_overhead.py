@@ -18,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 

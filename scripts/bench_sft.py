@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -24,6 +25,8 @@ from rich.table import Table
 
 console = Console(highlight=False)
 
+
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 def epo(*args: str, cwd: Path) -> None:
     console.print(f"\n[bold cyan]$ epo {' '.join(args)}[/]", soft_wrap=True)

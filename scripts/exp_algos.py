@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -24,6 +25,8 @@ from pathlib import Path
 
 ALGO_NAMES = {"ppo": "PPO", "grpo": "GRPO", "epo_ppo": "PPO+EPO", "epo": "GRPO+EPO"}
 
+
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 def epo(*args: str, cwd: Path) -> None:
     print("$ epo " + " ".join(args), flush=True)
@@ -83,7 +86,7 @@ def main() -> None:
 
     sweep_root = out / "sweep"
     if not any(sweep_root.glob("*/*/summary.csv")):
-        launcher = [f"hydra/launcher=joblib", f"hydra.launcher.n_jobs={args.jobs}"] if args.jobs > 1 else []
+        launcher = ["hydra/launcher=joblib", f"hydra.launcher.n_jobs={args.jobs}"] if args.jobs > 1 else []
         epo("sweep", "experiment=epo_household", f"algo={args.algos}", f"seed={args.seeds}",
             f"model.path={warm / 'final'}", f"trainer.total_steps={args.steps}", "trainer.eval_every=0",
             "env.eval_splits=[]", "logger=none", f"output_dir={sweep_root}", "sweep.name=algos", *launcher,
@@ -119,9 +122,9 @@ def main() -> None:
         if algo not in results:
             continue
         r = results[algo]
-        lines.append(f"| {ALGO_NAMES.get(algo, algo)} | {len(r['t1'])} | {mean_std(r['t1'])} | {mean_std(r['greedy'])} | "
-                     f"{mean_std(r['train_last'])} | {mean_std(r['swing_mean'])} | {mean_std(r['swing_max'])} | "
-                     f"{mean_std(r['sigma'])} | {mean_std(r['entropy_range'])} |")
+        cells = [ALGO_NAMES.get(algo, algo), str(len(r["t1"]))] + [
+            mean_std(r[k]) for k in ("t1", "greedy", "train_last", "swing_mean", "swing_max", "sigma", "entropy_range")]
+        lines.append("| " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     (out / "results.md").write_text(table + f"\n\nCurves: {sweep / 'plots' / 'index.md'}\n")
     (out / "results.json").write_text(json.dumps({"warm_start": {"t1": base_t1, "greedy": base_greedy},
