@@ -42,6 +42,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from epo_cli.envs.base import EnvSuite, Task
 from epo_cli.errors import ConfigError, UserError
+from epo_cli.rollout.prompts import chat_encoder
 from epo_cli.rollout.rollout import Episode, Policy, episode_metrics, run_episodes
 
 #: z for a two-sided 95% interval
@@ -327,15 +328,6 @@ def _device(cfg: DictConfig) -> Any:
             raise UserError("trainer.device=cuda but no CUDA GPU is visible; use trainer.device=cpu.")
         return torch.device("cuda")
     return torch.device("cpu")
-
-
-def chat_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
-    """text -> chat-templated ids of a user turn plus the assistant header (as the trainer encodes)."""
-    def encode(text: str) -> list[int]:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
-                                            add_generation_prompt=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    return encode
 
 
 # ----------------------------------------------------------------------------------------------------

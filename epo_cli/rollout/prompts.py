@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 # name -> (template for the first turn, template for later turns)
 PROMPT_TEMPLATES: dict[str, tuple[str, str]] = {
@@ -63,6 +64,17 @@ PROMPT_TEMPLATES: dict[str, tuple[str, str]] = {
         "<action> </action> tags.",
     ),
 }
+
+
+def chat_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
+    """text -> token ids of a chat user turn plus the assistant header (the model's chat template)."""
+
+    def encode(text: str) -> list[int]:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                            add_generation_prompt=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5 returns a mapping
+
+    return encode
 
 
 def format_response(thought: str, action: str) -> str:

@@ -64,7 +64,7 @@ from epo_cli.models.loading import (
 from epo_cli.rollout.batch import MicroBatch, TurnBatch
 from epo_cli.rollout.demos import episodes_to_records, read_jsonl, records_to_batch, write_jsonl
 from epo_cli.rollout.generation import SamplingParams
-from epo_cli.rollout.prompts import PromptBuilder
+from epo_cli.rollout.prompts import PromptBuilder, chat_encoder
 from epo_cli.rollout.rollout import (
     Episode,
     ExpertPolicy,
@@ -161,7 +161,7 @@ class Trainer:
         self.history = EntropyHistory(algo.entropy_smoothing, max_turns=cfg.env.max_turns)
         self.monitor = FluctuationMonitor(algo.monitor)
         self.builder = PromptBuilder(cfg.env.prompt_template, cfg.env.history_length,
-                                     cfg.rollout.max_prompt_tokens, self._encode_chat)
+                                     cfg.rollout.max_prompt_tokens, chat_encoder(self.tokenizer))
         self.state = TrainState()
 
         # --- resume, env pool, logging ------------------------------------------------------------------
@@ -183,11 +183,6 @@ class Trainer:
     def _num_workers(self) -> int:
         n = self.cfg.env.num_workers
         return (os.cpu_count() or 1) if n is None else n
-
-    def _encode_chat(self, text: str) -> list[int]:
-        ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
-                                                 add_generation_prompt=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def _sampling(self, temperature: float) -> SamplingParams:
         r = self.cfg.rollout
