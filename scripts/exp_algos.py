@@ -85,13 +85,13 @@ def main() -> None:
                    key=lambda p: p.stat().st_mtime)
 
     sweep_root = out / "sweep"
-    if not any(sweep_root.glob("*/*/summary.csv")):
+    if not any(sweep_root.glob("sweeps/*/*/summary.csv")):
         launcher = ["hydra/launcher=joblib", f"hydra.launcher.n_jobs={args.jobs}"] if args.jobs > 1 else []
         epo("sweep", "experiment=epo_household", f"algo={args.algos}", f"seed={args.seeds}",
             f"model.path={warm / 'final'}", f"trainer.total_steps={args.steps}", "trainer.eval_every=0",
             "env.eval_splits=[]", "logger=none", f"output_dir={sweep_root}", "sweep.name=algos", *launcher,
             *args.overrides, cwd=out)
-    sweep = max(sweep_root.glob("*/*"), key=lambda p: p.stat().st_mtime)
+    sweep = max(sweep_root.glob("sweeps/*/*"), key=lambda p: p.stat().st_mtime)  # epo sweep's layout
     epo("report", str(sweep), cwd=out)
 
     base_t1 = eval_rate(warm, out / "eval" / "warm_start", args.episodes, False, out)
