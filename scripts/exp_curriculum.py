@@ -39,10 +39,8 @@ from pathlib import Path
 
 HOUSEHOLD_LEVELS = ["tiny_open_pick_place", "small_pick_and_light", "medium_with_transforms",
                     "large_all_tasks", "alfworld_size_all_tasks"]
-#: the warm start of the test suite (tests/conftest.py WARM_START_ARGS)
-WARM_START_ARGS = ["algo=sft", "env.level=tiny_open_pick_place", "env.prompt_template=compact",
-                   "trainer.total_steps=150", "trainer.eval_every=0", "trainer.eval_episodes=16",
-                   "algo.demo_episodes=200", "trainer.save_every=0", "logger.tensorboard=false"]
+#: the shipped warm start (as `make demo` and the test suite's fixture train it)
+WARM_START_ARGS = ["experiment=warm_start", "logger.tensorboard=false"]
 EVAL_KEY = "eval/eval_in_distribution/success"
 ARMS = ("baseline", "curriculum")
 
@@ -121,7 +119,7 @@ def ensure_warm_start(given: str | None, out: Path, quick: bool) -> Path:
 
 def arm_args(arm: str, a: argparse.Namespace, warm: Path, seed: int) -> list[str]:
     common = [
-        "algo=grpo", f"model.path={warm}", "env.prompt_template=compact", f"env.level={a.level}",
+        "algo=grpo", f"model.path={warm}", "env.prompt_template=compact", f"env.level={a.level}", f"algo.lr={a.lr}",
         f"env.max_turns={a.max_turns}", "env.eval_splits=[eval_in_distribution]",
         f"algo.tasks_per_step={a.tasks_per_step}", f"algo.group_size={a.group_size}",
         f"trainer.total_steps={a.steps}", f"trainer.eval_every={a.eval_every}",
@@ -282,6 +280,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="target household level (the warm start was trained on tiny_open_pick_place)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=40, help="GRPO iterations per run")
+    p.add_argument("--lr", type=float, default=5e-4, help="GRPO learning rate (experiment=epo_household's)")
     p.add_argument("--tasks-per-step", type=int, default=4)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--max-turns", type=int, default=20)
