@@ -121,8 +121,22 @@ def _prune(root: Path, keep: int, keep_tags: set[str | None]) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
+def check_world_size(folder: Path, world: int) -> None:
+    """ZeRO 1-3 save one optimizer shard per rank and reload only on the same number of ranks."""
+    shards = len(list(Path(folder).glob("*zero_pp_rank_*_optim_states.pt")))
+    if shards and shards != world:
+        raise UserError(
+            f"Checkpoint '{folder}' was saved by {shards} ranks (ZeRO shards) and this run has {world}. "
+            f"Resume with the same number of ranks (launcher.num_gpus / launcher.num_procs / num_nodes), "
+            "or start a new run from the exported model: model.path=<run>/final."
+        )
+
+
 def load(folder: Path, engine: Any, critic_engine: Any, rank: int) -> dict[str, Any]:
     """Restore engines, RNG states and return the trainer payload; a corrupt checkpoint is a UserError."""
+    import torch.distributed as torch_dist
+
+    check_world_size(folder, torch_dist.get_world_size() if torch_dist.is_initialized() else 1)
     try:
         payload = json.loads((folder / "trainer_state.json").read_text())
         path, _ = engine.load_checkpoint(str(folder.parent), tag=folder.name, load_module_strict=True)

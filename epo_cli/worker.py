@@ -1,0 +1,217 @@
+"""One rank of a distributed run.
+
+    python -m epo_cli.worker --run-dir outputs/<date>/<time>-<name>
+
+`epo train launcher=deepspeed ...` (epo_cli.distributed_launch) composes and validates the config once,
+writes <run>/config.yaml, and starts this module on every rank through the deepspeed launcher, which sets
+RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT. Under `launcher=slurm` every SLURM task calls
+`SlurmRank` instead, which derives the same variables from the SLURM allocation. Either way all ranks read
+the same config.yaml, so they agree on what runs; rank 0 alone logs and writes the run's files.
+
+A rank that fails records why in <run>/ranks/rank<r>.error (JSON) before it exits non-zero: the launcher
+then stops the other ranks, and the process that started the job prints that record as the reason.
+
+Test hook (documented because it is read here and nowhere else): EPO_TEST_KILL_RANK="<rank>:<step>" makes
+rank <rank> exit abruptly (os._exit(17), no error record, like a crash or an OOM kill) when it starts to
+save the checkpoint of step <step>; "<rank>:<step>:hang" makes it sleep there instead (a hung rank).
+tests/test_distributed.py uses it to check that a dead or hung rank ends the whole job.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before torch is imported: the deepspeed launcher does not limit OpenMP threads, and N ranks x all cores
+# threads make CPU steps several times slower (GPU ranks need few CPU threads too).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+KILL_HOOK_ENV = "EPO_TEST_KILL_RANK"
+
+
+def rank_error_file(run: Path, rank: int) -> Path:
+    return Path(run) / "ranks" / f"rank{rank}.error"
+
+
+def is_timeout(err: BaseException) -> bool:
+    """A collective that gave up waiting for another rank (gloo / NCCL / c10d wording)."""
+    text = f"{type(err).__name__}: {err}".lower()
+    return "timed out" in text or "timeout" in text or "dist_backend_error" in text
+
+
+def lost_peer(err: BaseException) -> bool:
+    """A collective that failed because another rank's connection went away (that rank died)."""
+    text = str(err).lower()
+    return any(s in text for s in ("connection reset by peer", "connection closed by peer", "broken pipe",
+                                   "connection refused"))
+
+
+def describe_failure(err: BaseException, timeout_s: float | None) -> str:
+    """One readable line for the console: why this rank stopped."""
+    from epo_cli.errors import UserError
+
+    first = str(err).splitlines()[0] if str(err) else ""
+    if isinstance(err, UserError):
+        return str(err)
+    if is_timeout(err):
+        return (f"a collective operation waited longer than launcher.timeout_s={timeout_s:g}s for the other "
+                f"ranks: another rank is hung or has died ({type(err).__name__}: {first})")
+    if lost_peer(err):
+        return f"lost the connection to another rank, which has probably died ({type(err).__name__}: {first})"
+    return f"{type(err).__name__}: {first}"
+
+
+def record_failure(run: Path, rank: int, err: BaseException, timeout_s: float | None) -> None:
+    """Write this rank's failure record (never raises: the original error matters more)."""
+    try:
+        path = rank_error_file(run, rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        payload = {
+            "rank": rank,
+            "type": type(err).__name__,
+            "message": describe_failure(err, timeout_s),
+            "timeout": is_timeout(err),
+            # a consequence of another rank's failure, not a cause: the launcher reports the cause first
+            "peer": is_timeout(err) or lost_peer(err),
+            "user_error": _is_user_error(err),
+            "time": time.time(),
+            "traceback": "".join(traceback.format_exception(type(err), err, err.__traceback__))[-8000:],
+        }
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(payload, indent=1))
+        tmp.replace(path)
+    except Exception:  # noqa: BLE001 - best effort
+        pass
+
+
+def _is_user_error(err: BaseException) -> bool:
+    from epo_cli.errors import UserError
+
+    return isinstance(err, UserError)
+
+
+def install_test_hook(rank: int) -> None:
+    """EPO_TEST_KILL_RANK="<rank>:<step>[:hang]": see the module docstring."""
+    spec = os.environ.get(KILL_HOOK_ENV, "")
+    if not spec:
+        return
+    parts = spec.split(":")
+    target_rank, target_step = int(parts[0]), int(parts[1])
+    hang = len(parts) > 2 and parts[2] == "hang"
+    if rank != target_rank:
+        return
+    from epo_cli.training import checkpoint
+
+    original = checkpoint.save
+
+    def save(run: Path, step: int, *args: Any, **kwargs: Any) -> Path:
+        if step == target_step:
+            print(f"[{KILL_HOOK_ENV}] rank {rank} {'hangs' if hang else 'dies'} while saving step {step}",
+                  file=sys.stderr, flush=True)
+            if hang:
+                while True:
+                    time.sleep(60)
+            os._exit(17)
+        return original(run, step, *args, **kwargs)
+
+    checkpoint.save = save  # the trainer calls checkpoint.save through the module
+
+
+def run_rank(run: Path, resume_latest: bool = False) -> int:
+    """Train this rank of the run in `run`; returns the process exit code. `resume_latest`: continue from
+    the run's latest complete checkpoint if it has one (a requeued SLURM job)."""
+    from rich.markup import escape
+
+    from epo_cli.cli import err_console, quiet_libraries
+    from epo_cli.errors import UserError
+    from epo_cli.run_dir import load_run_config
+
+    quiet_libraries()
+    run = Path(run).resolve()
+    rank = int(os.environ.get("RANK", "0"))
+    timeout_s: float | None = None
+    try:
+        cfg = load_run_config(run)
+        cfg.run_dir = str(run)  # absolute: every rank (and node) names the same folder
+        if resume_latest:
+            cfg.trainer.resume = "auto"
+        timeout_s = float(cfg.launcher.timeout_s)
+        install_test_hook(rank)
+        from epo_cli.training.trainer import Trainer
+
+        metrics = Trainer(cfg, run).train()
+    except BaseException as err:  # noqa: BLE001 - every way out of a rank is recorded
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            raise
+        record_failure(run, rank, err, timeout_s)
+        if isinstance(err, UserError) or is_timeout(err) or lost_peer(err):  # one line; bugs keep a traceback
+            message = escape(describe_failure(err, timeout_s))
+            err_console.print(f"[bold red]error (rank {rank}):[/] {message}", soft_wrap=True)
+            return err.exit_code if isinstance(err, UserError) else 1
+        traceback.print_exc()
+        return 1
+    finally:
+        _leave_process_group()
+    if rank == 0:
+        from epo_cli.summary import print_summary
+
+        print_summary(cfg, run, metrics)
+    sys.stdout.flush()
+    return 0
+
+
+def _leave_process_group() -> None:
+    try:
+        import torch.distributed as torch_dist
+
+        if torch_dist.is_initialized():
+            torch_dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - exiting anyway
+        pass
+
+
+class SlurmRank:
+    """The callable that launcher=slurm submits (epo_cli.distributed_launch.submit_slurm): one per SLURM task.
+
+    SLURM starts one task per rank (srun); submitit's TorchDistributedEnvironment exports RANK, WORLD_SIZE,
+    LOCAL_RANK and MASTER_ADDR/PORT (first node of the allocation) for init_distributed. GPU selection
+    stays with LOCAL_RANK (all of a node's GPUs remain visible to each task).
+
+    When the job reaches its time limit or is preempted, submitit calls `checkpoint` and requeues the job;
+    the requeued ranks resume from the run's latest complete checkpoint (trainer.save_every decides how
+    much is redone).
+    """
+
+    def __call__(self, run_dir: str, resume: bool = False) -> None:
+        import submitit
+
+        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+        code = run_rank(Path(run_dir), resume_latest=resume)
+        if code != 0:
+            rank = int(os.environ.get("RANK", "0"))
+            record = rank_error_file(Path(run_dir), rank)
+            raise RuntimeError(f"rank {rank} failed (exit code {code}); see {record}")
+
+    def checkpoint(self, run_dir: str, resume: bool = False) -> Any:
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(SlurmRank(), run_dir, True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m epo_cli.worker", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run-dir", required=True, help="run directory holding config.yaml")
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # older launchers
+    args = parser.parse_args(argv)
+    sys.exit(run_rank(Path(args.run_dir)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,422 @@
+"""Distributed training on 2 CPU ranks (gloo) against 1 rank with the same global batch.
+
+Starting a rank costs ~30-40 s of imports on this machine, so the comparisons share processes: this file
+is also a script (`_harness`) that trains several short runs one after another inside one set of ranks
+(one process group), started by the deepspeed launcher exactly as `epo train launcher=deepspeed` starts
+epo_cli.worker. The launcher path itself (`epo train launcher=deepspeed`: run directory, worker module,
+failure handling, resume) is exercised through the real CLI by the killed-rank / resume test.
+
+    runs (all from the behaviour-cloned warm start, 2 groups x 2 rollouts per iteration)
+    1 rank          grpo (2 iterations), ppo (2), epo (2)
+    2 ranks         grpo ZeRO-2 (1), grpo ZeRO-3 (2, checkpoint every step), ppo ZeRO-2 (1),
+                    ppo ZeRO-3 (2), epo ZeRO-2 (2), grpo + LoRA ZeRO-2 (1), then a collective that must
+                    time out
+    CLI, 2 ranks    grpo ZeRO-3 whose rank 1 dies while saving step 2; then `trainer.resume=<run>`
+    CLI, no ranks   batch/world-size checks, SLURM submission (a stand-in `sbatch` records the script)
+    in-process      the multi-node deepspeed command from a hostfile; the failure message's choice of cause
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+#: one RL iteration = 2 tasks x 2 rollouts of <= 6 turns; mini-batches of 8 samples in micro-batches of 2,
+#: so an iteration takes several optimizer steps and ranks hold uneven numbers of micro-batches
+RL_ARGS = [
+    "env.level=tiny_open_pick_place", "env.prompt_template=compact", "env.max_turns=8", "env.eval_splits=[]",
+    "algo.tasks_per_step=2", "algo.group_size=2", "algo.mini_batch_size=8", "algo.micro_batch_size=2",
+    "trainer.save_every=1", "logger.tensorboard=false",
+    # A learning signal in every iteration: groups that all fail would have all-zero advantages, leaving
+    # only the KL term, whose gradient at policy = reference is rounding noise that Adam amplifies.
+    # Progress events add rewards; in 8 turns the warm start wins some of the second iteration's tasks.
+    "curriculum.subgoal_rewards=true",
+]
+BASELINE_RUNS = {
+    "grpo": ["algo=grpo", "trainer.total_steps=2"],
+    "ppo": ["algo=ppo", "trainer.total_steps=2"],
+    "epo": ["algo=epo", "trainer.total_steps=2"],
+}
+SHARDED_RUNS = {
+    "grpo_z2": ["algo=grpo", "trainer.total_steps=1", "deepspeed=zero2"],
+    "grpo_z3": ["algo=grpo", "trainer.total_steps=2", "deepspeed=zero3"],
+    "ppo_z2": ["algo=ppo", "trainer.total_steps=1", "deepspeed=zero2"],
+    "ppo_z3": ["algo=ppo", "trainer.total_steps=2", "deepspeed=zero3"],
+    "epo_z2": ["algo=epo", "trainer.total_steps=2", "deepspeed=zero2"],
+    "lora_z2": ["algo=grpo", "trainer.total_steps=1", "deepspeed=zero2", "model.lora.rank=4"],
+}
+REL_TOL = 1e-4
+#: metrics that must be equal exactly (counts and success rates: the rollouts themselves are identical)
+EXACT_PREFIXES = ("rollout/success", "rollout/episode_len", "rollout/samples", "rollout/invalid_rate",
+                  "curriculum/", "perf/optimizer_steps", "coef/")
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+
+# ---- the harness (runs inside the ranks) -------------------------------------------------------------------
+
+def _harness(spec_file: str) -> None:
+    """Train every run of the spec in this process group; rank 0 records facts about each run."""
+    import torch
+
+    from epo_cli.cli import quiet_libraries
+    from epo_cli.config import compose
+    from epo_cli.launch import prepare_run_dir
+    from epo_cli.training.engine import barrier, init_distributed
+    from epo_cli.training.trainer import Trainer
+
+    quiet_libraries()
+    spec = json.loads(Path(spec_file).read_text())
+    facts: dict[str, Any] = {}
+    dist = None
+    for name, overrides in spec["runs"].items():
+        cfg = compose([*overrides, f"run_dir={Path(spec['root']) / name}", "launcher.timeout_s=300"])
+        dist = dist or init_distributed(cfg)
+        if dist.is_main:
+            prepare_run_dir(cfg, overrides)
+        barrier()
+        trainer = Trainer(cfg, Path(cfg.run_dir))
+        trainer.train()
+        facts[name] = _run_facts(trainer)
+        barrier()
+    # launcher.timeout_s reaches the process group: a collective that one rank never joins must raise
+    # (not hang) on the other, and the worker must classify it as a timeout
+    import datetime
+
+    from epo_cli.worker import is_timeout
+
+    group = torch.distributed.new_group(backend="gloo", timeout=datetime.timedelta(seconds=3))
+    if dist.rank == 0:
+        try:
+            torch.distributed.barrier(group=group)
+            facts["timeout"] = "no error"
+        except Exception as err:  # noqa: BLE001 - what is raised is the point
+            facts["timeout"] = {"raised": type(err).__name__, "classified": is_timeout(err)}
+    else:
+        import time
+
+        time.sleep(8)
+    default_timeout = _default_group_timeout()
+    if dist.rank == 0:
+        facts["default_timeout_s"] = default_timeout
+        Path(spec["facts"]).write_text(json.dumps(facts))
+
+
+def _default_group_timeout() -> float | None:
+    """The default process group's collective timeout, in seconds (a private torch API: None if absent)."""
+    import torch
+    from torch.distributed import distributed_c10d as c10d
+
+    try:
+        backend = c10d._get_default_group()._get_backend(torch.device("cpu"))
+        return backend.options._timeout.total_seconds()
+    except Exception:  # noqa: BLE001 - the behavioural timeout check above does not depend on it
+        return None
+
+
+def _run_facts(trainer: Any) -> dict[str, Any]:
+    """Trainable parameter counts, and under ZeRO-3 how far the exported model is from the engine."""
+    import deepspeed
+    import torch
+
+    engine = trainer.engine
+    params = list(engine.module.parameters())
+    facts: dict[str, Any] = {
+        "world": trainer.dist.world_size,
+        "trainable": sum(int(getattr(p, "ds_numel", p.numel())) for p in params if p.requires_grad),
+        "total": sum(int(getattr(p, "ds_numel", p.numel())) for p in params),
+        "ref_has_adapters": trainer.ref_model is not None and any(
+            "lora" in name for name, _ in trainer.ref_model.named_parameters()),
+    }
+    if trainer.cfg.deepspeed.zero_stage == 3:  # consolidation: the export vs the engine's gathered weights
+        from transformers import AutoModelForCausalLM
+
+        torch.distributed.barrier()  # rank 0 writes <run>/final at the end of train()
+        exported = dict(AutoModelForCausalLM.from_pretrained(trainer.run / "final").named_parameters())
+        worst = 0.0
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            for name, p in engine.module.named_parameters():
+                worst = max(worst, float((exported[name].float() - p.detach().float()).abs().max()))
+        facts["export_vs_engine_max_abs"] = worst
+        torch.distributed.barrier()
+    return facts
+
+
+# ---- helpers (pytest side) -----------------------------------------------------------------------------
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONHASHSEED="random")
+    env.pop("EPO_TEST_KILL_RANK", None)
+    return env
+
+
+def _launch_harness(root: Path, runs: dict[str, list[str]], ranks: int, warm: Path) -> dict[str, Any]:
+    spec = {"root": str(root), "facts": str(root / "facts.json"),
+            "runs": {name: [*args, *RL_ARGS, f"model.path={warm / 'final'}"] for name, args in runs.items()}}
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "spec.json").write_text(json.dumps(spec))
+    if ranks == 1:  # a plain process: a world of one (init_distributed sets it up)
+        cmd = [sys.executable, __file__, str(root / "spec.json")]
+    else:
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks),
+               "--master_port", str(_free_port()), "--no_local_rank", "--log_level", "warning",
+               __file__, str(root / "spec.json")]
+    proc = subprocess.run(cmd, cwd=root, env=_env(), capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise AssertionError(f"harness with {ranks} rank(s) failed ({proc.returncode})\n"
+                             f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return json.loads((root / "facts.json").read_text())
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _metrics(run: Path) -> list[dict[str, float]]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _compare(reference: dict[str, float], other: dict[str, float], what: str) -> None:
+    keys = {k for k in reference if not k.startswith("perf/") and k not in ("time", "elapsed_s")}
+    missing = keys - set(other)
+    assert not missing, f"{what}: metrics missing: {sorted(missing)}"
+    bad = []
+    for k in sorted(keys):
+        a, b = reference[k], other[k]
+        if not isinstance(a, int | float):
+            continue
+        if k.startswith(EXACT_PREFIXES):
+            ok = a == b or (math.isnan(a) and math.isnan(b))
+        else:
+            ok = math.isclose(a, b, rel_tol=REL_TOL, abs_tol=1e-6) or (math.isnan(a) and math.isnan(b))
+        if not ok:
+            bad.append(f"{k}: {a!r} vs {b!r}")
+    assert not bad, f"{what} differs:\n  " + "\n  ".join(bad)
+
+
+def _logits(model_dir: Path) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    ids = torch.arange(1, 33).reshape(2, 16) % model.config.vocab_size
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def _assert_same_model(a: Path, b: Path) -> None:
+    la, lb = _logits(a), _logits(b)
+    scale = float(la.abs().max())
+    diff = float((la - lb).abs().max())
+    assert diff <= REL_TOL * max(scale, 1.0), f"logits of {a} and {b} differ by {diff} (scale {scale})"
+
+
+# ---- fixtures: the shared runs ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def baseline(warm_start: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("one_rank")
+    _launch_harness(root, BASELINE_RUNS, 1, warm_start)
+    return root
+
+
+@pytest.fixture(scope="module")
+def sharded(warm_start: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    root = tmp_path_factory.mktemp("two_ranks")
+    return root, _launch_harness(root, SHARDED_RUNS, 2, warm_start)
+
+
+# ---- 2 ranks = 1 rank ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("algo,stage", [("grpo", 2), ("grpo", 3), ("ppo", 2), ("ppo", 3), ("epo", 2)])
+def test_two_ranks_match_one_rank(baseline: Path, sharded: tuple[Path, dict], algo: str, stage: int) -> None:
+    root, facts = sharded
+    name = f"{algo}_z{stage}"
+    assert facts[name]["world"] == 2
+    one, two = _metrics(baseline / algo), _metrics(root / name)
+    # every iteration the sharded run made (ZeRO-3 and epo: two; the second has wins, so success is
+    # compared exactly on a non-trivial value; epo's second iteration uses the entropy history of the first)
+    for step, record in enumerate(two):
+        _compare(one[step], record, f"{name} iteration {step + 1} vs 1 rank")
+    assert two[0]["loss/policy_clip"] != 0.0  # a real learning signal, not only rounding noise
+    if len(two) > 1:
+        assert 0.0 < two[1]["rollout/success"] < 1.0, "expected some wins in the second iteration"
+
+
+def test_zero3_export_is_the_consolidated_engine(baseline: Path, sharded: tuple[Path, dict]) -> None:
+    """<run>/final under ZeRO-3 equals the engine's gathered weights and the 1-rank run's model."""
+    root, facts = sharded
+    assert facts["grpo_z3"]["export_vs_engine_max_abs"] == 0.0
+    assert facts["ppo_z3"]["export_vs_engine_max_abs"] == 0.0
+    _assert_same_model(root / "grpo_z3" / "final", baseline / "grpo" / "final")
+
+
+def test_lora_under_zero2(sharded: tuple[Path, dict], warm_start: Path) -> None:
+    """Only adapters train; the KL reference is the frozen base model (no adapters; KL > 0 once the
+    adapters moved); the export is a plain merged model that differs from the base only in the adapted
+    projections."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    root, facts = sharded
+    lora = facts["lora_z2"]
+    assert 0 < lora["trainable"] < lora["total"] / 10
+    first = _metrics(root / "lora_z2")[0]
+    assert lora["ref_has_adapters"] is False and first["policy/kl_ref"] > 0
+    assert first["perf/optimizer_steps"] >= 1
+    final = root / "lora_z2" / "final"
+    assert not any("lora" in p.name for p in final.iterdir())
+    merged = dict(AutoModelForCausalLM.from_pretrained(final).named_parameters())
+    base = dict(AutoModelForCausalLM.from_pretrained(warm_start / "final").named_parameters())
+    assert set(merged) == set(base)
+    changed = {n for n in base if not torch.equal(base[n], merged[n])}
+    assert changed and all(n.rsplit(".", 2)[-2] in ("q_proj", "k_proj", "v_proj", "o_proj") for n in changed)
+
+
+def test_collective_timeout_is_raised_not_hung(sharded: tuple[Path, dict]) -> None:
+    _, facts = sharded
+    assert facts["timeout"] != "no error" and facts["timeout"]["classified"], facts["timeout"]
+    if facts.get("default_timeout_s") is not None:  # launcher.timeout_s reached the default group
+        assert facts["default_timeout_s"] == pytest.approx(300.0)
+
+
+# ---- the CLI: a rank dies, the job ends, the last checkpoint resumes ---------------------------------------
+
+def test_dead_rank_ends_job_then_resume_matches(warm_start: Path, sharded: tuple[Path, dict],
+                                                tmp_path: Path) -> None:
+    from conftest import run_cli
+
+    root, _ = sharded
+    run = tmp_path / "run"
+    args = ["train", "launcher=deepspeed", "launcher.num_procs=2", *SHARDED_RUNS["grpo_z3"], *RL_ARGS,
+            f"model.path={warm_start / 'final'}", f"run_dir={run}"]
+    env_before = os.environ.get("EPO_TEST_KILL_RANK")
+    os.environ["EPO_TEST_KILL_RANK"] = "1:2"  # rank 1 exits (code 17) when it starts to save step 2
+    try:
+        proc = run_cli(args, cwd=tmp_path, expect=None, timeout=600)
+    finally:
+        os.environ.pop("EPO_TEST_KILL_RANK") if env_before is None else os.environ.update(
+            EPO_TEST_KILL_RANK=env_before)
+    assert proc.returncode != 0
+    message = proc.stderr.split("Distributed training failed")[-1]
+    assert "rank 1 exited with code 17" in message, proc.stderr[-3000:]
+    assert "Traceback" not in message and f"trainer.resume={run}" in message
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_1"
+    assert (run / "checkpoints" / "step_1" / "COMPLETE").exists()
+    assert not (run / "checkpoints" / "step_2" / "COMPLETE").exists()
+    assert json.loads((run / "status.json").read_text())["status"] == "failed"
+
+    run_cli(["train", f"trainer.resume={run}"], cwd=tmp_path, timeout=600)
+    resumed = _metrics(run)
+    reference = _metrics(root / "grpo_z3")
+    assert [m["step"] for m in resumed] == [1, 2]
+    _compare(reference[1], resumed[1], "resumed iteration 2 vs uninterrupted ZeRO-3 run")
+    _assert_same_model(run / "final", root / "grpo_z3" / "final")
+    assert json.loads((run / "status.json").read_text())["status"] == "finished"
+
+
+# ---- the CLI without ranks: checks and SLURM submission ------------------------------------------------
+
+def test_world_size_checks_fail_before_any_rank_starts(tmp_path: Path) -> None:
+    from conftest import run_cli
+
+    base = ["train", "algo=grpo", "launcher=deepspeed", f"output_dir={tmp_path}"]
+    proc = run_cli([*base, "launcher.num_procs=3"], cwd=tmp_path, expect=2)
+    assert "divisible" in proc.stderr and "world size 3" in proc.stderr
+    proc = run_cli([*base, "launcher.num_gpus=8"], cwd=tmp_path, expect=1)
+    assert "launcher.num_procs" in proc.stderr and "Traceback" not in proc.stderr
+    assert not list(tmp_path.glob("*/*/config.yaml"))  # nothing was started
+
+
+def test_slurm_submission_script(tmp_path: Path) -> None:
+    """launcher=slurm builds an sbatch job (2 nodes x 8 GPUs, one srun task per rank) and submits it."""
+    from conftest import run_cli
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "sbatch"  # stands in for SLURM: keeps the script, answers like sbatch
+    fake.write_text(f"#!/bin/sh\ncp \"$1\" {tmp_path}/submitted.sh\necho 'Submitted batch job 4242'\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    (bin_dir / "srun").write_text("#!/bin/sh\nexit 1\n")  # submitit only checks that it exists
+    (bin_dir / "srun").chmod(fake.stat().st_mode)
+    env_path = os.environ["PATH"]
+    os.environ["PATH"] = f"{bin_dir}:{env_path}"
+    try:
+        proc = run_cli(["train", "algo=grpo", "launcher=slurm", "launcher.num_nodes=2", "launcher.num_gpus=8",
+                        "launcher.partition=gpu", "launcher.account=rl", "launcher.time_min=90",
+                        "algo.tasks_per_step=16", "algo.micro_batch_size=4", f"run_dir={tmp_path / 'run'}"],
+                       cwd=tmp_path)
+    finally:
+        os.environ["PATH"] = env_path
+    assert "submitted SLURM job 4242" in proc.stdout
+    script = (tmp_path / "submitted.sh").read_text()
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
+                 "#SBATCH --partition=gpu", "#SBATCH --account=rl", "#SBATCH --time=90",
+                 "--kill-on-bad-exit=1", "export DS_ACCELERATOR=cuda"):
+        assert line in script, f"{line!r} not in the sbatch script:\n{script}"
+    import submitit
+
+    pickled = next((tmp_path / "run" / "slurm").glob("*_submitted.pkl"))
+    delayed = submitit.core.utils.DelayedSubmission.load(pickled)
+    assert type(delayed.function).__name__ == "SlurmRank" and hasattr(delayed.function, "checkpoint")
+    assert delayed.args == (str((tmp_path / "run").resolve()),)
+    assert (tmp_path / "run" / "config.yaml").exists()
+
+
+# ---- launcher pieces without ranks -------------------------------------------------------------------
+
+def test_multi_node_command_from_hostfile(tmp_path: Path) -> None:
+    from epo_cli.config import compose
+    from epo_cli.distributed_launch import deepspeed_command, layout_for
+
+    hosts = tmp_path / "hosts"
+    hosts.write_text("# two nodes\nnode-1 slots=8\nnode-2 slots=8\n")
+    cfg = compose(["algo=grpo", "launcher=deepspeed", "launcher.num_gpus=8", "launcher.num_nodes=2",
+                   f"launcher.hostfile={hosts}", "launcher.master_addr=10.0.0.1"])
+    layout = layout_for(cfg)
+    assert (layout.world_size, layout.gpu) == (16, True)
+    cmd = " ".join(deepspeed_command(cfg, tmp_path / "run", layout))
+    for part in ("-m deepspeed.launcher.runner", "--num_nodes 2", "--num_gpus 8", "--master_port 29500",
+                 f"--hostfile {hosts}", "--master_addr 10.0.0.1", "--module epo_cli.worker",
+                 f"--run-dir {tmp_path / 'run'}"):
+        assert part in cmd, (part, cmd)
+
+
+def test_failure_message_names_the_cause(tmp_path: Path) -> None:
+    """The crash is reported, not the timeouts / lost connections it caused on the other ranks."""
+    from epo_cli.distributed_launch import failure_message
+
+    ranks = tmp_path / "ranks"
+    ranks.mkdir()
+
+    def record(rank: int, message: str, peer: bool, timeout: bool = False, t: float = 0.0) -> None:
+        (ranks / f"rank{rank}.error").write_text(json.dumps(
+            {"rank": rank, "message": message, "peer": peer, "timeout": timeout, "time": t}))
+
+    record(0, "lost the connection to another rank", peer=True, t=1.0)
+    record(3, "ValueError: bad observation", peer=False, t=2.0)
+    assert "rank 3 failed: ValueError: bad observation" in failure_message(tmp_path, 1, 4)
+    (ranks / "rank3.error").unlink()
+    assert "rank 1 exited with code 247 (SIGKILL" in failure_message(tmp_path, 247, 2)
+    record(0, "waited longer than launcher.timeout_s", peer=True, timeout=True)
+    message = failure_message(tmp_path, 1, 2)
+    assert "waited longer than launcher.timeout_s for rank 1" in message and "No checkpoint" in message
+
+
+if __name__ == "__main__":  # one rank of the harness (see _launch_harness)
+    sys.path.insert(0, str(REPO / "tests"))
+    _harness(sys.argv[1])
