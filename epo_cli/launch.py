@@ -65,9 +65,17 @@ def run_local(cfg: DictConfig, overrides: list[str]) -> dict:
     from epo_cli.summary import print_summary
     from epo_cli.training.trainer import Trainer
 
-    run = prepare_run_dir(cfg, overrides)
+    resuming = bool(cfg.trainer.resume) and cfg.run_dir and (Path(cfg.run_dir) / "config.yaml").exists()
+    if resuming:
+        # load the checkpoint first: if it is unusable, the run directory stays exactly as it was
+        run = Path(cfg.run_dir)
+        trainer = Trainer(cfg, run)
+        prepare_run_dir(cfg, overrides)
+    else:
+        run = prepare_run_dir(cfg, overrides)
     try:
-        metrics = Trainer(cfg, run).train()
+        trainer = trainer if resuming else Trainer(cfg, run)
+        metrics = trainer.train()
     except BaseException as err:
         write_status(run, "failed", error=f"{type(err).__name__}: {err}")
         raise

@@ -11,7 +11,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import only_run_dir, run_cli
 from omegaconf import OmegaConf
 
 from epo_cli.config import CurriculumConfig, compose
@@ -26,6 +25,8 @@ from epo_cli.curriculum import (
 from epo_cli.envs.base import Task
 from epo_cli.envs.household import HouseholdConfig, HouseholdSuite
 from epo_cli.errors import ConfigError
+
+from conftest import only_run_dir, run_cli
 
 LEVELS = ["tiny_open_pick_place", "small_pick_and_light", "medium_with_transforms"]
 

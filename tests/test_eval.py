@@ -10,9 +10,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
 
 from epo_cli.evaluation import EVAL_JSON_FIELDS, mean_interval, wilson_interval
+
+from conftest import run_cli
 
 #: a tiny sft run: enough for checkpoints, final/ and one evaluation at the end
 TINY_RUN = ["train", "algo=sft", "env.level=tiny_open_pick_place", "env.prompt_template=compact",

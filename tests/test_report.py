@@ -9,10 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import run_cli
 from omegaconf import OmegaConf
 
 from epo_cli.report import entropy_reference, mean_band
+
+from conftest import run_cli
 
 PLOTS = ("entropy.png", "entropy_fluctuation.png", "success.png", "kl.png", "coefficients.png", "lr.png")
 #: matplotlib's first two line colours (C0, C1)

@@ -9,9 +9,10 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
 
 from epo_cli.sweep_summary import RunResult, SweepOptions, aggregate, mean_std, run_result, summarize
+
+from conftest import run_cli
 
 #: a job that trains for 2 steps and evaluates 1 episode at the end (~20 s here)
 TINY = ["algo=sft", "env.level=tiny_open_pick_place", "env.prompt_template=compact", "trainer.total_steps=2",
