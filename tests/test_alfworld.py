@@ -20,12 +20,13 @@ from epo_cli.envs.base import Task
 from epo_cli.envs.pool import EnvPool
 from epo_cli.errors import ConfigError, UserError
 
+from conftest import REPO, only_run_dir, run_cli, shared_dir
+
 if importlib.util.find_spec("alfworld") is None:  # not imported here: importing alfworld creates its data dir
     pytest.skip("alfworld is not installed (pip install 'epo[envs]')", allow_module_level=True)
 pytest.importorskip("textworld", reason="textworld is not installed (pip install 'epo[envs]')")
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("EPO_SHARED_DIR") or REPO.parent / "shared") / "alfworld"
+SHARED = shared_dir() / "alfworld"
 pytestmark = pytest.mark.realenv
 
 
@@ -176,3 +177,16 @@ def test_parser_cache_leaves_the_game_unchanged(pool: EnvPool) -> None:
 
     with EnvPool(suite(fast_textgen=False), num_workers=1, step_timeout_s=60) as stock:
         assert trajectory(pool) == trajectory(stock)
+
+
+@pytest.mark.slow
+def test_grpo_on_alfworld_through_the_cli(tmp_path: Path) -> None:
+    """`epo train algo=grpo env=alfworld model=tiny` end to end: 2 iterations on the shared games, envs in
+    2 worker processes, a tiny model whose tokenizer is trained on ALFWorld's own text."""
+    run_cli(["train", "algo=grpo", "env=alfworld", "model=tiny", f"env.data_dir={SHARED}", "env.num_workers=2",
+             "env.max_turns=3", "algo.tasks_per_step=1", "algo.group_size=2", "trainer.total_steps=2",
+             "env.eval_splits=[]", "logger.tensorboard=false", f"output_dir={tmp_path}"], cwd=tmp_path)
+    run = only_run_dir(tmp_path)
+    rows = [line for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert len(rows) == 2 and '"rollout/episode_len": 3.0' in rows[0]
+    assert "alfworld" in (run / "config.yaml").read_text().split("versions:")[1]  # env version recorded
