@@ -298,24 +298,25 @@ class Trainer:
         if self.critic_engine is not None:
             self.critic.refresh()
 
-        # 8. metrics of the rollout (all-reduced) and curriculum feedback
-        rollout_sums = episode_metrics(episodes)
-        levels: dict[str, list[float]] = {}
+        # 8. metrics of the rollout (all-reduced) and curriculum feedback (true task success per level)
+        sums = episode_metrics(episodes)
         for ep in episodes:
-            s = levels.setdefault(f"curriculum/level_success/{ep.task.level}", [0.0, 0.0])
-            s[0] += float(ep.won)
-            s[1] += 1.0
-        rollout_sums.update({k: (v[0], v[1]) for k, v in levels.items()})
-        div = response_diversity([(ep.group_id, ep.actions) for ep in episodes])
-        rollout_sums.update({k: (v, 1.0) for k, v in div.items()})
-        reduced = _reduce_sums(rollout_sums, self.dist.device)
-        self.curriculum.observe(step, _level_totals(reduced, rollout_sums, self.dist.device))
-        metrics.update({k: v for k, v in reduced.items()})
+            for key, value in ((f"curriculum/level_wins/{ep.task.level}", float(ep.won)),
+                               (f"curriculum/level_episodes/{ep.task.level}", 1.0)):
+                sums[key] = (sums.get(key, (0.0, 0.0))[0] + value, 0.0)  # counters: summed over ranks
+        groups = float(len({ep.group_id for ep in episodes}))
+        for key, value in response_diversity([(ep.group_id, ep.actions) for ep in episodes]).items():
+            sums[key] = (value * groups, groups)  # the mean over every rank's groups
+        sums["perf/generated_tokens"] = (float(rstats.generated_tokens), 0.0)
+        sums["perf/env_steps"] = (float(rstats.env_steps), 0.0)
+        reduced = _reduce_sums(sums, self.dist.device)
+        by_level = {k.rsplit("/", 1)[1]: (v, reduced[k.replace("level_wins", "level_episodes")])
+                    for k, v in reduced.items() if k.startswith("curriculum/level_wins/")}
+        self.curriculum.observe(step, by_level)
+        metrics.update({k: v for k, v in reduced.items() if not k.startswith(("curriculum/level_", "perf/"))})
+        metrics.update({f"curriculum/level_success/{level}": wins / max(n, 1.0)
+                        for level, (wins, n) in by_level.items()})
         metrics.update(self.curriculum.metrics())
-        perf = _reduce_sums({
-            "perf/generated_tokens": (float(rstats.generated_tokens), 0.0),
-            "perf/env_steps": (float(rstats.env_steps), 0.0),
-        }, self.dist.device)
         metrics.update({
             "rollout/subgoal_coef": subgoal_coef,
             "rollout/max_turns": float(max_turns),
@@ -326,8 +327,8 @@ class Trainer:
             "perf/env_s": rstats.env_s,
             "perf/score_s": score_s,
             "perf/update_s": update_s,
-            "perf/gen_tokens_per_s": perf["perf/generated_tokens"] / max(rstats.generate_s, 1e-9),
-            "perf/env_steps_per_s": perf["perf/env_steps"] / max(rstats.env_s, 1e-9),
+            "perf/gen_tokens_per_s": reduced["perf/generated_tokens"] / max(rstats.generate_s, 1e-9),
+            "perf/env_steps_per_s": reduced["perf/env_steps"] / max(rstats.env_s, 1e-9),
             "perf/lr": self.engine.optimizer.param_groups[0]["lr"],
             "rollout/samples": float(all_reduce_sum(torch.tensor(float(len(batch))))),
         })
@@ -627,14 +628,6 @@ def _row_denominators(batch: TurnBatch, modes: list[str], decay: float) -> dict[
     num_turns = batch.num_turns.clamp(min=1)
     return {mode: AGGREGATIONS[mode].weights(mask, batch.turn_index, num_turns, decay)[1].double()
             for mode in modes}
-
-
-def _level_totals(reduced: dict[str, float], sums: dict[str, tuple[float, float]],
-                  device: torch.device) -> dict[str, tuple[float, float]]:
-    """Global (wins, episodes) per curriculum level from the reduced success rates and counts."""
-    keys = [k for k in reduced if k.startswith("curriculum/level_success/")]
-    counts = _reduce_sums({k: (sums.get(k, (0.0, 0.0))[1], 0.0) for k in keys}, device)
-    return {k.rsplit("/", 1)[1]: (reduced[k] * counts[k], counts[k]) for k in keys}
 
 
 def _critic_stats(values: torch.Tensor, returns: torch.Tensor, device: torch.device) -> dict[str, float]:
