@@ -314,7 +314,7 @@ class WandbConfig:
 @dataclass
 class MlflowConfig:
     enabled: bool = False
-    #: a local file store by default
+    #: null = a local SQLite store in the run directory (<run>/mlflow.db); or any MLflow tracking URI
     tracking_uri: str | None = None
     experiment: str = "epo"
 

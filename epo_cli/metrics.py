@@ -72,7 +72,10 @@ class MetricsLogger:
             from epo_cli.errors import UserError
 
             raise UserError("logger=mlflow needs mlflow: pip install 'epo[loggers]'.") from None
-        mlflow.set_tracking_uri(mc.tracking_uri or (self.run / "mlruns").resolve().as_uri())
+        # default: a local SQLite store in the run directory (MLflow 3 retired the plain file store)
+        mlflow.set_tracking_uri(mc.tracking_uri or f"sqlite:///{(self.run / 'mlflow.db').resolve()}")
+        if mlflow.get_experiment_by_name(mc.experiment) is None:
+            mlflow.create_experiment(mc.experiment, artifact_location=(self.run / "mlartifacts").resolve().as_uri())
         mlflow.set_experiment(mc.experiment)
         resumed = "mlflow" in self.run_ids
         active = mlflow.start_run(run_id=self.run_ids.get("mlflow"), run_name=self.run.name)

@@ -1,0 +1,88 @@
+"""Logger integrations (W&B offline, MLflow file store) and the non-finite update guard."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from epo_cli.training.engine import GuardedAdamW
+
+from conftest import REPO, only_run_dir, run_cli
+
+SHORT_SFT = ["train", "algo=sft", "env.level=tiny_open_pick_place", "env.prompt_template=compact",
+             "trainer.total_steps=2", "algo.demo_episodes=4", "env.eval_splits=[]"]
+
+
+def test_guarded_adamw_refuses_a_non_finite_gradient() -> None:
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = GuardedAdamW([p], lr=0.1, clip_norm=1.0, weight_decay=0.0)
+    p.grad = torch.tensor([1.0, float("nan"), 0.0])
+    opt.step()
+    assert opt.last_skipped and torch.equal(p.data, torch.ones(3))  # weights untouched
+    p.grad = torch.tensor([3.0, 4.0, 0.0])  # norm 5 -> clipped to 1, then a normal Adam step
+    opt.step()
+    assert not opt.last_skipped and opt.last_grad_norm == pytest.approx(5.0)
+    assert p.data[0] < 1.0 and p.data[2] == 1.0
+
+
+@pytest.mark.slow
+def test_non_finite_updates_stop_the_run_with_a_message(tmp_path: Path, epo_cache: Path) -> None:
+    """Force NaN log-probs in the training forward: every update is skipped, the weights never change,
+    and after trainer.max_nonfinite_skips consecutive skips the run stops with one clear message."""
+    script = textwrap.dedent(f"""
+        import sys, torch
+        import epo_cli.training.trainer as trainer
+        real = trainer.policy_forward
+        def poisoned(model, mb, *args, **kwargs):
+            out = real(model, mb, *args, **kwargs)
+            if torch.is_grad_enabled():  # the update's forward, not the scoring one
+                out.logprobs = out.logprobs * float("nan")
+            return out
+        trainer.policy_forward = poisoned
+        from epo_cli.cli import main
+        sys.argv = ["epo", "train", "algo=grpo", "env.level=tiny_open_pick_place", "env.prompt_template=compact",
+                    "env.max_turns=3", "algo.tasks_per_step=1", "algo.group_size=2", "trainer.total_steps=5",
+                    "trainer.max_nonfinite_skips=2", "env.eval_splits=[]", "trainer.save_every=1",
+                    "output_dir={tmp_path}"]
+        main()
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "2 consecutive updates had a non-finite loss or gradient" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    run = only_run_dir(tmp_path)
+    rows = (run / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == 1 and '"perf/skipped_updates": 1.0' in rows[0]  # logged, then stopped in step 2
+    # the checkpoint after step 1 holds the initial weights: the skipped update changed nothing
+    state = torch.load(run / "checkpoints" / "step_1" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    from transformers import AutoModelForCausalLM
+
+    from epo_cli.config import compose
+    from epo_cli.envs import make_suite
+    from epo_cli.models.tiny import build_tiny
+
+    cfg = compose([])
+    initial = AutoModelForCausalLM.from_pretrained(build_tiny(cfg.model, make_suite(cfg.env))).state_dict()
+    assert all(torch.equal(state[k], initial[k]) for k in initial if k in state)
+
+
+@pytest.mark.slow
+def test_wandb_offline_and_mlflow_local_store(tmp_path: Path, epo_cache: Path) -> None:
+    run_cli([*SHORT_SFT, "logger=wandb", f"output_dir={tmp_path / 'w'}"], cwd=tmp_path)
+    run = only_run_dir(tmp_path / "w")
+    offline = list((run / "wandb").glob("offline-run-*"))
+    assert offline and any(offline[0].rglob("*.wandb"))
+    run_cli([*SHORT_SFT, "logger=mlflow", f"output_dir={tmp_path / 'm'}"], cwd=tmp_path)
+    run = only_run_dir(tmp_path / "m")
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{run / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("epo").experiment_id])
+    assert len(runs) == 1 and len(client.get_metric_history(runs[0].info.run_id, "loss.nll")) == 2
