@@ -15,21 +15,6 @@ from rich.markup import escape
 
 from epo_cli.errors import UserError
 
-app = typer.Typer(
-    add_completion=False,
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,  # bugs keep their plain traceback; user errors are one message
-    help="Train LLM agents with RL on long, multi-turn, sparse-reward tasks (EPO, PPO, GRPO).",
-)
-config_app = typer.Typer(no_args_is_help=True, help="Inspect configs.")
-app.add_typer(config_app, name="config")
-
-err_console = Console(stderr=True, highlight=False)
-OVERRIDES_ARG = typer.Argument(None, help="Hydra overrides: group=option or section.key=value.",
-                               show_default=False)
-EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
-
-
 def groups_help() -> str:
     """'Config groups' block of the help text, read from conf/ (so it is always current)."""
     from epo_cli.config import GROUPS, config_dir, group_options
@@ -41,6 +26,22 @@ def groups_help() -> str:
     lines.append("Any key can be overridden: trainer.total_steps=20 seed=3 model.hidden_size=128 "
                  "algo.entropy_smoothing.alpha=0.05. See every key with `epo config show`.")
     return "".join(lines)
+
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,  # bugs keep their plain traceback; user errors are one message
+    help="Train LLM agents with RL on long, multi-turn, sparse-reward tasks (EPO, PPO, GRPO).",
+    epilog=groups_help(),
+)
+config_app = typer.Typer(no_args_is_help=True, help="Inspect configs.")
+app.add_typer(config_app, name="config")
+
+err_console = Console(stderr=True, highlight=False)
+OVERRIDES_ARG = typer.Argument(None, help="Hydra overrides: group=option or section.key=value.",
+                               show_default=False)
+EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
 @app.command(context_settings=EXTRA, epilog=groups_help())

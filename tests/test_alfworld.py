@@ -6,6 +6,7 @@ The games are never copied into the repository; tests point env.data_dir at the 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import random
 import signal
@@ -190,3 +191,15 @@ def test_grpo_on_alfworld_through_the_cli(tmp_path: Path) -> None:
     rows = [line for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert len(rows) == 2 and '"rollout/episode_len": 3.0' in rows[0]
     assert "alfworld" in (run / "config.yaml").read_text().split("versions:")[1]  # env version recorded
+
+
+@pytest.mark.slow
+def test_sft_on_alfworld_from_the_handcoded_expert(tmp_path: Path) -> None:
+    """algo=sft env=alfworld: demonstrations played by ALFWorld's handcoded expert through the pool."""
+    run_cli(["train", "algo=sft", "env=alfworld", f"env.data_dir={SHARED}", "env.num_workers=2",
+             "env.task_types=[1]", "algo.demo_episodes=2", "trainer.total_steps=2", "env.eval_splits=[]",
+             "logger.tensorboard=false", f"output_dir={tmp_path}"], cwd=tmp_path)
+    run = only_run_dir(tmp_path)
+    demos = [json.loads(line) for line in (run / "demos.jsonl").read_text().splitlines()]
+    assert len(demos) == 2 and all(d["won"] and d["task_type"] == "pick_and_place" for d in demos)
+    assert all(step["action"] in step["admissible_commands"] for d in demos for step in d["steps"])
