@@ -39,6 +39,7 @@ class MetricsLogger:
         self.console = Console(stderr=False, highlight=False)
         self.run_ids: dict[str, str] = dict(resume_ids or {})
         self._tb = self._wandb = self._mlflow = None
+        self._progress = None  # a live progress bar, on terminals only
         if not enabled:
             return
         lc = cfg.logger
@@ -108,6 +109,27 @@ class MetricsLogger:
             where = f"{step}/{total}" if total else str(step)
             alert = "  [bold red]entropy alert[/]" if clean.get("policy/entropy_alert") else ""
             self.console.print(f"[cyan]step {where}[/]  {shown}{alert}", soft_wrap=True)
+            if total and self.console.is_terminal:
+                self._show_progress(step, total)
+
+    def _show_progress(self, step: int, total: int) -> None:
+        """A live bar under the metric lines: steps done, elapsed time, time left."""
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        if self._progress is None:
+            self._progress = Progress(TextColumn(f"[bold]{self.run.name}"), BarColumn(), MofNCompleteColumn(),
+                                      TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
+                                      console=self.console)
+            self._progress.start()
+            self._task = self._progress.add_task("train", total=total, completed=step - 1)
+        self._progress.update(self._task, completed=step)
 
     def info(self, message: str) -> None:
         if self.enabled and self.cfg.logger.console:
@@ -118,6 +140,8 @@ class MetricsLogger:
             Console(stderr=True).print(f"[bold yellow]warning:[/] {message}")
 
     def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
