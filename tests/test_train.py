@@ -101,3 +101,19 @@ def test_corrupt_checkpoint_is_a_clear_error(warm_start: Path, tmp_path: Path) -
     proc = run_cli(["train", f"trainer.resume={run}", "trainer.total_steps=3"], cwd=tmp_path, expect=1)
     assert "corrupt" in proc.stderr and "Traceback" not in proc.stderr
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before  # nothing saved was touched
+
+
+def test_sft_from_a_jsonl_file_of_trajectories(warm_start: Path, tmp_path: Path) -> None:
+    """algo.demos=<file>: the warm start's own demos.jsonl (the documented format) trains through the CLI."""
+    demos = tmp_path / "demos.jsonl"
+    demos.write_text("\n".join((warm_start / "demos.jsonl").read_text().splitlines()[:20]) + "\n")
+    run = train(tmp_path, "from_file", "algo=sft", f"algo.demos={demos}", "env.level=tiny_open_pick_place",
+                "env.prompt_template=compact", "trainer.total_steps=3", "env.eval_splits=[]",
+                "logger.tensorboard=false")
+    assert [r["step"] for r in metrics_rows(run)] == [1, 2, 3]
+    assert not (run / "demos.jsonl").exists()  # nothing was played: the file was the data
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"task_id": "x"}\n')
+    proc = run_cli(["train", "algo=sft", f"algo.demos={bad}", "trainer.total_steps=1", f"output_dir={tmp_path}"],
+                   cwd=tmp_path, expect=1)
+    assert "bad.jsonl:1 is not a trajectory record" in proc.stderr and "Traceback" not in proc.stderr
