@@ -19,7 +19,8 @@ REPO = Path(__file__).resolve().parent.parent
 def shared_dir() -> Path:
     """../shared next to the checkout (tests read real ALFWorld games there; never copied into the repo)."""
     for candidate in (os.environ.get("EPO_SHARED_DIR"), REPO.parent / "shared", Path("/work/shared")):
-        if candidate and Path(candidate).is_dir():
+        # a folder that really holds the shared material (an empty one may be left by an alfworld import)
+        if candidate and (Path(candidate) / "alfworld" / "json_2.1.1").is_dir():
             return Path(candidate)
     return REPO.parent / "shared"
 
