@@ -15,6 +15,7 @@ from rich.markup import escape
 
 from epo_cli.errors import UserError
 
+
 def groups_help() -> str:
     """'Config groups' block of the help text, read from conf/ (so it is always current)."""
     from epo_cli.config import GROUPS, config_dir, group_options
