@@ -263,6 +263,8 @@ class CurriculumConfig:
     adaptive_signal: str = "progress"
     exploration_floor: float = 0.1
     #: horizon: max turns grow from start_turns to env.max_turns over `horizon_share` of training
+    #: (can be combined with any curriculum)
+    horizon: bool = False
     start_turns: int = 10
     horizon_share: float = 0.5
     #: intermediate rewards from progress events (can be combined with any curriculum)

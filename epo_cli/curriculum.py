@@ -16,7 +16,7 @@ Options (`curriculum=<name>`, conf/curriculum/<name>.yaml):
                      success| between the last two windows) or closeness of success to 0.5 (4p(1-p)),
                      mixed with a uniform `exploration_floor`
     horizon          the turn limit grows linearly from `start_turns` to env.max_turns over `horizon_share`
-                     of training
+                     of training (same as `curriculum.horizon=true`, which combines with staged/adaptive)
     subgoal_rewards  sparse task reward plus intermediate rewards (same as `curriculum.subgoal_rewards=true`,
                      which combines with every option above)
 
@@ -110,6 +110,11 @@ class Curriculum:
         share = cfg.subgoal_decay_share
         if share is not None and share < 0:
             raise ConfigError(f"curriculum.subgoal_decay_share must be >= 0 or null (got {share}).")
+        if cfg.horizon:
+            if not 1 <= cfg.start_turns <= env_cfg.max_turns:
+                raise ConfigError(f"curriculum.start_turns must be in [1, env.max_turns={env_cfg.max_turns}] "
+                                  f"(got {cfg.start_turns}).")
+            _in_range("horizon_share", cfg.horizon_share, 0.0, 1.0)
         self._levels_checked = False  # checked against the suite on the first draw (not state: cheap to redo)
 
     # -- what the trainer calls ------------------------------------------------------------------------------
@@ -119,7 +124,16 @@ class Curriculum:
         return self._draw(suite, self._choose_levels(n, rng), rng)
 
     def max_turns(self, step: int, total: int) -> int:
-        return self.env_cfg.max_turns
+        """With `curriculum.horizon` on, the turn limit grows linearly from start_turns (step 0) to
+        env.max_turns (at horizon_share of training), rounded to the nearest turn: short episodes first, so
+        the early, mostly random policy gets its (rare) successes from short solutions and the rollout
+        costs less while little is learned. Otherwise env.max_turns."""
+        start, end = self.cfg.start_turns, self.env_cfg.max_turns
+        if not self.cfg.horizon:
+            return end
+        span = self.cfg.horizon_share * total
+        progress = 1.0 if span <= 0 else min(1.0, step / span)
+        return int(math.floor(start + (end - start) * progress + 0.5))
 
     def subgoal_coef(self, step: int, total: int) -> float:
         """Linear decay to 0 at `subgoal_decay_share` of training, so the final objective is sparse."""
@@ -378,33 +392,12 @@ class AdaptiveCurriculum(Curriculum):
         self.weights = [float(w) for w in state["weights"]]
 
 
-class HorizonCurriculum(Curriculum):
-    """The turn limit grows linearly from start_turns (step 0) to env.max_turns (at horizon_share of
-    training), rounded to the nearest turn; short episodes first, so the early, mostly random policy gets
-    its (rare) successes from short solutions and the rollout costs less while little is learned."""
-
-    name = "horizon"
-
-    def __init__(self, cfg: Any, env_cfg: Any, levels: Sequence[str] = ()) -> None:
-        super().__init__(cfg, env_cfg, levels)
-        if not 1 <= cfg.start_turns <= env_cfg.max_turns:
-            raise ConfigError(f"curriculum.start_turns must be in [1, env.max_turns={env_cfg.max_turns}] "
-                              f"(got {cfg.start_turns}).")
-        _in_range("horizon_share", cfg.horizon_share, 0.0, 1.0)
-
-    def max_turns(self, step: int, total: int) -> int:
-        start, end = self.cfg.start_turns, self.env_cfg.max_turns
-        span = self.cfg.horizon_share * total
-        progress = 1.0 if span <= 0 else min(1.0, step / span)
-        return int(math.floor(start + (end - start) * progress + 0.5))
-
-
 CURRICULA: dict[str, type[Curriculum]] = {
     "none": Curriculum,
     "subgoal_rewards": Curriculum,  # the yaml turns subgoal_rewards on; tasks and turns as `none`
     "staged": StagedCurriculum,
     "adaptive": AdaptiveCurriculum,
-    "horizon": HorizonCurriculum,
+    "horizon": Curriculum,  # the yaml turns horizon on; tasks as `none`
 }
 
 
@@ -421,7 +414,7 @@ def _check_subgoal_source(env_cfg: Any) -> None:
     if env_cfg.name == "scienceworld" and getattr(env_cfg, "reward", "dense") != "dense":
         raise ConfigError("curriculum.subgoal_rewards=true on env=scienceworld needs its progress events, "
                           "which it reports only with env.reward=dense. Fix: add env.reward=dense.")
-    if env_cfg.name in ("alfworld", "textworld"):
+    if env_cfg.name == "textworld":
         warnings.warn(f"env={env_cfg.name} reports no subgoal events (info['subgoals'] is empty), so "
                       "curriculum.subgoal_rewards=true adds no reward there.", stacklevel=3)
 

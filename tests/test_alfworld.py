@@ -18,6 +18,7 @@ import pytest
 
 from epo_cli.envs.alfworld import TASK_TYPES, AlfworldConfig, AlfworldSuite
 from epo_cli.envs.base import Task
+from epo_cli.envs.household import SUBGOALS
 from epo_cli.envs.pool import EnvPool
 from epo_cli.errors import ConfigError, UserError
 
@@ -140,6 +141,41 @@ def test_expert_solves_games_through_the_pool(pool: EnvPool) -> None:
             if result.done:
                 break
         assert actions == played[2]
+    finally:
+        env.close()
+
+
+@pytest.mark.slow
+def test_expert_reaches_every_subgoal_event_of_its_task_type() -> None:
+    """Subgoal events (curriculum.subgoal_rewards) derived from the PDDL facts: the handcoded expert, which
+    solves these games, must pass through every event of its task type once, in a sensible order."""
+    s = suite()
+    env = s.make_env()
+    try:
+        for task_type in s.task_types():
+            _, info = env.reset(_task(s, task_type))
+            assert info["subgoals"] == [] and info["progress"] == 0.0
+            events, progress = [], [0.0]
+            for _ in range(60):
+                result = env.step(info["expert_action"])
+                info = result.info
+                events += info["subgoals"]
+                progress.append(info["progress"])
+                if result.done:
+                    break
+            assert info["won"], task_type
+            assert sorted(events) == sorted(SUBGOALS[task_type]), (task_type, events)  # each exactly once
+            assert events.index("found_target") < events.index("picked"), (task_type, events)
+            for later in ("transformed", "placed_first"):
+                if later in events:
+                    assert events.index(later) > events.index("picked"), (task_type, events)
+            assert progress == sorted(progress) and progress[-1] == 1.0
+            assert progress[-2] == len(events) / (len(events) + 1)  # every event before the winning step
+        # a policy that only looks around reaches nothing
+        _, info = env.reset(_task(s, "pick_two_obj_and_place"))
+        for _ in range(3):
+            info = env.step("inventory").info
+            assert info["subgoals"] == [] and info["progress"] == 0.0
     finally:
         env.close()
 

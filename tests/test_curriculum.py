@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,7 +18,6 @@ from epo_cli.config import CurriculumConfig, compose
 from epo_cli.curriculum import (
     AdaptiveCurriculum,
     Curriculum,
-    HorizonCurriculum,
     StagedCurriculum,
     build_curriculum,
     default_levels,
@@ -223,8 +223,8 @@ def test_adaptive_rejects_unknown_signal():
 
 
 def test_horizon_schedule_values():
-    cfg = CurriculumConfig(name="horizon", start_turns=10, horizon_share=0.5)
-    cur = HorizonCurriculum(cfg, env_cfg(max_turns=30), [])
+    cfg = CurriculumConfig(name="horizon", horizon=True, start_turns=10, horizon_share=0.5)
+    cur = Curriculum(cfg, env_cfg(max_turns=30), [])
     # total 100: grows over 50 steps from 10 to 30 -> 10 + 20 * step / 50
     assert cur.max_turns(0, 100) == 10
     assert cur.max_turns(10, 100) == 14
@@ -233,10 +233,11 @@ def test_horizon_schedule_values():
     assert cur.max_turns(49, 100) == 30  # 29.6 rounds to 30
     assert cur.max_turns(50, 100) == 30
     assert cur.max_turns(99, 100) == 30
-    flat = HorizonCurriculum(replace(cfg, horizon_share=0.0), env_cfg(), [])
+    flat = Curriculum(replace(cfg, horizon_share=0.0), env_cfg(), [])
     assert flat.max_turns(0, 100) == 30
+    assert Curriculum(replace(cfg, horizon=False), env_cfg(max_turns=30), []).max_turns(0, 100) == 30
     with pytest.raises(ConfigError, match="start_turns"):
-        HorizonCurriculum(CurriculumConfig(name="horizon", start_turns=31), env_cfg(max_turns=30), [])
+        Curriculum(CurriculumConfig(name="horizon", horizon=True, start_turns=31), env_cfg(max_turns=30), [])
 
 
 def test_subgoal_coefficient_decays_to_zero():
@@ -321,7 +322,12 @@ def test_build_from_composed_config():
     assert cur.levels == HouseholdSuite().levels()
     assert cur.subgoal_coef(0, 10) == 1.0
     assert isinstance(build_curriculum(compose(["curriculum=adaptive"])), AdaptiveCurriculum)
-    assert isinstance(build_curriculum(compose(["curriculum=horizon"])), HorizonCurriculum)
+    horizon = build_curriculum(compose(["curriculum=horizon", "env.max_turns=30"]))
+    assert type(horizon) is Curriculum and horizon.max_turns(0, 10) == 10 and horizon.max_turns(5, 10) == 30
+    # horizon combines with the task curricula: staged levels and a growing turn limit at once
+    both = build_curriculum(compose(["curriculum=staged", "curriculum.horizon=true", "curriculum.start_turns=6",
+                                     "env.max_turns=30"]))
+    assert isinstance(both, StagedCurriculum) and both.max_turns(0, 10) == 6 and both.max_turns(5, 10) == 30
     sub = build_curriculum(compose(["curriculum=subgoal_rewards"]))
     assert type(sub) is Curriculum and sub.subgoal_coef(0, 10) == 1.0
     assert build_curriculum(compose([])).subgoal_coef(0, 10) == 0.0
@@ -364,6 +370,14 @@ def test_scienceworld_subgoal_rewards_need_dense_reward():
     with pytest.raises(ConfigError, match="env.reward=dense"):
         build_curriculum(compose(["env=scienceworld", "curriculum=subgoal_rewards"]))
     build_curriculum(compose(["env=scienceworld", "env.reward=dense", "curriculum=subgoal_rewards"]))
+
+
+def test_subgoal_rewards_warn_only_where_the_env_reports_no_events():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # alfworld derives its events from the PDDL facts: no warning
+        build_curriculum(compose(["env=alfworld", "curriculum=subgoal_rewards"]))
+    with pytest.warns(UserWarning, match="reports no subgoal events"):
+        build_curriculum(compose(["env=textworld", "curriculum=subgoal_rewards"]))
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -18,9 +18,20 @@ names; config accepts the number, the short name or alfworld's own name:
     3 pick_clean_then_place (..._in_recep)         6 pick_two_obj_and_place
 
 Info keys: goal, admissible_commands (the engine's list less "help"), won, lost (always False: ALFWorld
-has no losing state), task_type, task_id, subgoals ([]), progress (1.0 once won), expert_action (alfworld's
+has no losing state), task_type, task_id, subgoals (progress events reached at this step, see below),
+progress (events reached / (events + 1); 1.0 once won), expert_action (alfworld's
 handcoded expert, like its AlfredExpert wrapper: "look" on the first turn and whenever the expert's choice
 is not admissible; None if the expert gave up), expert_thought (None), truncated (max_turns reached).
+
+Subgoal events (for `curriculum.subgoal_rewards`) carry env=household's names and are derived from the
+game's PDDL facts and the task's parameters in traj_data.json (object_target, parent_target, toggle_target),
+the way alfworld's handcoded expert tracks its own subgoals; each is reported once per episode:
+    found_target  an object of the target class is in view ("you see ... apple 1")
+    picked        the agent holds an object of the target class (holds agent1 'apple 1')
+    transformed   clean/heat/cool tasks: the held target object is clean/hot/cool (isclean/ishot/iscool)
+    found_lamp    look_at_obj_in_light: the lamp of the task can be used here ("use desklamp 1" admissible)
+    placed_first  pick_two_obj_and_place: one more target object is in a receptacle of the goal class than
+                  at the start (inreceptacle 'apple 1' 'countertop 1')
 
 alfworld and textworld are imported only inside methods, after ALFWORLD_DATA is set: importing alfworld
 creates that folder, and must never create ~/.cache/alfworld behind the user's back.
@@ -42,6 +53,7 @@ from typing import Any
 
 from epo_cli.config import EnvConfig
 from epo_cli.envs.base import Env, EnvSuite, StepResult, Task
+from epo_cli.envs.household import SUBGOALS
 from epo_cli.errors import ConfigError, UserError
 
 #: alfworld's numbering (alfworld.agents.environment.alfred_tw_env.TASK_TYPES) -> (our name, alfworld's name)
@@ -63,6 +75,9 @@ SPLIT_DIRS = {
 DATA_SUBDIR = "json_2.1.1"
 _WELCOME = "-= Welcome to TextWorld, ALFRED! =-"
 _GOAL = re.compile(r"Your task is to: (.*)")
+#: the fact that says a clean/heat/cool task's object is done
+_TRANSFORM_FACT = {"pick_clean_then_place": "isclean", "pick_heat_then_place": "ishot",
+                   "pick_cool_then_place": "iscool"}
 
 
 @dataclass
@@ -279,6 +294,16 @@ class AlfworldSuite(EnvSuite):
         return found
 
 
+def _facts(state: Any) -> set[tuple[str, tuple[str, ...]]]:
+    """The state's PDDL facts as (predicate, arguments): ('inreceptacle', ('apple 1', 'countertop 1'))."""
+    return {(fact.name, tuple(name.strip() for name in fact.names)) for fact in state["facts"] or []}
+
+
+def _object_class(name: str) -> str:
+    """'apple 1' -> 'apple' (objects and receptacles are named '<class> <number>')."""
+    return name.split(" ")[0]
+
+
 @contextlib.contextmanager
 def _expert_randomness(rng: random.Random) -> Iterator[None]:
     """The handcoded expert breaks ties with the module-level `random`; give it this env's generator for
@@ -309,6 +334,9 @@ class AlfworldEnv(Env):
         self._goal = ""
         self._turn = 0
         self._expert_action: str | None = None
+        self._targets: dict[str, str] = {}  # object_target, parent_target, toggle_target (lower case)
+        self._reached: set[str] = set()
+        self._placed_at_start = 0
 
     def _game_file(self, task: Task) -> Path:
         return self.data_dir / DATA_SUBDIR / task.task_id / "game.tw-pddl"
@@ -325,7 +353,7 @@ class AlfworldEnv(Env):
         if self._tw is None:
             if self.fast_textgen:
                 memoize_textworld_parsers()
-            infos = textworld.EnvInfos(won=True, admissible_commands=True, facts=self.use_expert)
+            infos = textworld.EnvInfos(won=True, admissible_commands=True, facts=True)
             self._tw = textworld.start(str(game_file), request_infos=infos,
                                        wrappers=[AlfredDemangler(shuffle=False)])
         else:
@@ -337,6 +365,12 @@ class AlfworldEnv(Env):
         match = _GOAL.search(intro)
         self._goal = match.group(1).strip() if match else ""
         self._expert_action = None
+        with open(game_file.parent / "traj_data.json") as f:
+            params = json.load(f)["pddl_params"]
+        self._targets = {k: str(params.get(k) or "").lower() for k in ("object_target", "parent_target",
+                                                                      "toggle_target")}
+        self._reached = set()
+        self._placed_at_start = self._placed_count(_facts(state))
         if self.use_expert:
             # As alfworld's AlfredExpert: the expert reads the intro (the receptacles), then says "look".
             self._expert = HandCodedTWAgent(max_steps=200)
@@ -344,7 +378,7 @@ class AlfworldEnv(Env):
             self._expert.observe(intro)
             self._expert_action = "look"
         observation = intro.replace(_WELCOME, "").strip()
-        return observation, self._info(state, truncated=False)
+        return observation, self._info(state, truncated=False, events=self._new_events(state))
 
     def step(self, action: str) -> StepResult:
         if self._task is None:
@@ -356,7 +390,8 @@ class AlfworldEnv(Env):
         if self.use_expert:
             self._expert_action = self._next_expert_action(state, action)
         truncated = not won and self._turn >= self.max_turns
-        return StepResult(state.feedback, 1.0 if won else 0.0, won or truncated, self._info(state, truncated))
+        info = self._info(state, truncated, events=self._new_events(state))
+        return StepResult(state.feedback, 1.0 if won else 0.0, won or truncated, info)
 
     def _next_expert_action(self, state: Any, last_action: str) -> str | None:
         if self._expert_action is None:  # the expert gave up earlier in this episode
@@ -368,7 +403,36 @@ class AlfworldEnv(Env):
             return None
         return action if action in state["admissible_commands"] else "look"
 
-    def _info(self, state: Any, truncated: bool) -> dict[str, Any]:
+    # -- subgoal events (see the module docstring) -------------------------------------------------------
+
+    def _placed_count(self, facts: set[tuple[str, tuple[str, ...]]]) -> int:
+        """How many target objects are in receptacles of the goal class."""
+        wanted = (self._targets["object_target"], self._targets["parent_target"])
+        return sum(predicate == "inreceptacle" and tuple(map(_object_class, args)) == wanted
+                   for predicate, args in facts)
+
+    def _new_events(self, state: Any) -> list[str]:
+        """The task's subgoal events that hold now for the first time in this episode."""
+        task_type = self._task.task_type
+        target, toggle = self._targets["object_target"], self._targets["toggle_target"]
+        facts = _facts(state)
+        held_targets = [args[-1] for predicate, args in facts  # holds(agent1, 'apple 1')
+                        if predicate == "holds" and _object_class(args[-1]) == target]
+        feedback = state.feedback.lower()
+        holds = {
+            "found_target": "you see" in feedback and re.search(rf"\b{re.escape(target)} \d+\b", feedback),
+            "picked": bool(held_targets),
+            "transformed": task_type in _TRANSFORM_FACT
+            and any((_TRANSFORM_FACT[task_type], (name,)) in facts for name in held_targets),
+            "found_lamp": bool(toggle) and any(re.fullmatch(rf"use {re.escape(toggle)} \d+", command)
+                                               for command in state["admissible_commands"]),
+            "placed_first": self._placed_count(facts) > self._placed_at_start,
+        }
+        events = [name for name in SUBGOALS[task_type] if holds[name] and name not in self._reached]
+        self._reached.update(events)
+        return events
+
+    def _info(self, state: Any, truncated: bool, events: list[str]) -> dict[str, Any]:
         won = bool(state["won"])
         return {
             "goal": self._goal,
@@ -377,8 +441,8 @@ class AlfworldEnv(Env):
             "lost": False,
             "task_type": self._task.task_type,
             "task_id": self._task.task_id,
-            "subgoals": [],
-            "progress": 1.0 if won else 0.0,
+            "subgoals": events,
+            "progress": 1.0 if won else len(self._reached) / (len(SUBGOALS[self._task.task_type]) + 1),
             "expert_action": self._expert_action,
             "expert_thought": None,
             "truncated": truncated,
