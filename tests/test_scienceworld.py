@@ -49,7 +49,9 @@ def test_two_tasks_gold_path_wins_and_wrong_focus_loses() -> None:
     suite = _suite(reward="dense")
     suite.check()
     # variation splits come from ScienceWorld's API (train < dev < test ranges for these tasks)
-    table = suite.variations()
+    saved = os.environ.get("JAVA_TOOL_OPTIONS")
+    table = suite.variations()  # starts a JVM in this process
+    assert os.environ.get("JAVA_TOOL_OPTIONS") == saved  # set for the JVM's start only
     for name in TASKS:
         train, dev, test = (set(table[name][s]) for s in ("train", "eval_in_distribution",
                                                             "eval_out_of_distribution"))
@@ -134,6 +136,9 @@ def test_pool_shuts_its_jvms_down() -> None:
         assert all(info["expert_action"] for _, info in first)
         jvms = _java_pids([p for w in pool.worker_pids() for p in descendant_pids(w)])
         assert len(jvms) == 2  # one JVM per env, inside the workers
+        for pid in jvms:  # env.jvm_options reach every JVM
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            assert f"JAVA_TOOL_OPTIONS={ScienceWorldConfig.jvm_options}".encode() in environ
         results = pool.step({0: first[0][1]["expert_action"], 1: first[1][1]["expert_action"]})
         assert not any(r.done for r in results.values())
         # a worker killed outright cannot close its JVM: the JVM notices its pipe break and exits

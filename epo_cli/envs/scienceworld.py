@@ -6,7 +6,10 @@ eval_in_distribution -> dev, eval_out_of_distribution -> test. A task is `<task 
 tasks with hundreds of variations do not crowd out those with ten), then draws a variation of that task.
 
 Each env owns a JVM (~0.7 GB, ~4 s to start), started on its first reset; `close()` shuts it down. When its
-process dies instead, the JVM exits by itself (py4j's die-on-broken-pipe watches its stdin).
+process dies instead, the JVM exits by itself (py4j's die-on-broken-pipe watches its stdin). The JVM gets
+`env.jvm_options` through JAVA_TOOL_OPTIONS (ScienceWorld's launcher takes no JVM flags): by default one
+serial GC thread and one CPU per JVM, since every env has a JVM of its own and a JVM sized for the whole
+machine spends cores on parallel GC and JIT threads (scripts/bench_envs.py: ~20% less CPU per step).
 
 Info keys: goal (the task description), admissible_commands, won (score 100), lost (a wrong `focus on`:
 score -100, the episode is over), task_type (the task name), task_id, subgoals, progress, expert_action,
@@ -37,6 +40,7 @@ it is refused as an unknown action.
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import shutil
 import subprocess
@@ -71,6 +75,8 @@ class ScienceWorldConfig(EnvConfig):
     max_admissible: int = 50
     #: generate the gold path at each reset for info.expert_action
     expert: bool = True
+    #: JVM flags for each env's simulator, added to JAVA_TOOL_OPTIONS when it starts ("" = the JVM's defaults)
+    jvm_options: str = "-XX:+UseSerialGC -XX:ActiveProcessorCount=1"
 
 
 def java_problem() -> str | None:
@@ -141,9 +147,7 @@ class ScienceWorldSuite(EnvSuite):
         """Variation ids per task and split, from ScienceWorld's API (starts one JVM the first time)."""
         missing = [t for t in self.task_names() if t not in self._variations]
         if missing:
-            from scienceworld import ScienceWorldEnv
-
-            sim = ScienceWorldEnv("", envStepLimit=10**6)
+            sim = start_simulator(self.cfg.jvm_options)
             try:
                 for task in missing:
                     sim.load(task, 0, "")
@@ -181,7 +185,7 @@ class ScienceWorldSuite(EnvSuite):
         cfg = self.cfg
         return ScienceWorldGame(simplification=cfg.simplification, max_turns=cfg.max_turns,
                                 dense=cfg.reward == "dense", max_admissible=cfg.max_admissible,
-                                expert=cfg.expert)
+                                expert=cfg.expert, jvm_options=cfg.jvm_options)
 
     def versions(self) -> dict[str, str]:
         from importlib.metadata import PackageNotFoundError, version
@@ -190,6 +194,23 @@ class ScienceWorldSuite(EnvSuite):
             return {"scienceworld": version("scienceworld")}
         except PackageNotFoundError:
             return {}
+
+
+def start_simulator(jvm_options: str) -> Any:
+    """A ScienceWorldEnv whose JVM starts with `jvm_options` (through JAVA_TOOL_OPTIONS, restored after)."""
+    from scienceworld import ScienceWorldEnv
+
+    saved = os.environ.get("JAVA_TOOL_OPTIONS")
+    if jvm_options:
+        os.environ["JAVA_TOOL_OPTIONS"] = f"{saved} {jvm_options}" if saved else jvm_options
+    try:
+        # We end episodes at max_turns ourselves; ScienceWorld's own step limit must never fire first.
+        return ScienceWorldEnv("", envStepLimit=10**6)
+    finally:
+        if saved is None:
+            os.environ.pop("JAVA_TOOL_OPTIONS", None)
+        else:
+            os.environ["JAVA_TOOL_OPTIONS"] = saved
 
 
 def _shutdown(sim: Any) -> None:
@@ -226,12 +247,14 @@ class ScienceWorldGame(Env):
     """One ScienceWorld episode at a time, in this env's own JVM."""
 
     def __init__(self, simplification: str = "easy", max_turns: int = 30, dense: bool = False,
-                 max_admissible: int = 50, expert: bool = True) -> None:
+                 max_admissible: int = 50, expert: bool = True,
+                 jvm_options: str = ScienceWorldConfig.jvm_options) -> None:
         self.simplification = simplification
         self.max_turns = max_turns
         self.dense = dense
         self.max_admissible = max_admissible
         self.use_expert = expert
+        self.jvm_options = jvm_options
         self._sim: Any = None
         self._task: Task | None = None
         self._goal = ""
@@ -243,10 +266,7 @@ class ScienceWorldGame(Env):
 
     def reset(self, task: Task) -> tuple[str, dict[str, Any]]:
         if self._sim is None:
-            from scienceworld import ScienceWorldEnv
-
-            # We end episodes at max_turns ourselves; ScienceWorld's own step limit must never fire first.
-            self._sim = ScienceWorldEnv("", envStepLimit=10**6)
+            self._sim = start_simulator(self.jvm_options)
         name, _, variation = task.task_id.rpartition("/")
         self._sim.load(name, int(variation), self.simplification, generateGoldPath=self.use_expert)
         observation, _ = self._sim.reset()
