@@ -8,6 +8,9 @@
 from __future__ import annotations
 
 import sys
+import warnings
+from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -117,8 +120,21 @@ def quiet_libraries() -> None:
         os.environ["DS_ACCELERATOR"] = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+_python_showwarning = warnings.showwarning
+
+
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                  file: Any = None, line: str | None = None) -> None:
+    """epo's own warnings as one line on stderr, like its errors; other packages' as Python shows them."""
+    if not filename.startswith(str(Path(__file__).parent)):
+        _python_showwarning(message, category, filename, lineno, file, line)
+        return
+    err_console.print("[bold yellow]warning:[/] " + escape(str(message)), soft_wrap=True)
+
+
 def main() -> None:
     quiet_libraries()
+    warnings.showwarning = _show_warning
     try:
         app()
     except UserError as err:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import warnings
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -559,6 +560,20 @@ def _expected_type(err: ValidationError) -> str | None:
         return None
 
 
+def _check_smoothing_weight(algo: Any) -> None:
+    """Warn when alpha * max(beta_k) >= 1. Above the band the objective's gradient in H is
+    lambda * (1 - beta_k * alpha): below 1 the smoothing only damps the entropy bonus there (the regime EPO's
+    analysis assumes); at or above 1 it outweighs the bonus and pushes entropy down."""
+    phase = algo.phase
+    beta_max = {"paper": 2.0, "constant": phase.value,
+                "two_phase": max(phase.beta_start, phase.beta_peak, phase.beta_end)}.get(phase.schedule)
+    alpha = algo.entropy_smoothing.alpha
+    if beta_max is not None and alpha * beta_max >= 1.0:
+        warnings.warn(f"algo.entropy_smoothing.alpha * max beta_k = {alpha} * {beta_max:g} >= 1: above the band "
+                      "the smoothing penalty outweighs the entropy bonus and drives entropy down (EPO's analysis "
+                      "assumes alpha * beta_max < 1; the paper uses alpha = 0.1).", stacklevel=2)
+
+
 def _choice(key: str, value: Any, valid: list[str] | tuple[str, ...]) -> None:
     if value not in valid:
         close = difflib.get_close_matches(str(value), list(valid), n=1)
@@ -601,9 +616,8 @@ def _check_consistency(cfg: DictConfig) -> None:
             raise ConfigError(f"algo.{key} must be >= 1 (got {algo[key]}).")
     if cfg.trainer.total_steps < 1:
         raise ConfigError(f"trainer.total_steps must be >= 1 (got {cfg.trainer.total_steps}).")
-    if algo.entropy_smoothing.alpha * (1.0 + 1.0) >= 1.0 and "entropy_smoothing" in algo.loss_terms:
-        # beta_k <= 2 under the paper schedule; the paper's analysis needs alpha * beta_max < 1.
-        pass
+    if "entropy_smoothing" in algo.loss_terms:
+        _check_smoothing_weight(algo)
     if cfg.env.history_length < 0 or cfg.env.max_turns < 1:
         raise ConfigError("env.history_length must be >= 0 and env.max_turns >= 1.")
     _choice("deepspeed.precision", cfg.deepspeed.precision, ("auto", "fp32", "bf16"))

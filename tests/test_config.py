@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 from epo_cli.config import GROUPS, compose, config_dir, group_options
@@ -97,6 +99,18 @@ def test_cli_help_lists_groups(tmp_path) -> None:
 def test_config_show_prints_resolved_yaml(tmp_path) -> None:
     proc = run_cli(["config", "show", "algo=epo", "trainer.total_steps=7"], cwd=tmp_path)
     assert "total_steps: 7" in proc.stdout and "estimator: grpo" in proc.stdout
+
+
+def test_smoothing_that_outweighs_the_bonus_is_warned(tmp_path) -> None:
+    """alpha * max beta_k >= 1 turns EPO's soft band into a hard one: allowed, but said once, in one line."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compose(["algo=epo"])  # the paper's alpha = 0.1: 0.1 * 2 < 1
+        compose(["algo=epo", "algo.entropy_smoothing.alpha=0.9", "algo.phase.schedule=constant"])  # 0.9 * 1
+    with pytest.warns(UserWarning, match=r"alpha \* max beta_k = 0.5 \* 2 >= 1"):
+        compose(["algo=epo", "algo.entropy_smoothing.alpha=0.5"])
+    proc = run_cli(["config", "show", "algo=epo", "algo.entropy_smoothing.alpha=0.5"], cwd=tmp_path)
+    assert proc.stderr.startswith("warning: algo.entropy_smoothing.alpha") and "UserWarning" not in proc.stderr
 
 
 def test_conf_ships_in_the_wheel(tmp_path) -> None:
