@@ -3,6 +3,11 @@
     python scripts/exp_algos.py --out outputs/exp_algos [--warm-start RUN] [--algos ppo,grpo,epo_ppo,epo]
                                 [--seeds 0,1,2] [--steps 20] [--jobs 2] [--episodes 64] [OVERRIDES...]
 
+An ablation sweeps one more key and groups the table by its value (`--vary` names the key to group by):
+
+    python scripts/exp_algos.py --out outputs/exp_ablation --algos epo --vary algo.loss_terms \
+        'algo.loss_terms=[policy_clip,kl,entropy],[policy_clip,kl,entropy,entropy_smoothing]' entropy.coef=0.02
+
 Serves two checks of the issues:
 - learning check (RL core): from the SFT warm start, do ppo and grpo raise household success above the
   warm start's? Success is measured the same way for every policy: `epo eval` on the same fixed tasks of
@@ -22,6 +27,8 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from omegaconf import OmegaConf
 
 ALGO_NAMES = {"ppo": "PPO", "grpo": "GRPO", "epo_ppo": "PPO+EPO", "epo": "GRPO+EPO"}
 
@@ -72,6 +79,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--jobs", type=int, default=1, help="parallel runs (hydra joblib launcher)")
     parser.add_argument("--episodes", type=int, default=64)
+    parser.add_argument("--vary", help="config key (swept in OVERRIDES) whose value groups the table")
     parser.add_argument("overrides", nargs="*", help="extra overrides for every run")
     args = parser.parse_args()
     out = Path(args.out).resolve()
@@ -98,13 +106,17 @@ def main() -> None:
     base_greedy = eval_rate(warm, out / "eval" / "warm_start", args.episodes, True, out)
     results: dict[str, dict[str, list[float]]] = {}
     for run in sorted(p for p in sweep.iterdir() if (p / "metrics.jsonl").exists()):
-        config = (run / "config.yaml").read_text()
-        algo = next(line.split(":", 1)[1].strip() for line in config.splitlines() if line.startswith("  name:"))
+        config = OmegaConf.load(run / "config.yaml")
+        algo = config.algo.name
         if not (run / "final").exists():
             print(f"skipping unfinished run {run}")
             continue
         rows = rows_of(run)
-        r = results.setdefault(algo, {k: [] for k in ("t1", "greedy", "train_first", "train_last", "swing_mean",
+        group = ALGO_NAMES.get(algo, algo)
+        if args.vary:
+            value = OmegaConf.select(config, args.vary)
+            group += f" {args.vary}={OmegaConf.to_container(value) if OmegaConf.is_config(value) else value}"
+        r = results.setdefault(group, {k: [] for k in ("t1", "greedy", "train_first", "train_last", "swing_mean",
                                                       "swing_max", "sigma", "entropy_range")})
         r["t1"].append(eval_rate(run, run / "eval_exp", args.episodes, False, out))
         r["greedy"].append(eval_rate(run, run / "eval_exp", args.episodes, True, out))
@@ -118,11 +130,10 @@ def main() -> None:
              "| algorithm | runs | eval success T=1.0 | eval success greedy | train success (last 3 iters) | "
              "entropy swing mean | entropy swing max | sigma (monitor) | entropy range / mean |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for algo in args.algos.split(","):
-        if algo not in results:
-            continue
-        r = results[algo]
-        cells = [ALGO_NAMES.get(algo, algo), str(len(r["t1"]))] + [
+    order = [ALGO_NAMES.get(algo, algo) for algo in args.algos.split(",")]
+    for group in sorted(results, key=lambda g: (order.index(g.split(" ")[0]) if g.split(" ")[0] in order else 99, g)):
+        r = results[group]
+        cells = [group, str(len(r["t1"]))] + [
             mean_std(r[k]) for k in ("t1", "greedy", "train_last", "swing_mean", "swing_max", "sigma", "entropy_range")]
         lines.append("| " + " | ".join(cells) + " |")
     table = "\n".join(lines)
