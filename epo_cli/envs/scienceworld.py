@@ -9,7 +9,7 @@ Each env owns a JVM (~0.7 GB, ~4 s to start), started on its first reset; `close
 process dies instead, the JVM exits by itself (py4j's die-on-broken-pipe watches its stdin). The JVM gets
 `env.jvm_options` through JAVA_TOOL_OPTIONS (ScienceWorld's launcher takes no JVM flags): by default one
 serial GC thread and one CPU per JVM, since every env has a JVM of its own and a JVM sized for the whole
-machine spends cores on parallel GC and JIT threads (scripts/bench_envs.py: ~20% less CPU per step).
+machine spends cores on parallel GC and JIT threads (scripts/bench_envs.py: 20-30% less CPU per step).
 
 Info keys: goal (the task description), admissible_commands, won (score 100), lost (a wrong `focus on`:
 score -100, the episode is over), task_type (the task name), task_id, subgoals, progress, expert_action,
