@@ -28,6 +28,7 @@ console = Console(highlight=False)
 
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
+
 def epo(*args: str, cwd: Path) -> None:
     console.print(f"\n[bold cyan]$ epo {' '.join(args)}[/]", soft_wrap=True)
     proc = subprocess.run([sys.executable, "-m", "epo_cli", *args], cwd=cwd)

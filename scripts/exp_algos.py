@@ -35,6 +35,7 @@ ALGO_NAMES = {"ppo": "PPO", "grpo": "GRPO", "epo_ppo": "PPO+EPO", "epo": "GRPO+E
 
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
+
 def epo(*args: str, cwd: Path) -> None:
     print("$ epo " + " ".join(args), flush=True)
     proc = subprocess.run([sys.executable, "-m", "epo_cli", *args], cwd=cwd)
