@@ -314,6 +314,12 @@ def test_resume_with_other_levels_is_refused():
     with pytest.raises(Exception, match="same curriculum"):
         b.load_state_dict(a.state_dict())
     b.load_state_dict({})  # checkpoints without curriculum state load as a fresh curriculum
+    # another kind of curriculum is refused; flags on `none` (horizon, subgoal rewards) load into each other
+    with pytest.raises(Exception, match="same curriculum"):
+        b.load_state_dict({"name": "adaptive", "levels": LEVELS[:2]})
+    plain = Curriculum(CurriculumConfig(name="horizon", horizon=True), env_cfg(), [])
+    plain.load_state_dict({"name": "horizon", "levels": []})  # saved by the former HorizonCurriculum
+    plain.load_state_dict({"name": "none", "levels": []})
 
 
 def test_build_from_composed_config():
