@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import statistics
 import tempfile
 import time
@@ -36,7 +35,6 @@ def main() -> None:
     from epo_cli.algos.entropy import step_statistics
     from epo_cli.algos.losses import LossStack, build_loss_terms, loss_coefficients
     from epo_cli.config import compose
-    from epo_cli.rollout.rollout import episodes_to_batch, run_episodes
     from epo_cli.training.trainer import Trainer
 
     overrides = ["experiment=epo_household", "logger.console=false", "logger.tensorboard=false"]
@@ -48,13 +46,7 @@ def main() -> None:
     trainer = Trainer(cfg, run)
     algo = cfg.algo
 
-    tasks = trainer.suite.sample_tasks("train", algo.tasks_per_step, random.Random(0))
-    tasks = [t for t in tasks for _ in range(algo.group_size)]
-    ids = list(range(len(tasks)))
-    episodes, _ = run_episodes(trainer._model_policy(1.0), trainer.pool, tasks, ids,
-                               [i // algo.group_size for i in ids], trainer.builder, trainer.tokenizer,
-                               cfg.env.max_turns, seed=0, step=0)
-    batch = episodes_to_batch(episodes, algo.reward_scale, algo.invalid_action_penalty)
+    _, batch, _ = trainer.rollout(0, cfg.trainer.total_steps)
     trainer.score(batch)
     batch.advantages, batch.returns = ESTIMATORS[algo.estimator](batch, algo)
     # a non-empty history, so the smoothing term does its full work

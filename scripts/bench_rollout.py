@@ -34,8 +34,8 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from epo_cli.algos.advantages import ESTIMATORS
     from epo_cli.config import compose
-    from epo_cli.rollout.rollout import episodes_to_batch, run_episodes
     from epo_cli.training.forward import collate, plan_micro_batches
     from epo_cli.training.trainer import Trainer
 
@@ -52,18 +52,9 @@ def main() -> None:
 
     rollout_ratio, update_ratio, efficiencies = [], [], []
     for it in range(args.iterations):
-        tasks = trainer.suite.sample_tasks("train", algo.tasks_per_step, __import__("random").Random(it))
-        tasks = [t for t in tasks for _ in range(algo.group_size)]
-        ids = list(range(len(tasks)))
-        groups = [i // algo.group_size for i in ids]
-        policy = trainer._model_policy(cfg.rollout.temperature)
-        episodes, stats = run_episodes(policy, trainer.pool, tasks, ids, groups, trainer.builder,
-                                       trainer.tokenizer, cfg.env.max_turns, seed=cfg.seed, step=it)
+        _, batch, stats = trainer.rollout(it, cfg.trainer.total_steps)  # the training loop's own rollout
         rollout_ratio.append(stats.rollout_s / (stats.generate_s + stats.env_s))
-        batch = episodes_to_batch(episodes, algo.reward_scale, algo.invalid_action_penalty)
         trainer.score(batch)
-        from epo_cli.algos.advantages import ESTIMATORS
-
         batch.advantages, batch.returns = ESTIMATORS[algo.estimator](batch, algo)
         coefs = {name: 1.0 for name in algo.loss_terms}
 

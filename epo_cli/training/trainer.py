@@ -69,6 +69,7 @@ from epo_cli.rollout.rollout import (
     Episode,
     ExpertPolicy,
     ModelPolicy,
+    RolloutStats,
     episode_metrics,
     episodes_to_batch,
     run_episodes,
@@ -226,7 +227,9 @@ class Trainer:
         self._finish()
         return metrics
 
-    def rl_step(self, step: int, total: int) -> dict[str, float]:
+    def rollout(self, step: int, total: int) -> tuple[list[Episode], TurnBatch, RolloutStats]:
+        """Steps 1-2 of an RL iteration: the step's tasks (this rank's whole groups), played by the current
+        policy into one sample per turn (rewards as configured, no scoring yet)."""
         cfg, algo = self.cfg, self.cfg.algo
 
         # 1. tasks: identical draw on every rank; this rank plays whole groups
@@ -245,11 +248,17 @@ class Trainer:
 
         # 2. rollout: one sample per turn
         policy = self._model_policy(cfg.rollout.temperature)
-        max_turns = self.curriculum.max_turns(step, total)
         episodes, rstats = run_episodes(policy, self.pool, my_tasks, traj_ids, group_ids, self.builder,
-                                        self.tokenizer, max_turns, seed=cfg.seed, step=step)
-        subgoal_coef = self.curriculum.subgoal_coef(step, total)
-        batch = episodes_to_batch(episodes, algo.reward_scale, algo.invalid_action_penalty, subgoal_coef)
+                                        self.tokenizer, self.curriculum.max_turns(step, total), seed=cfg.seed,
+                                        step=step)
+        batch = episodes_to_batch(episodes, algo.reward_scale, algo.invalid_action_penalty,
+                                  self.curriculum.subgoal_coef(step, total))
+        return episodes, batch, rstats
+
+    def rl_step(self, step: int, total: int) -> dict[str, float]:
+        cfg, algo = self.cfg, self.cfg.algo
+        episodes, batch, rstats = self.rollout(step, total)  # steps 1-2
+        max_turns, subgoal_coef = self.curriculum.max_turns(step, total), self.curriculum.subgoal_coef(step, total)
 
         # 3. scoring forward (no grad): old log-probs, entropy, reference log-probs, values
         t0 = time.perf_counter()
