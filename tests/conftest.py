@@ -7,6 +7,7 @@ through the real CLI, and reused by every integration test that needs a policy t
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -52,6 +53,17 @@ def epo_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+def terminal_signal_dispositions() -> None:
+    """preexec_fn: SIGINT and SIGTERM as a process started from a terminal has them.
+
+    A shell without job control starts background commands with SIGINT ignored, and an ignored signal
+    stays ignored across exec (Python then installs no KeyboardInterrupt handler), so a test that sends
+    a signal to a child must not depend on how the suite itself was started.
+    """
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def run_cli(args: list[str], cwd: Path, timeout: float = 900, expect: int | None = 0) -> subprocess.CompletedProcess:
     """Run `epo ARGS` in a subprocess exactly as a user would; assert the exit code if `expect` is set."""
     proc = subprocess.run([sys.executable, "-m", "epo_cli", *args], cwd=cwd, capture_output=True, text=True,
@@ -74,7 +86,15 @@ WARM_START_ARGS = ["experiment=warm_start", "trainer.eval_episodes=16", "logger.
 
 @pytest.fixture(scope="session")
 def warm_start(epo_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Run directory of a behaviour-cloned tiny policy (its HF export is <run>/final)."""
+    """Run directory of a behaviour-cloned tiny policy (its HF export is <run>/final).
+
+    EPO_TEST_WARM_START=<run dir> reuses one built earlier by WARM_START_ARGS (for iterating on a single
+    test; the run is only read).
+    """
+    reuse = os.environ.get("EPO_TEST_WARM_START")
+    if reuse:
+        assert (Path(reuse) / "final").is_dir(), f"EPO_TEST_WARM_START={reuse} holds no final/ policy"
+        return Path(reuse)
     out = tmp_path_factory.mktemp("warm_start")
     run_cli(["train", *WARM_START_ARGS, f"output_dir={out}", "name=warm"], cwd=out)
     return only_run_dir(out)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import terminal_signal_dispositions
 
 from epo_cli.envs.base import Env, EnvSuite, StepResult, Task
 from epo_cli.envs.pool import EnvPool, descendant_pids
@@ -239,7 +240,10 @@ def test_stopping_the_owner_leaves_no_orphans(tmp_path: Path, sig: signal.Signal
     """))
     repo = str(Path(__file__).parent.parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
-    owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    # the owner plays a program started from a terminal, whatever started this suite (`make test &` in a
+    # script ignores SIGINT, and the ctrl-c case then waited forever)
+    owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env,
+                             preexec_fn=terminal_signal_dispositions)
     try:
         workers = [int(p) for p in owner.stdout.readline().split()]
         assert len(workers) == 2 and all(_alive(p) for p in workers)
@@ -248,3 +252,17 @@ def test_stopping_the_owner_leaves_no_orphans(tmp_path: Path, sig: signal.Signal
         assert _wait_gone(workers) == []
     finally:
         owner.kill()
+
+
+@pytest.mark.slow
+def test_ctrl_c_case_passes_when_started_with_sigint_ignored() -> None:
+    """The ctrl-c case above, run by a pytest that inherited SIGINT ignored (as `make test &` in a script)."""
+    def ignore_sigint() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", f"{__file__}::test_stopping_the_owner_leaves_no_orphans[ctrl-c]",
+         "-q", "-p", "no:cacheprovider"],
+        cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=120, preexec_fn=ignore_sigint)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "1 passed" in proc.stdout
