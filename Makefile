@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # torch first: on this kind of machine `torch==2.13.0` is a local CPU build; GPU users may override,
 # e.g. `make install TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu124"`.
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= envs,loggers,sweep,lora,dev
+EXTRAS ?= envs,loggers,sweep,lora,bench,dev
 PYTEST_ARGS ?=
 
 .PHONY: install test demo lint clean

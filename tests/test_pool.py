@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import terminal_signal_dispositions
 
 from epo_cli.envs.base import Env, EnvSuite, StepResult, Task
 from epo_cli.envs.pool import EnvPool, descendant_pids
+
+from conftest import terminal_signal_dispositions
 
 
 class FakeEnv(Env):
