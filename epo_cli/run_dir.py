@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import json
 import sys
+import warnings
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -56,8 +57,15 @@ def write_config(run: Path, cfg: DictConfig, overrides: list[str], env_versions:
     (run / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(data)))
 
 
+#: keys a saved config cannot turn on: only the command line of the current invocation can (a run
+#: directory is data that anyone may have written; trust_remote_code runs the model repository's code)
+COMMAND_LINE_ONLY = {"model.trust_remote_code": False}
+
+
 def load_run_config(run: Path) -> DictConfig:
-    """The resolved config a run was started with (validated again against today's schemas)."""
+    """The resolved config a run was started with (validated again against today's schemas), with the
+    COMMAND_LINE_ONLY keys reset to their safe values (one warning each): overrides of this invocation
+    applied on top can set them again."""
     from epo_cli.config import validate
 
     path = Path(run) / "config.yaml"
@@ -66,6 +74,13 @@ def load_run_config(run: Path) -> DictConfig:
                         "e.g. outputs/<date>/<time>-<name>.")
     raw = OmegaConf.load(path)
     raw.pop("meta", None)
+    for key, safe in COMMAND_LINE_ONLY.items():
+        saved = OmegaConf.select(raw, key, default=safe)
+        if saved != safe:
+            warnings.warn(f"{path} sets {key}={saved}, which is honoured only from the command line: it is "
+                          f"off for this run; pass {key}=true on the command line if you trust that model's "
+                          "code.", stacklevel=2)
+            OmegaConf.update(raw, key, safe, force_add=True)
     return validate(raw)
 
 
