@@ -62,6 +62,8 @@ def _range_text(rule: tuple[Any, Any, Any, Any]) -> str:
 
 def _in_range(value: Any, rule: tuple[Any, Any, Any, Any]) -> bool:
     ge, gt, le, lt = rule
+    if value != value:  # NaN compares false with every bound: never in range
+        return False
     return not ((ge is not None and value < ge) or (gt is not None and value <= gt) or
                 (le is not None and value > le) or (lt is not None and value >= lt))
 

@@ -239,8 +239,11 @@ def parse_eval_args(args: list[str]) -> tuple[EvalArgs, list[str]]:
         raise ConfigError(f"episodes must be >= 1 (got {opts.episodes}).")
     if opts.checkpoint is not None and opts.run is None:
         raise ConfigError("checkpoint= needs run=<run dir> (with model.path=DIR the folder is the model).")
-    if opts.greedy and opts.temperature not in (None, 0.0):
+    if opts.greedy and opts.temperature is not None:
         raise ConfigError("Pass either greedy=true or temperature=T, not both.")
+    if opts.temperature is not None and not (opts.temperature > 0 and math.isfinite(opts.temperature)):
+        raise ConfigError(f"temperature={opts.temperature:g} is out of range; allowed: 0 < value. For greedy "
+                          "decoding pass greedy=true.")
     return opts, overrides
 
 
