@@ -726,6 +726,7 @@ def _check_consistency(cfg: DictConfig) -> None:
     if ds.offload_optimizer and ds.zero_stage == 0:
         raise ConfigError("deepspeed.offload_optimizer=true needs deepspeed.zero_stage >= 1 (ZeRO-0 keeps the "
                           "optimizer on the device).")
+    _warn_unused_settings(cfg)
     tr = cfg.trainer
     if tr.stop_after is not None and tr.stop_after >= tr.total_steps:
         warnings.warn(f"trainer.stop_after={tr.stop_after} >= trainer.total_steps={tr.total_steps}: the run "
@@ -733,6 +734,29 @@ def _check_consistency(cfg: DictConfig) -> None:
     from epo_cli.rollout.prompts import get_template
 
     get_template(cfg.env.prompt_template)  # ConfigError listing the template names
+
+
+def _warn_unused_settings(cfg: DictConfig) -> None:
+    """One warning when a setting was changed from its default but nothing in this run reads it (e.g.
+    algo.entropy_smoothing.alpha under algo=grpo, whose loss has no smoothing term)."""
+    algo = cfg.algo
+    terms = list(algo.loss_terms)
+    checks = [  # (section, its schema, the keys only that part reads (None: all), is it used, why not)
+        ("algo.entropy_smoothing", SmoothingConfig, ("alpha", "kappa_low", "kappa_high", "aggregation"),
+         "entropy_smoothing" in terms, "'entropy_smoothing' is not in algo.loss_terms"),
+        ("algo.policy_clip", PolicyClipConfig, None, "policy_clip" in terms, "'policy_clip' is not in algo.loss_terms"),
+        ("algo.kl", KLConfig, ("coef", "estimator", "aggregation"), "kl" in terms, "'kl' is not in algo.loss_terms"),
+        ("algo.value", ValueConfig, None, algo.estimator == "gae", f"algo.estimator={algo.estimator} has no critic"),
+        ("algo.gae", GAEConfig, None, algo.estimator == "gae", f"algo.estimator={algo.estimator} is not gae"),
+    ]
+    for section, schema, names, used, why in checks:
+        if used:
+            continue
+        node, defaults = OmegaConf.select(cfg, section), schema()
+        changed = [n for n in (names or [f.name for f in fields(schema)]) if node[n] != getattr(defaults, n)]
+        if changed:
+            warnings.warn(f"{', '.join(f'{section}.{n}={node[n]}' for n in changed)}: no effect in this run "
+                          f"({why}).", stacklevel=3)
 
 
 #: ModelConfig keys that only shape the locally built tiny model (ignored when model.path is set)

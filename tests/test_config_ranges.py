@@ -187,3 +187,19 @@ def test_cli_bad_value_exits_2_before_any_work(args: list[str], key: str, tmp_pa
     assert key in proc.stderr and "Traceback" not in proc.stderr
     assert proc.stderr.count("error:") == 1
     assert not (tmp_path / "out").exists()  # nothing was created
+
+
+def test_a_setting_nothing_reads_is_warned() -> None:
+    with pytest.warns(UserWarning, match=r"algo.entropy_smoothing.alpha=0.05: no effect in this run "
+                                         r"\('entropy_smoothing' is not in algo.loss_terms\)"):
+        compose_for_train(["algo=grpo", "algo.entropy_smoothing.alpha=0.05"])
+    with pytest.warns(UserWarning, match=r"algo.value.coef=1.0: no effect .*has no critic"):
+        compose_for_train(["algo=grpo", "algo.value.coef=1.0"])
+
+
+@pytest.mark.parametrize("preset", ["algo=sft", "algo=ppo", "algo=grpo", "algo=epo", "algo=epo_ppo",
+                                    "experiment=epo_household", "experiment=warm_start"])
+def test_shipped_presets_compose_without_warnings(preset: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compose_for_train([preset])
