@@ -62,10 +62,11 @@ def write_config(run: Path, cfg: DictConfig, overrides: list[str], env_versions:
 COMMAND_LINE_ONLY = {"model.trust_remote_code": False}
 
 
-def load_run_config(run: Path) -> DictConfig:
+def load_run_config(run: Path, command_line: dict[str, Any] | None = None) -> DictConfig:
     """The resolved config a run was started with (validated again against today's schemas), with the
-    COMMAND_LINE_ONLY keys reset to their safe values (one warning each): overrides of this invocation
-    applied on top can set them again."""
+    COMMAND_LINE_ONLY keys reset to their safe values (one warning each) or set to what `command_line`
+    (this invocation's own values for them, e.g. from a launcher's flags) says; overrides of this
+    invocation applied on top can set them too."""
     from epo_cli.config import validate
 
     path = Path(run) / "config.yaml"
@@ -74,13 +75,14 @@ def load_run_config(run: Path) -> DictConfig:
                         "e.g. outputs/<date>/<time>-<name>.")
     raw = OmegaConf.load(path)
     raw.pop("meta", None)
+    given = command_line or {}
     for key, safe in COMMAND_LINE_ONLY.items():
         saved = OmegaConf.select(raw, key, default=safe)
-        if saved != safe:
-            warnings.warn(f"{path} sets {key}={saved}, which is honoured only from the command line: it is "
-                          f"off for this run; pass {key}=true on the command line if you trust that model's "
-                          "code.", stacklevel=2)
-            OmegaConf.update(raw, key, safe, force_add=True)
+        if saved != safe and key not in given:
+            warnings.warn(f"{path} sets {key}={saved}, which is honoured only from the command line, not from "
+                          f"a saved config; pass {key}=true on the command line if you trust that model's code.",
+                          stacklevel=2)
+        OmegaConf.update(raw, key, given.get(key, safe), force_add=True)
     return validate(raw)
 
 

@@ -139,11 +139,10 @@ def run_rank(run: Path, resume_latest: bool = False, trust_remote_code: bool = F
     rank = int(os.environ.get("RANK", "0"))
     timeout_s: float | None = None
     try:
-        cfg = load_run_config(run)
+        cfg = load_run_config(run, command_line={"model.trust_remote_code": trust_remote_code})
         cfg.run_dir = str(run)  # absolute: every rank (and node) names the same folder
         if resume_latest:
             cfg.trainer.resume = "auto"
-        cfg.model.trust_remote_code = trust_remote_code
         timeout_s = float(cfg.launcher.timeout_s)
         install_test_hook(rank)
         from epo_cli.training.trainer import Trainer

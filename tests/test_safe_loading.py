@@ -154,7 +154,7 @@ def test_a_saved_trust_remote_code_is_not_honoured(tmp_path: Path) -> None:
     from epo_cli.launch import compose_for_train
 
     run = _run_dir_trusting_remote_code(tmp_path)
-    with pytest.warns(UserWarning, match="honoured only from the command line"):
+    with pytest.warns(UserWarning, match="honoured only from the command line, not from a saved config"):
         cfg = eval_config(EvalArgs(run=run), [])
     assert cfg.model.trust_remote_code is False
     with pytest.warns(UserWarning, match="model.trust_remote_code=true on the command line"):
@@ -240,3 +240,13 @@ def test_resume_refuses_a_planted_rng_file_before_deepspeed_runs(trained_run: Pa
     assert "rng_rank0.pt" in proc.stderr and "never unpickles" in proc.stderr and "Traceback" not in proc.stderr
     assert not marker.exists()
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+
+
+def test_a_rank_takes_trust_remote_code_from_its_launcher_flag_only(tmp_path: Path) -> None:
+    from epo_cli.run_dir import load_run_config
+
+    run = _run_dir_trusting_remote_code(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the flag decides: no warning about the saved value
+        assert load_run_config(run, command_line={"model.trust_remote_code": True}).model.trust_remote_code is True
+        assert load_run_config(run, command_line={"model.trust_remote_code": False}).model.trust_remote_code is False
