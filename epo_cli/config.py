@@ -748,6 +748,14 @@ def _warn_unused_settings(cfg: DictConfig) -> None:
         ("algo.kl", KLConfig, ("coef", "estimator", "aggregation"), "kl" in terms, "'kl' is not in algo.loss_terms"),
         ("algo.value", ValueConfig, None, algo.estimator == "gae", f"algo.estimator={algo.estimator} has no critic"),
         ("algo.gae", GAEConfig, None, algo.estimator == "gae", f"algo.estimator={algo.estimator} is not gae"),
+        ("algo", AlgoConfig, ("demos", "demo_episodes", "demo_level"), algo.name == "sft",
+         f"algo={algo.name} does not behaviour-clone"),
+        ("model.lora", LoraConfig, ("alpha", "dropout", "target_modules"), cfg.model.lora.rank > 0,
+         "model.lora.rank=0 fine-tunes all weights"),
+        ("launcher", LauncherConfig, ("num_gpus", "num_nodes", "num_procs", "hostfile"), cfg.launcher.name != "local",
+         "launcher=local runs one process; start ranks with launcher=deepspeed or launcher=slurm"),
+        ("launcher", LauncherConfig, ("partition", "time_min", "cpus_per_task", "account"),
+         cfg.launcher.name == "slurm", "these configure launcher=slurm"),
     ]
     for section, schema, names, used, why in checks:
         if used:

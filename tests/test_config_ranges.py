@@ -8,6 +8,7 @@ ConfigError (exit code 2) that names the key (and, for a range, the value and th
 from __future__ import annotations
 
 import math
+import re
 import typing
 import warnings
 from dataclasses import fields, is_dataclass
@@ -203,3 +204,14 @@ def test_shipped_presets_compose_without_warnings(preset: str) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         compose_for_train([preset])
+
+
+@pytest.mark.parametrize(("overrides", "text"), [
+    (["launcher.num_procs=2"], "launcher.num_procs=2: no effect in this run (launcher=local runs one process"),
+    (["launcher.partition=gpu"], "launcher.partition=gpu: no effect"),
+    (["model.lora.dropout=0.1"], "model.lora.dropout=0.1: no effect in this run (model.lora.rank=0"),
+    (["algo=grpo", "algo.demo_episodes=10"], "algo.demo_episodes=10: no effect in this run (algo=grpo"),
+])
+def test_settings_of_unused_parts_are_warned(overrides: list[str], text: str) -> None:
+    with pytest.warns(UserWarning, match=re.escape(text)):
+        compose_for_train(overrides)
