@@ -2,7 +2,10 @@
 
 `compose(overrides)` runs Hydra's compose API over conf/, then merges the result into the dataclass
 schemas below. Any unknown key, unknown group option or wrong type fails here, before any work starts,
-with one `ConfigError` that names the key and the valid choices.
+with one `ConfigError` that names the key and the valid choices. Each numeric field declares its range
+next to it (`num(default, ge=0, le=1)`) and each enum field its values (`one_of(default, (...))` or an
+algos registry); `check_field_rules` walks the schema and checks them all, then `_check_consistency`
+checks the rules that span keys and warns (one line) about settings the run would not read.
 
 Groups (conf/<group>/<option>.yaml) and their schemas:
     algo        AlgoConfig        sft | ppo | grpo | epo | epo_ppo
@@ -43,8 +46,8 @@ def num(default: Any, *, ge: float | None = None, gt: float | None = None, le: f
     return field(default=default, metadata={"range": (ge, gt, le, lt)})
 
 
-def one_of(default: Any = None, *valid: Any, registry: str | None = None, extra: tuple[Any, ...] = (),
-           default_factory: Any = None) -> Any:
+def one_of(default: Any = None, valid: tuple[Any, ...] = (), *, registry: str | None = None,
+           extra: tuple[Any, ...] = (), default_factory: Any = None) -> Any:
     """A field whose value (each item, for a list) is one of `valid`, or a name in the algos registry
     `registry` (epo_cli.algos.registry_names) plus `extra`."""
     meta = {"choices": tuple(valid) + tuple(extra), "registry": registry}
@@ -123,9 +126,9 @@ class SmoothingConfig:
     kappa_low: float = num(0.0, ge=0)
     kappa_high: float = num(2.0, gt=0)
     #: global | per_turn (one reference per true turn index)
-    reference: str = one_of("global", "global", "per_turn")
+    reference: str = one_of("global", ("global", "per_turn"))
     #: cumulative (paper) | window | ema
-    history: str = one_of("cumulative", "cumulative", "window", "ema")
+    history: str = one_of("cumulative", ("cumulative", "window", "ema"))
     window: int = num(10, ge=1)
     ema_decay: float = num(0.9, ge=0, lt=1)
     aggregation: str = one_of("trajectory", registry="aggregations")
@@ -155,7 +158,7 @@ class KLConfig:
     estimator: str = one_of("low_var_kl", registry="kl_estimators")
     aggregation: str = one_of("token-mean", registry="aggregations")
     #: constant, or two_phase (weight taken from algo.phase's KL ramp)
-    schedule: str = one_of("constant", "constant", "two_phase")
+    schedule: str = one_of("constant", ("constant", "two_phase"))
 
 
 @dataclass
@@ -169,7 +172,7 @@ class GAEConfig:
 class GRPOConfig:
     norm_by_std: bool = True
     #: turns: mean/std over all turn-samples of the group (verl-agent); trajectories: one score per episode
-    mean_over: str = one_of("turns", "turns", "trajectories")
+    mean_over: str = one_of("turns", ("turns", "trajectories"))
     eps: float = num(1e-6, gt=0)
 
 
@@ -182,7 +185,7 @@ class MonitorConfig:
     #: alert when sigma / mean entropy exceeds this (relative fluctuation)
     threshold: float = num(0.2, gt=0)
     #: warn (log + console) | clamp (also scale the entropy terms' gradient by clamp_scale)
-    action: str = one_of("warn", "warn", "clamp")
+    action: str = one_of("warn", ("warn", "clamp"))
     clamp_scale: float = num(0.1, ge=0, le=1)
 
 
@@ -190,7 +193,7 @@ class MonitorConfig:
 class AlgoConfig:
     name: str = "sft"
     #: the RL base of the algorithm: none (sft) | ppo | grpo
-    base: str = one_of("none", "none", "ppo", "grpo")
+    base: str = one_of("none", ("none", "ppo", "grpo"))
     #: advantage estimator: gae | grpo | rloo | none; `auto` picks gae for base=ppo, grpo for base=grpo
     estimator: str = one_of("auto", registry="estimators", extra=("auto", "none"))
     #: policy loss terms, summed in this order; see epo_cli/algos/losses.py
@@ -246,9 +249,9 @@ class ModelConfig:
     path: str | None = None
     trust_remote_code: bool = False
     #: auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
-    dtype: str = one_of("auto", "auto", "fp32", "bf16")
-    attn_implementation: str = one_of("sdpa", "sdpa", "eager", "flash_attention_2", "flash_attention_3",
-                                      "flex_attention")
+    dtype: str = one_of("auto", ("auto", "fp32", "bf16"))
+    attn_implementation: str = one_of("sdpa", ("sdpa", "eager", "flash_attention_2", "flash_attention_3",
+                                      "flex_attention"))
     gradient_checkpointing: bool = False
     # tiny model (Qwen2 architecture) sizes; ignored when `path` is set
     hidden_size: int = num(64, ge=1)
@@ -291,7 +294,7 @@ class EntropyConfig:
 @dataclass
 class CurriculumConfig:
     #: none | staged | adaptive | horizon | subgoal_rewards
-    name: str = one_of("none", "none", "staged", "adaptive", "horizon", "subgoal_rewards")
+    name: str = one_of("none", ("none", "staged", "adaptive", "horizon", "subgoal_rewards"))
     #: staged / adaptive: ordered levels (household levels, ALFWorld task types, ScienceWorld task lists)
     levels: list[str] = field(default_factory=list)
     window: int = num(3, ge=1)
@@ -299,7 +302,7 @@ class CurriculumConfig:
     demote_at: float | None = num(None, ge=0, le=1)
     replay_share: float = num(0.2, ge=0, le=1)
     #: adaptive: progress (change in success) | closeness (to 0.5)
-    adaptive_signal: str = one_of("progress", "progress", "closeness")
+    adaptive_signal: str = one_of("progress", ("progress", "closeness"))
     exploration_floor: float = num(0.1, ge=0, le=1)
     #: horizon: max turns grow from start_turns to env.max_turns over `horizon_share` of training
     #: (can be combined with any curriculum)
@@ -316,17 +319,17 @@ class CurriculumConfig:
 @dataclass
 class DeepSpeedConfig:
     name: str = "zero0"
-    zero_stage: int = one_of(0, 0, 1, 2, 3)
+    zero_stage: int = one_of(0, (0, 1, 2, 3))
     offload_optimizer: bool = False
     offload_param: bool = False
     #: auto: bf16 on GPU, fp32 on CPU
-    precision: str = one_of("auto", "auto", "fp32", "bf16")
+    precision: str = one_of("auto", ("auto", "fp32", "bf16"))
     activation_checkpointing: bool = False
 
 
 @dataclass
 class LauncherConfig:
-    name: str = one_of("local", "local", "deepspeed", "slurm")
+    name: str = one_of("local", ("local", "deepspeed", "slurm"))
     #: GPUs per node (deepspeed launcher); on a machine without GPUs use num_procs for CPU ranks
     num_gpus: int = num(0, ge=0)
     num_nodes: int = num(1, ge=1)
@@ -350,7 +353,7 @@ class WandbConfig:
     project: str = "epo"
     entity: str | None = None
     #: online | offline | disabled (WANDB_MODE)
-    mode: str = one_of("offline", "online", "offline", "disabled")
+    mode: str = one_of("offline", ("online", "offline", "disabled"))
 
 
 @dataclass
@@ -391,7 +394,7 @@ class TrainerConfig:
     max_nonfinite_skips: int = num(3, ge=1)
     log_every: int = num(1, ge=1)
     #: auto | cpu | cuda
-    device: str = one_of("auto", "auto", "cpu", "cuda")
+    device: str = one_of("auto", ("auto", "cpu", "cuda"))
     deterministic: bool = True
     #: 0 = keep all
     keep_checkpoints: int = num(2, ge=0)

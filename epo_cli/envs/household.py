@@ -203,7 +203,7 @@ class HouseholdConfig(EnvConfig):
     name: str = "household"
     #: curriculum level, easiest first: tiny_open_pick_place | small_pick_and_light | medium_with_transforms |
     #: large_all_tasks | alfworld_size_all_tasks
-    level: str = one_of(DEFAULT_LEVEL, *LEVEL_BY_NAME)
+    level: str = one_of(DEFAULT_LEVEL, tuple(LEVEL_BY_NAME))
     #: restrict to these task types (empty = the level's own types)
     task_types: list[str] = field(default_factory=list)
     #: the expert needs 3-15 steps at the default level (median 8); 30 leaves room to explore

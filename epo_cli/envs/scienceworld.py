@@ -68,7 +68,7 @@ class ScienceWorldConfig(EnvConfig):
     simplification: str = "easy"
     max_turns: int = num(30, ge=1)
     #: sparse: success only | dense: also score progress (info.progress) and subgoal events (info.subgoals)
-    reward: str = one_of("sparse", "sparse", "dense")
+    reward: str = one_of("sparse", ("sparse", "dense"))
     #: worker processes; null = one per CPU (each holds its envs' JVMs, ~0.7 GB each)
     num_workers: int | None = num(None, ge=0)
     #: cap on info.admissible_commands (0 = all valid action-object combinations)
