@@ -118,9 +118,9 @@ def test_bad_value_is_one_config_error_naming_the_key(overrides: list[str], key:
 
 
 def test_values_at_the_bounds_are_accepted() -> None:
-    cfg, _ = compose_for_train(["algo.policy_clip.clip_low=1", "algo.warmup_ratio=0", "launcher.master_port=0",
-                                "rollout.eval_temperature=0", "rollout.top_p=1", "trainer.keep_checkpoints=0",
-                                "env.history_length=0", "model.vocab_size=259"])
+    cfg, _ = compose_for_train(["algo=grpo", "algo.policy_clip.clip_low=1", "algo.warmup_ratio=0",
+                                "launcher.master_port=0", "rollout.eval_temperature=0", "rollout.top_p=1",
+                                "trainer.keep_checkpoints=0", "env.history_length=0", "model.vocab_size=259"])
     assert cfg.rollout.eval_temperature == 0.0 and cfg.launcher.master_port == 0
 
 
