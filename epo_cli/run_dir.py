@@ -73,7 +73,14 @@ def load_run_config(run: Path, command_line: dict[str, Any] | None = None) -> Di
     if not path.exists():
         raise UserError(f"'{run}' is not a run directory (no config.yaml). Pass the folder `epo train` made, "
                         "e.g. outputs/<date>/<time>-<name>.")
-    raw = OmegaConf.load(path)
+    try:  # OmegaConf's YAML loader is a safe loader: a python/object tag is an error, never run
+        raw = OmegaConf.load(path)
+    except Exception as err:  # noqa: BLE001 - yaml and omegaconf errors alike: the file is damaged
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise UserError(f"'{path}' is not a readable run config ({type(err).__name__}: {first}); nothing was "
+                        "loaded. Restore it from a copy of the run, or start a new run.") from None
+    if not isinstance(raw, DictConfig):
+        raise UserError(f"'{path}' is not a run config (expected a mapping of sections); nothing was loaded.")
     raw.pop("meta", None)
     given = command_line or {}
     for key, safe in COMMAND_LINE_ONLY.items():

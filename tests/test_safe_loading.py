@@ -250,3 +250,17 @@ def test_a_rank_takes_trust_remote_code_from_its_launcher_flag_only(tmp_path: Pa
         warnings.simplefilter("error")  # the flag decides: no warning about the saved value
         assert load_run_config(run, command_line={"model.trust_remote_code": True}).model.trust_remote_code is True
         assert load_run_config(run, command_line={"model.trust_remote_code": False}).model.trust_remote_code is False
+
+
+@pytest.mark.parametrize("text", ['a: !!python/object/apply:os.system ["touch {marker}"]\n', "algo: [unclosed\n",
+                                  "- just\n- a list\n"])
+def test_a_hostile_or_damaged_config_yaml_is_one_message(tmp_path: Path, text: str) -> None:
+    from epo_cli.evaluation import EvalArgs, eval_config
+
+    marker = tmp_path / "marker"
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(text.format(marker=marker))
+    with pytest.raises(UserError, match="config.yaml' is not a") as info:
+        eval_config(EvalArgs(run=run), [])
+    assert "nothing was loaded" in str(info.value) and not marker.exists()
