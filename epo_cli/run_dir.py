@@ -93,6 +93,18 @@ def load_run_config(run: Path, command_line: dict[str, Any] | None = None) -> Di
     return validate(raw)
 
 
+def read_yaml_data(path: Path) -> Any:
+    """A YAML file of a run (safe loader) as plain data, or None with a one-line warning if it is damaged:
+    for readers such as `epo report` that can go on without it."""
+    try:
+        return OmegaConf.to_container(OmegaConf.load(path))
+    except Exception as err:  # noqa: BLE001 - yaml and omegaconf errors alike
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        warnings.warn(f"'{path}' is unreadable ({type(err).__name__}: {first}); going on without it.",
+                      stacklevel=2)
+        return None
+
+
 def write_status(run: Path, status: str, **fields: Any) -> None:
     payload = {"status": status, "time": datetime.datetime.now().isoformat(timespec="seconds"), **fields}
     tmp = run / "status.json.tmp"

@@ -264,3 +264,15 @@ def test_a_hostile_or_damaged_config_yaml_is_one_message(tmp_path: Path, text: s
     with pytest.raises(UserError, match="config.yaml' is not a") as info:
         eval_config(EvalArgs(run=run), [])
     assert "nothing was loaded" in str(info.value) and not marker.exists()
+
+
+def test_report_reads_a_run_with_a_damaged_config_yaml_without_it(tmp_path: Path) -> None:
+    from epo_cli.report import load_run
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("algo: [unclosed\n")
+    (run / "metrics.jsonl").write_text('{"step": 1, "policy/entropy": 0.5}\n')
+    with pytest.warns(UserWarning, match="config.yaml' is unreadable"):
+        data = load_run(run)
+    assert data.config == {} and data.overrides == [] and len(data.rows) == 1
