@@ -2,7 +2,10 @@
 
 `compose(overrides)` runs Hydra's compose API over conf/, then merges the result into the dataclass
 schemas below. Any unknown key, unknown group option or wrong type fails here, before any work starts,
-with one `ConfigError` that names the key and the valid choices.
+with one `ConfigError` that names the key and the valid choices. Each numeric field declares its range
+next to it (`num(default, ge=0, le=1)`) and each enum field its values (`one_of(default, (...))` or an
+algos registry); `check_field_rules` walks the schema and checks them all, then `_check_consistency`
+checks the rules that span keys and warns (one line) about settings the run would not read.
 
 Groups (conf/<group>/<option>.yaml) and their schemas:
     algo        AlgoConfig        sft | ppo | grpo | epo | epo_ppo
@@ -23,7 +26,7 @@ from __future__ import annotations
 import difflib
 import re
 import warnings
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +34,42 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from epo_cli.errors import ConfigError
+
+# ----------------------------------------------------------------------------------------------------
+# Field rules: bounds and valid values next to each field, checked by `check_field_rules`
+# ----------------------------------------------------------------------------------------------------
+
+
+def num(default: Any, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
+        lt: float | None = None) -> Any:
+    """A numeric field with its allowed range (null stays allowed where the type is optional)."""
+    return field(default=default, metadata={"range": (ge, gt, le, lt)})
+
+
+def one_of(default: Any = None, valid: tuple[Any, ...] = (), *, registry: str | None = None,
+           extra: tuple[Any, ...] = (), default_factory: Any = None) -> Any:
+    """A field whose value (each item, for a list) is one of `valid`, or a name in the algos registry
+    `registry` (epo_cli.algos.registry_names) plus `extra`."""
+    meta = {"choices": tuple(valid) + tuple(extra), "registry": registry}
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _range_text(rule: tuple[Any, Any, Any, Any]) -> str:
+    ge, gt, le, lt = rule
+    low = f"{ge:g} <= " if ge is not None else (f"{gt:g} < " if gt is not None else "")
+    high = f" <= {le:g}" if le is not None else (f" < {lt:g}" if lt is not None else "")
+    return f"{low}value{high}"
+
+
+def _in_range(value: Any, rule: tuple[Any, Any, Any, Any]) -> bool:
+    ge, gt, le, lt = rule
+    if value != value:  # NaN compares false with every bound: never in range
+        return False
+    return not ((ge is not None and value < ge) or (gt is not None and value <= gt) or
+                (le is not None and value > le) or (lt is not None and value >= lt))
+
 
 # ----------------------------------------------------------------------------------------------------
 # Schemas
@@ -42,13 +81,13 @@ class EnvConfig:
     """Settings every environment shares. Each env extends this with its own dataclass."""
 
     name: str = "household"
-    max_turns: int = 50
+    max_turns: int = num(50, ge=1)
     #: observation/action pairs of the past shown in each prompt (verl-agent default 2)
-    history_length: int = 2
+    history_length: int = num(2, ge=0)
     #: worker processes for the env pool; 0 = step envs in the training process; null = CPU count
-    num_workers: int | None = 0
+    num_workers: int | None = num(0, ge=0)
     #: seconds a worker may take for one step before it is restarted and its episode truncated
-    step_timeout_s: float = 60.0
+    step_timeout_s: float = num(60.0, gt=0)
     #: prompt template (see epo_cli/rollout/prompts.py for the placeholders)
     prompt_template: str = "alfworld"
     #: split names used for training and for evaluation during training
@@ -58,41 +97,41 @@ class EnvConfig:
 
 @dataclass
 class PolicyClipConfig:
-    clip_low: float = 0.2
-    clip_high: float = 0.2
+    clip_low: float = num(0.2, ge=0, le=1)
+    clip_high: float = num(0.2, ge=0)
     #: dual-clip constant c for negative advantages (Ye et al. 2020); null disables it
-    dual_clip: float | None = 3.0
-    aggregation: str = "token-mean"
+    dual_clip: float | None = num(3.0, gt=1)
+    aggregation: str = one_of("token-mean", registry="aggregations")
 
 
 @dataclass
 class ValueConfig:
-    coef: float = 0.5
-    clip: float = 0.5
-    lr: float | None = None  # critic learning rate; null = algo.lr
+    coef: float = num(0.5, ge=0)
+    clip: float = num(0.5, gt=0)
+    lr: float | None = num(None, gt=0)  # critic learning rate; null = algo.lr
 
 
 @dataclass
 class EntropyTermConfig:
     #: token_mean (verl-style) | trajectory (EPO Eq. 2, nested mean) | turn_decay (gamma^t weights)
-    mode: str = "token_mean"
-    decay: float = 0.9
+    mode: str = one_of("token_mean", registry="entropy_modes")
+    decay: float = num(0.9, gt=0, le=1)
 
 
 @dataclass
 class SmoothingConfig:
     """EPO entropy smoothing (arXiv 2509.22576 Sec. 3): hinge band around the historical entropy."""
 
-    alpha: float = 0.1
-    kappa_low: float = 0.0
-    kappa_high: float = 2.0
+    alpha: float = num(0.1, ge=0)
+    kappa_low: float = num(0.0, ge=0)
+    kappa_high: float = num(2.0, gt=0)
     #: global | per_turn (one reference per true turn index)
-    reference: str = "global"
+    reference: str = one_of("global", ("global", "per_turn"))
     #: cumulative (paper) | window | ema
-    history: str = "cumulative"
-    window: int = 10
-    ema_decay: float = 0.9
-    aggregation: str = "trajectory"
+    history: str = one_of("cumulative", ("cumulative", "window", "ema"))
+    window: int = num(10, ge=1)
+    ema_decay: float = num(0.9, ge=0, lt=1)
+    aggregation: str = one_of("trajectory", registry="aggregations")
 
 
 @dataclass
@@ -100,32 +139,32 @@ class PhaseConfig:
     """Phase weight beta_k multiplying the smoothing term."""
 
     #: paper (1 + exp(-gamma k / floor(K/2))) | constant | two_phase
-    schedule: str = "paper"
-    gamma: float = 3.0
-    value: float = 1.0
+    schedule: str = one_of("paper", registry="phase_schedules")
+    gamma: float = num(3.0, ge=0)
+    value: float = num(1.0, ge=0)
     #: two_phase: share of training in the exploration phase, and the beta/KL values at its ends
-    exploration_share: float = 0.3
-    beta_start: float = 0.1
-    beta_peak: float = 0.5
-    beta_end: float = 0.2
-    kl_start: float = 0.2
-    kl_end: float = 0.8
+    exploration_share: float = num(0.3, ge=0, le=1)
+    beta_start: float = num(0.1, ge=0)
+    beta_peak: float = num(0.5, ge=0)
+    beta_end: float = num(0.2, ge=0)
+    kl_start: float = num(0.2, ge=0)
+    kl_end: float = num(0.8, ge=0)
 
 
 @dataclass
 class KLConfig:
-    coef: float = 0.01
+    coef: float = num(0.01, ge=0)
     #: k1 | k2 | k3 (= low_var_kl, clamped)
-    estimator: str = "low_var_kl"
-    aggregation: str = "token-mean"
+    estimator: str = one_of("low_var_kl", registry="kl_estimators")
+    aggregation: str = one_of("token-mean", registry="aggregations")
     #: constant, or two_phase (weight taken from algo.phase's KL ramp)
-    schedule: str = "constant"
+    schedule: str = one_of("constant", ("constant", "two_phase"))
 
 
 @dataclass
 class GAEConfig:
-    gamma: float = 1.0
-    lam: float = 1.0
+    gamma: float = num(1.0, ge=0, le=1)
+    lam: float = num(1.0, ge=0, le=1)
     whiten: bool = True
 
 
@@ -133,53 +172,54 @@ class GAEConfig:
 class GRPOConfig:
     norm_by_std: bool = True
     #: turns: mean/std over all turn-samples of the group (verl-agent); trajectories: one score per episode
-    mean_over: str = "turns"
-    eps: float = 1e-6
+    mean_over: str = one_of("turns", ("turns", "trajectories"))
+    eps: float = num(1e-6, gt=0)
 
 
 @dataclass
 class MonitorConfig:
     """Entropy fluctuation monitor: sigma <- a*sigma + (1-a)*|H_t - mean(H over the last k steps, incl. H_t)|."""
 
-    decay: float = 0.9
-    window: int = 5
+    decay: float = num(0.9, ge=0, lt=1)
+    window: int = num(5, ge=2)
     #: alert when sigma / mean entropy exceeds this (relative fluctuation)
-    threshold: float = 0.2
+    threshold: float = num(0.2, gt=0)
     #: warn (log + console) | clamp (also scale the entropy terms' gradient by clamp_scale)
-    action: str = "warn"
-    clamp_scale: float = 0.1
+    action: str = one_of("warn", ("warn", "clamp"))
+    clamp_scale: float = num(0.1, ge=0, le=1)
 
 
 @dataclass
 class AlgoConfig:
     name: str = "sft"
     #: the RL base of the algorithm: none (sft) | ppo | grpo
-    base: str = "none"
+    base: str = one_of("none", ("none", "ppo", "grpo"))
     #: advantage estimator: gae | grpo | rloo | none; `auto` picks gae for base=ppo, grpo for base=grpo
-    estimator: str = "auto"
+    estimator: str = one_of("auto", registry="estimators", extra=("auto", "none"))
     #: policy loss terms, summed in this order; see epo_cli/algos/losses.py
-    loss_terms: list[str] = field(default_factory=lambda: ["nll"])
+    loss_terms: list[str] = one_of(registry="loss_terms", default_factory=lambda: ["nll"])
     # optimisation
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    warmup_ratio: float = 0.1
-    min_lr_ratio: float = 0.2
-    grad_clip: float = 1.0
-    ppo_epochs: int = 1
+    lr: float = num(1e-3, gt=0)
+    weight_decay: float = num(0.0, ge=0)
+    warmup_ratio: float = num(0.1, ge=0, le=1)
+    min_lr_ratio: float = num(0.2, ge=0, le=1)
+    #: max gradient norm (0 = no clipping)
+    grad_clip: float = num(1.0, ge=0)
+    ppo_epochs: int = num(1, ge=1)
     #: turn-samples per optimizer step, over all ranks
-    mini_batch_size: int = 64
+    mini_batch_size: int = num(64, ge=1)
     #: turn-samples per forward/backward on one rank
-    micro_batch_size: int = 16
+    micro_batch_size: int = num(16, ge=1)
     # rollout batch
-    tasks_per_step: int = 4
-    group_size: int = 1
+    tasks_per_step: int = num(4, ge=1)
+    group_size: int = num(1, ge=1)
     # reward shaping (verl-agent conventions)
-    reward_scale: float = 10.0
-    invalid_action_penalty: float = 0.1
+    reward_scale: float = num(10.0, gt=0)
+    invalid_action_penalty: float = num(0.1, ge=0)
     # sft
     #: expert (demonstrations from the env's expert) or the path of a JSONL file of trajectories
     demos: str = "expert"
-    demo_episodes: int = 200
+    demo_episodes: int = num(200, ge=1)
     demo_level: str | None = None
     # term settings
     policy_clip: PolicyClipConfig = field(default_factory=PolicyClipConfig)
@@ -191,14 +231,14 @@ class AlgoConfig:
     gae: GAEConfig = field(default_factory=GAEConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
-    nll_aggregation: str = "token-mean"
+    nll_aggregation: str = one_of("token-mean", registry="aggregations")
 
 
 @dataclass
 class LoraConfig:
-    rank: int = 0  # 0 = full fine-tuning
-    alpha: int = 16
-    dropout: float = 0.0
+    rank: int = num(0, ge=0)  # 0 = full fine-tuning
+    alpha: int = num(16, gt=0)
+    dropout: float = num(0.0, ge=0, lt=1)
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
 
 
@@ -209,20 +249,21 @@ class ModelConfig:
     path: str | None = None
     trust_remote_code: bool = False
     #: auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
-    dtype: str = "auto"
-    attn_implementation: str = "sdpa"
+    dtype: str = one_of("auto", ("auto", "fp32", "bf16"))
+    attn_implementation: str = one_of("sdpa", ("sdpa", "eager", "flash_attention_2", "flash_attention_3",
+                                      "flex_attention"))
     gradient_checkpointing: bool = False
     # tiny model (Qwen2 architecture) sizes; ignored when `path` is set
-    hidden_size: int = 64
-    intermediate_size: int = 256
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    max_position_embeddings: int = 2048
+    hidden_size: int = num(64, ge=1)
+    intermediate_size: int = num(256, ge=1)
+    num_hidden_layers: int = num(2, ge=1)
+    num_attention_heads: int = num(4, ge=1)
+    num_key_value_heads: int = num(2, ge=1)
+    max_position_embeddings: int = num(2048, ge=1)
     #: target size of the locally trained tokenizer
-    vocab_size: int = 1024
+    vocab_size: int = num(1024, ge=259)  # 256 byte tokens + 3 special tokens at least
     #: embedding rows of the model (null = the tokenizer's size); e.g. 151936 to match Qwen2.5's shapes
-    padded_vocab_size: int | None = None
+    padded_vocab_size: int | None = num(None, ge=1)
     tie_word_embeddings: bool = True
     #: where the locally trained tokenizer and built model are cached; null = ~/.cache/epo
     cache_dir: str | None = None
@@ -234,74 +275,75 @@ class EntropyConfig:
     """The entropy coefficient lambda over training (multiplies L_H and, with beta_k, L_smooth)."""
 
     #: constant | linear | cosine | exp_anneal | two_phase | adaptive_target
-    schedule: str = "constant"
-    coef: float = 0.001
-    start: float = 0.001
-    end: float = 0.0
+    schedule: str = one_of("constant", registry="entropy_schedules")
+    coef: float = num(0.001, ge=0)
+    start: float = num(0.001, ge=0)
+    end: float = num(0.0, ge=0)
     #: two_phase (source article): rise start -> peak over `exploration_share` of training, then fall to end
-    peak: float = 0.005
-    exploration_share: float = 0.3
+    peak: float = num(0.005, ge=0)
+    exploration_share: float = num(0.3, ge=0, le=1)
     #: exp_anneal: coef = start * decay_rate ** (step / total_steps), floored at `end`
-    decay_rate: float = 0.1
+    decay_rate: float = num(0.1, gt=0, le=1)
     #: adaptive_target: move coef towards keeping the entropy at `target`
-    target: float = 0.5
-    adapt_lr: float = 0.1
-    min_coef: float = 0.0
-    max_coef: float = 0.05
+    target: float = num(0.5, ge=0)
+    adapt_lr: float = num(0.1, gt=0)
+    min_coef: float = num(0.0, ge=0)
+    max_coef: float = num(0.05, ge=0)
 
 
 @dataclass
 class CurriculumConfig:
     #: none | staged | adaptive | horizon | subgoal_rewards
-    name: str = "none"
+    name: str = one_of("none", ("none", "staged", "adaptive", "horizon", "subgoal_rewards"))
     #: staged / adaptive: ordered levels (household levels, ALFWorld task types, ScienceWorld task lists)
     levels: list[str] = field(default_factory=list)
-    window: int = 3
-    promote_at: float = 0.7
-    demote_at: float | None = None
-    replay_share: float = 0.2
+    window: int = num(3, ge=1)
+    promote_at: float = num(0.7, ge=0, le=1)
+    demote_at: float | None = num(None, ge=0, le=1)
+    replay_share: float = num(0.2, ge=0, le=1)
     #: adaptive: progress (change in success) | closeness (to 0.5)
-    adaptive_signal: str = "progress"
-    exploration_floor: float = 0.1
+    adaptive_signal: str = one_of("progress", ("progress", "closeness"))
+    exploration_floor: float = num(0.1, ge=0, le=1)
     #: horizon: max turns grow from start_turns to env.max_turns over `horizon_share` of training
     #: (can be combined with any curriculum)
     horizon: bool = False
-    start_turns: int = 10
-    horizon_share: float = 0.5
+    start_turns: int = num(10, ge=1)
+    horizon_share: float = num(0.5, gt=0, le=1)
     #: intermediate rewards from progress events (can be combined with any curriculum)
     subgoal_rewards: bool = False
-    subgoal_coef: float = 1.0
+    subgoal_coef: float = num(1.0, ge=0)
     #: the subgoal coefficient decays linearly to 0 by this share of training (null = never)
-    subgoal_decay_share: float | None = 0.8
+    subgoal_decay_share: float | None = num(0.8, gt=0, le=1)
 
 
 @dataclass
 class DeepSpeedConfig:
     name: str = "zero0"
-    zero_stage: int = 0
+    zero_stage: int = one_of(0, (0, 1, 2, 3))
     offload_optimizer: bool = False
     offload_param: bool = False
     #: auto: bf16 on GPU, fp32 on CPU
-    precision: str = "auto"
+    precision: str = one_of("auto", ("auto", "fp32", "bf16"))
     activation_checkpointing: bool = False
 
 
 @dataclass
 class LauncherConfig:
-    name: str = "local"
+    name: str = one_of("local", ("local", "deepspeed", "slurm"))
     #: GPUs per node (deepspeed launcher); on a machine without GPUs use num_procs for CPU ranks
-    num_gpus: int = 0
-    num_nodes: int = 1
-    num_procs: int = 1
+    num_gpus: int = num(0, ge=0)
+    num_nodes: int = num(1, ge=1)
+    num_procs: int = num(1, ge=1)
     hostfile: str | None = None
     master_addr: str = "127.0.0.1"
-    master_port: int = 29500
+    #: 0 = a free port (single node)
+    master_port: int = num(29500, ge=0, le=65535)
     #: seconds a collective may wait before a hung or dead rank ends the job
-    timeout_s: float = 600.0
+    timeout_s: float = num(600.0, gt=0)
     # slurm (submitit)
     partition: str | None = None
-    time_min: int = 60 * 24
-    cpus_per_task: int = 8
+    time_min: int = num(60 * 24, ge=1)
+    cpus_per_task: int = num(8, ge=1)
     account: str | None = None
 
 
@@ -311,7 +353,7 @@ class WandbConfig:
     project: str = "epo"
     entity: str | None = None
     #: online | offline | disabled (WANDB_MODE)
-    mode: str = "offline"
+    mode: str = one_of("offline", ("online", "offline", "disabled"))
 
 
 @dataclass
@@ -335,48 +377,54 @@ class LoggerConfig:
 @dataclass
 class TrainerConfig:
     #: RL iterations (rollout + update), or optimizer steps for sft
-    total_steps: int = 100
-    save_every: int = 50
-    eval_every: int = 50
-    eval_episodes: int = 32
+    total_steps: int = num(100, ge=1)
+    #: 0 = only at the end
+    save_every: int = num(50, ge=0)
+    #: 0 = never
+    eval_every: int = num(50, ge=0)
+    eval_episodes: int = num(32, ge=1)
     #: keep a `best` checkpoint by this metric (null = none)
     best_metric: str | None = "eval/success"
     #: null | auto | <run dir or checkpoint dir>
     resume: str | None = None
     #: end this process (with a checkpoint) after this many steps, to continue later with trainer.resume;
     #: schedules still span total_steps (for time-limited jobs)
-    stop_after: int | None = None
+    stop_after: int | None = num(None, ge=1)
     #: stop after this many consecutive updates skipped for a non-finite loss or gradient
-    max_nonfinite_skips: int = 3
-    log_every: int = 1
+    max_nonfinite_skips: int = num(3, ge=1)
+    log_every: int = num(1, ge=1)
     #: auto | cpu | cuda
-    device: str = "auto"
+    device: str = one_of("auto", ("auto", "cpu", "cuda"))
     deterministic: bool = True
-    keep_checkpoints: int = 2
+    #: 0 = keep all
+    keep_checkpoints: int = num(2, ge=0)
     #: torch intra-op threads per process (1 is fastest on small CPU machines)
-    num_threads: int = 1
+    num_threads: int = num(1, ge=1)
 
 
 @dataclass
 class RolloutConfig:
-    max_new_tokens: int = 64
-    max_prompt_tokens: int = 1024
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    eval_temperature: float = 0.4
+    max_new_tokens: int = num(64, ge=1)
+    max_prompt_tokens: int = num(1024, ge=1)
+    #: sampling temperature of the training rollouts (> 0: the policy gradient needs a sampling policy)
+    temperature: float = num(1.0, gt=0)
+    top_p: float = num(1.0, gt=0, le=1)
+    #: 0 = no top-k filter
+    top_k: int = num(0, ge=0)
+    #: evaluation during training; 0 = greedy
+    eval_temperature: float = num(0.4, ge=0)
     #: generation stops at this string (or EOS)
     stop: str = "</action>"
     #: envs generated for in one batched `generate` call (0 = all active envs)
-    generation_batch_size: int = 0
+    generation_batch_size: int = num(0, ge=0)
     #: decoded trajectories written to samples/ per evaluation
-    num_samples_to_save: int = 4
+    num_samples_to_save: int = num(4, ge=0)
 
 
 @dataclass
 class RunConfig:
     name: str = "run"
-    seed: int = 0
+    seed: int = num(0, ge=0)
     output_dir: str = "outputs"
     #: explicit run directory (else outputs/<date>/<time>-<name>)
     run_dir: str | None = None
@@ -543,6 +591,7 @@ def validate(raw: DictConfig) -> DictConfig:
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None) or "?"
         raise ConfigError(f"Invalid config value at '{key}': {str(err).splitlines()[0]}") from None
+    check_field_rules(cfg, RunConfig)
     _check_consistency(cfg)
     OmegaConf.set_readonly(cfg, False)
     return cfg
@@ -574,36 +623,57 @@ def _check_smoothing_weight(algo: Any) -> None:
                       "assumes alpha * beta_max < 1; the paper uses alpha = 0.1).", stacklevel=2)
 
 
-def _choice(key: str, value: Any, valid: list[str] | tuple[str, ...]) -> None:
+def _choice(key: str, value: Any, valid: list[Any] | tuple[Any, ...]) -> None:
     if value not in valid:
-        close = difflib.get_close_matches(str(value), list(valid), n=1)
+        close = difflib.get_close_matches(str(value), [str(v) for v in valid], n=1)
         hint = f" Did you mean '{close[0]}'?" if close else ""
-        raise ConfigError(f"Invalid value '{value}' for '{key}'.{hint} Valid values: {', '.join(valid)}.")
+        raise ConfigError(f"Invalid value '{value}' for '{key}'.{hint} Valid values: "
+                          f"{', '.join(str(v) for v in valid)}.")
+
+
+def _nested_schema(f: Any) -> type | None:
+    if f.default_factory is not MISSING:
+        made = f.default_factory()
+        return type(made) if is_dataclass(made) else None
+    return None
+
+
+def check_field_rules(node: DictConfig, schema: type, prefix: str = "",
+                      registries: dict[str, list[str]] | None = None) -> None:
+    """Walk `schema` and `node` together and check every field's declared range (`num`) and valid values
+    (`one_of`): one ConfigError naming the key, the value and what is allowed."""
+    from epo_cli.algos import registry_names
+    from epo_cli.envs import env_config_class
+
+    registries = registries if registries is not None else registry_names()
+    for f in fields(schema):
+        key, value = f"{prefix}{f.name}", node[f.name]
+        nested = env_config_class(str(node.env.name)) if schema is RunConfig and f.name == "env" \
+            else _nested_schema(f)
+        if nested is not None:
+            check_field_rules(value, nested, key + ".", registries)
+            continue
+        if value is None:
+            continue
+        values = list(value) if isinstance(value, (list, tuple)) or OmegaConf.is_list(value) else [value]
+        if "range" in f.metadata:
+            for v in values:
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not _in_range(v, f.metadata["range"]):
+                    raise ConfigError(f"Invalid value for '{key}': {v} is out of range; allowed: "
+                                      f"{_range_text(f.metadata['range'])}. Fix: {key}=<a value in that range>.")
+        if "choices" in f.metadata:
+            valid = list(f.metadata["choices"])
+            if f.metadata.get("registry"):
+                valid = registries[f.metadata["registry"]] + [v for v in valid if v not in registries]
+            for v in values:
+                _choice(key, v, valid)
 
 
 def _check_consistency(cfg: DictConfig) -> None:
-    """Checks that span keys or need registries; registries fail here, at config time."""
-    from epo_cli.algos import registry_names
-
-    names = registry_names()
+    """Rules that span keys (each field's own range is declared next to it and checked before this)."""
     algo = cfg.algo
-    _choice("algo.base", algo.base, ("none", "ppo", "grpo"))
     if algo.estimator == "auto":
         algo.estimator = {"ppo": "gae", "grpo": "grpo", "none": "none"}[algo.base]
-    _choice("algo.estimator", algo.estimator, [*names["estimators"], "none"])
-    for term in algo.loss_terms:
-        _choice("algo.loss_terms", term, names["loss_terms"])
-    for key in ("policy_clip.aggregation", "kl.aggregation", "entropy_smoothing.aggregation", "nll_aggregation"):
-        _choice(f"algo.{key}", OmegaConf.select(algo, key), names["aggregations"])
-    _choice("algo.entropy.mode", algo.entropy.mode, names["entropy_modes"])
-    _choice("algo.kl.estimator", algo.kl.estimator, names["kl_estimators"])
-    _choice("algo.entropy_smoothing.reference", algo.entropy_smoothing.reference, ("global", "per_turn"))
-    _choice("algo.entropy_smoothing.history", algo.entropy_smoothing.history, ("cumulative", "window", "ema"))
-    _choice("algo.phase.schedule", algo.phase.schedule, names["phase_schedules"])
-    _choice("algo.kl.schedule", algo.kl.schedule, ("constant", "two_phase"))
-    _choice("algo.monitor.action", algo.monitor.action, ("warn", "clamp"))
-    _choice("algo.grpo.mean_over", algo.grpo.mean_over, ("turns", "trajectories"))
-    _choice("entropy.schedule", cfg.entropy.schedule, names["entropy_schedules"])
     if algo.name != "sft" and algo.estimator == "none":
         raise ConfigError(f"algo={algo.name} needs an advantage estimator; set algo.estimator.")
     if algo.estimator in ("grpo", "rloo") and algo.group_size < 2:
@@ -611,22 +681,99 @@ def _check_consistency(cfg: DictConfig) -> None:
             f"algo.estimator={algo.estimator} compares rollouts of the same task and needs "
             f"algo.group_size >= 2 (got {algo.group_size})."
         )
-    for key in ("mini_batch_size", "micro_batch_size", "tasks_per_step", "group_size", "ppo_epochs"):
-        if algo[key] < 1:
-            raise ConfigError(f"algo.{key} must be >= 1 (got {algo[key]}).")
-    if cfg.trainer.total_steps < 1:
-        raise ConfigError(f"trainer.total_steps must be >= 1 (got {cfg.trainer.total_steps}).")
+    # loss terms the estimator cannot feed would be silently skipped or see no advantages
+    if "value" in algo.loss_terms and algo.estimator != "gae":
+        raise ConfigError(f"algo.loss_terms has 'value' but algo.estimator={algo.estimator} trains no critic "
+                          "(only gae does): remove 'value' from algo.loss_terms or set algo.estimator=gae.")
+    if "policy_clip" in algo.loss_terms and algo.estimator == "none":
+        raise ConfigError("algo.loss_terms has 'policy_clip' but algo.estimator=none computes no advantages: "
+                          "set algo.estimator (gae, grpo, ...) or remove 'policy_clip'.")
+    if algo.mini_batch_size % algo.micro_batch_size:
+        raise ConfigError(
+            f"algo.mini_batch_size={algo.mini_batch_size} must be divisible by algo.micro_batch_size="
+            f"{algo.micro_batch_size} (each optimizer step is a whole number of micro-batches on every rank); "
+            f"e.g. algo.mini_batch_size={-(-algo.mini_batch_size // algo.micro_batch_size) * algo.micro_batch_size}.")
+    sm = algo.entropy_smoothing
+    if sm.kappa_low >= sm.kappa_high:
+        raise ConfigError(f"The smoothing band needs algo.entropy_smoothing.kappa_low < kappa_high (got "
+                          f"{sm.kappa_low:g} and {sm.kappa_high:g}); the paper uses 0.0 and 2.0.")
     if "entropy_smoothing" in algo.loss_terms:
         _check_smoothing_weight(algo)
-    if cfg.env.history_length < 0 or cfg.env.max_turns < 1:
-        raise ConfigError("env.history_length must be >= 0 and env.max_turns >= 1.")
-    _choice("deepspeed.precision", cfg.deepspeed.precision, ("auto", "fp32", "bf16"))
-    _choice("deepspeed.zero_stage", cfg.deepspeed.zero_stage, (0, 1, 2, 3))
-    _choice("model.dtype", cfg.model.dtype, ("auto", "fp32", "bf16"))
-    _choice("trainer.device", cfg.trainer.device, ("auto", "cpu", "cuda"))
-    _choice("launcher.name", cfg.launcher.name, ("local", "deepspeed", "slurm"))
-    _choice("curriculum.name", cfg.curriculum.name, ("none", "staged", "adaptive", "horizon", "subgoal_rewards"))
-    _choice("wandb.mode", cfg.logger.wandb.mode, ("online", "offline", "disabled"))
+    if cfg.entropy.min_coef > cfg.entropy.max_coef:
+        raise ConfigError(f"entropy.min_coef={cfg.entropy.min_coef:g} must be <= entropy.max_coef="
+                          f"{cfg.entropy.max_coef:g}.")
+    cur = cfg.curriculum
+    if cur.demote_at is not None and cur.demote_at >= cur.promote_at:
+        raise ConfigError(f"curriculum.demote_at={cur.demote_at:g} must be below curriculum.promote_at="
+                          f"{cur.promote_at:g} (else a level is promoted and demoted at once).")
+    if (cur.horizon or cur.name == "horizon") and cur.start_turns > cfg.env.max_turns:
+        raise ConfigError(f"curriculum.start_turns={cur.start_turns} is above env.max_turns="
+                          f"{cfg.env.max_turns}: the horizon would shrink, not grow. Lower start_turns.")
+    model = cfg.model
+    if model.hidden_size % model.num_attention_heads or model.num_attention_heads % model.num_key_value_heads:
+        raise ConfigError(f"model.hidden_size={model.hidden_size} must be divisible by model.num_attention_heads="
+                          f"{model.num_attention_heads}, and that by model.num_key_value_heads="
+                          f"{model.num_key_value_heads}.")
+    if model.padded_vocab_size is not None and model.padded_vocab_size < model.vocab_size:
+        raise ConfigError(f"model.padded_vocab_size={model.padded_vocab_size} is below model.vocab_size="
+                          f"{model.vocab_size}: the embedding needs a row per token. Raise it or set null.")
+    if model.path:
+        changed = [f.name for f in fields(ModelConfig) if f.name in TINY_SIZE_KEYS and model[f.name] != f.default]
+        if changed:
+            warnings.warn(f"model.path is set, so the tiny-model sizes {', '.join('model.' + k for k in changed)} "
+                          "are ignored (the model's own config.json defines its shape).", stacklevel=2)
+    ds = cfg.deepspeed
+    if ds.offload_param and ds.zero_stage != 3:
+        raise ConfigError(f"deepspeed.offload_param=true needs deepspeed.zero_stage=3 (got {ds.zero_stage}): "
+                          "only ZeRO-3 partitions the parameters it would offload.")
+    if ds.offload_optimizer and ds.zero_stage == 0:
+        raise ConfigError("deepspeed.offload_optimizer=true needs deepspeed.zero_stage >= 1 (ZeRO-0 keeps the "
+                          "optimizer on the device).")
+    _warn_unused_settings(cfg)
+    tr = cfg.trainer
+    if tr.stop_after is not None and tr.stop_after >= tr.total_steps:
+        warnings.warn(f"trainer.stop_after={tr.stop_after} >= trainer.total_steps={tr.total_steps}: the run "
+                      "ends at total_steps first, so stop_after has no effect.", stacklevel=2)
+    from epo_cli.rollout.prompts import get_template
+
+    get_template(cfg.env.prompt_template)  # ConfigError listing the template names
+
+
+def _warn_unused_settings(cfg: DictConfig) -> None:
+    """One warning when a setting was changed from its default but nothing in this run reads it (e.g.
+    algo.entropy_smoothing.alpha under algo=grpo, whose loss has no smoothing term)."""
+    algo = cfg.algo
+    terms = list(algo.loss_terms)
+    checks = [  # (section, its schema, the keys only that part reads (None: all), is it used, why not)
+        ("algo.entropy_smoothing", SmoothingConfig, ("alpha", "kappa_low", "kappa_high", "aggregation"),
+         "entropy_smoothing" in terms, "'entropy_smoothing' is not in algo.loss_terms"),
+        ("algo.policy_clip", PolicyClipConfig, None, "policy_clip" in terms, "'policy_clip' is not in algo.loss_terms"),
+        ("algo.kl", KLConfig, ("coef", "estimator", "aggregation"), "kl" in terms, "'kl' is not in algo.loss_terms"),
+        ("algo.value", ValueConfig, None, algo.estimator == "gae", f"algo.estimator={algo.estimator} has no critic"),
+        ("algo.gae", GAEConfig, None, algo.estimator == "gae", f"algo.estimator={algo.estimator} is not gae"),
+        ("algo", AlgoConfig, ("demos", "demo_episodes", "demo_level"), algo.name == "sft",
+         f"algo={algo.name} does not behaviour-clone"),
+        ("model.lora", LoraConfig, ("alpha", "dropout", "target_modules"), cfg.model.lora.rank > 0,
+         "model.lora.rank=0 fine-tunes all weights"),
+        ("launcher", LauncherConfig, ("num_gpus", "num_nodes", "num_procs", "hostfile"), cfg.launcher.name != "local",
+         "launcher=local runs one process; start ranks with launcher=deepspeed or launcher=slurm"),
+        ("launcher", LauncherConfig, ("partition", "time_min", "cpus_per_task", "account"),
+         cfg.launcher.name == "slurm", "these configure launcher=slurm"),
+    ]
+    for section, schema, names, used, why in checks:
+        if used:
+            continue
+        node, defaults = OmegaConf.select(cfg, section), schema()
+        changed = [n for n in (names or [f.name for f in fields(schema)]) if node[n] != getattr(defaults, n)]
+        if changed:
+            warnings.warn(f"{', '.join(f'{section}.{n}={node[n]}' for n in changed)}: no effect in this run "
+                          f"({why}).", stacklevel=3)
+
+
+#: ModelConfig keys that only shape the locally built tiny model (ignored when model.path is set)
+TINY_SIZE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "max_position_embeddings", "vocab_size", "padded_vocab_size",
+                  "tie_word_embeddings")
 
 
 def to_yaml(cfg: DictConfig) -> str:

@@ -178,6 +178,8 @@ def deepspeed_command(cfg: DictConfig, run: Path, layout: Layout) -> list[str]:
         if lc.master_addr not in ("127.0.0.1", "localhost", ""):  # else: the first host (ssh hostname -I)
             cmd += ["--master_addr", lc.master_addr]
     cmd += ["--module", "epo_cli.worker", "--run-dir", str(run.resolve())]
+    if cfg.model.trust_remote_code:  # from this command line: the ranks' config.yaml cannot turn it on
+        cmd.append("--trust-remote-code")
     return cmd
 
 
@@ -335,7 +337,8 @@ def submit_slurm(cfg: DictConfig, overrides: list[str], layout: Layout) -> Any:
     run = prepare_run_dir(cfg, overrides).resolve()
     clear_rank_records(run)
     executor = slurm_executor(cfg, run, layout)
-    job = executor.submit(SlurmRank(), str(run))
+    trust = {"trust_remote_code": True} if cfg.model.trust_remote_code else {}  # see deepspeed_command
+    job = executor.submit(SlurmRank(), str(run), **trust)
     print(f"submitted SLURM job {job.job_id}: {layout.num_nodes} node(s) x {layout.ranks_per_node} "
           f"{'GPU' if layout.gpu else 'CPU'} rank(s)\n  run directory: {run}\n"
           f"  logs: {run / 'slurm'}/{job.job_id}_<task>_log.out (rank 0: task 0)\n"

@@ -5,9 +5,11 @@ and `epo eval` both call it, so a number in metrics.jsonl and a number from `epo
              [temperature=0.4 | greedy=true] [policy=model|expert|look|random] [out=DIR] [any override]
     epo eval model.path=<HF folder> env=household split=eval_out_of_distribution
 
-Weights load without DeepSpeed engines: from <run>/final (a Hugging Face folder), or from a checkpoint's
-`module` state dict (ZeRO-0: mp_rank_00_model_states.pt) or its consolidated ZeRO 1-3 shards
-(deepspeed's zero_to_fp32), loaded into the model the run's config builds.
+Weights load without DeepSpeed engines: from <run>/final (a Hugging Face folder, safetensors), or from a
+checkpoint's `module` state dict (ZeRO-0: mp_rank_00_model_states.pt) or its consolidated ZeRO 1-3 shards
+(deepspeed's zero_to_fp32), loaded into the model the run's config builds. Nothing from the run directory
+is unpickled: checkpoint files are read with torch.load(weights_only=True) (epo_cli/safe_load.py), and the
+run's saved model.trust_remote_code is not honoured (epo_cli/run_dir.py).
 
 Results: <run>/eval/<name>.json, <run>/eval/<name>.samples.md (a few decoded trajectories, the trainer's
 samples format) and a table on the console. Without a run they go to <output_dir>/eval/<date>_<time>/ (or
@@ -30,6 +32,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import pickle
 import random
 import sys
 import time
@@ -236,8 +239,11 @@ def parse_eval_args(args: list[str]) -> tuple[EvalArgs, list[str]]:
         raise ConfigError(f"episodes must be >= 1 (got {opts.episodes}).")
     if opts.checkpoint is not None and opts.run is None:
         raise ConfigError("checkpoint= needs run=<run dir> (with model.path=DIR the folder is the model).")
-    if opts.greedy and opts.temperature not in (None, 0.0):
+    if opts.greedy and opts.temperature is not None:
         raise ConfigError("Pass either greedy=true or temperature=T, not both.")
+    if opts.temperature is not None and not (opts.temperature > 0 and math.isfinite(opts.temperature)):
+        raise ConfigError(f"temperature={opts.temperature:g} is out of range; allowed: 0 < value. For greedy "
+                          "decoding pass greedy=true.")
     return opts, overrides
 
 
@@ -269,16 +275,23 @@ def eval_config(opts: EvalArgs, overrides: list[str]) -> DictConfig:
 
 
 def _read_checkpoint_state(ckpt: Path) -> dict[str, Any]:
-    """The model's state dict from a DeepSpeed checkpoint folder, without building an engine."""
-    import torch
+    """The model's state dict from a DeepSpeed checkpoint folder, without building an engine and without
+    unpickling: every file goes through the restricted unpickler (torch.load(weights_only=True)), so a
+    crafted pickle in a shared run directory is refused instead of run."""
+    from epo_cli.safe_load import load_tensors, refused_message, restricted_torch_load
 
     try:
         if any(ckpt.glob("*zero_pp_rank_*_optim_states.pt")):  # ZeRO 1-3: consolidate the fp32 shards
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-            return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
-        states = torch.load(ckpt / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
-        return states["module"]
+            with restricted_torch_load():
+                return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
+        return load_tensors(ckpt / "mp_rank_00_model_states.pt")["module"]
+    except UserError:
+        raise
+    except pickle.UnpicklingError as err:
+        raise UserError(refused_message(ckpt, err) + " Evaluate another checkpoint (checkpoint=final, "
+                        f"checkpoint=best or checkpoint=step_N; see {ckpt.parent}).") from None
     except Exception as err:  # noqa: BLE001 - any failure to read is the same user-facing problem
         first = str(err).splitlines()[0] if str(err) else ""
         raise UserError(f"Checkpoint '{ckpt}' is corrupt or unreadable ({type(err).__name__}: {first}). "

@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from omegaconf import OmegaConf
 
 from epo_cli.errors import UserError
 from epo_cli.metrics import read_metrics
+from epo_cli.run_dir import read_yaml_data
 from epo_cli.sweep_summary import (
     config_key,
     config_label,
@@ -79,7 +79,7 @@ def find_runs(paths: list[Path]) -> list[Path]:
 
 def load_run(path: Path) -> RunData:
     cfg_path = path / "config.yaml"
-    config = OmegaConf.to_container(OmegaConf.load(cfg_path)) if cfg_path.exists() else {}
+    config = read_yaml_data(cfg_path) if cfg_path.exists() else {}
     return RunData(path, run_overrides(path), config if isinstance(config, dict) else {}, read_metrics(path))
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import json
 import sys
+import warnings
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -56,17 +57,52 @@ def write_config(run: Path, cfg: DictConfig, overrides: list[str], env_versions:
     (run / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(data)))
 
 
-def load_run_config(run: Path) -> DictConfig:
-    """The resolved config a run was started with (validated again against today's schemas)."""
+#: keys a saved config cannot turn on: only the command line of the current invocation can (a run
+#: directory is data that anyone may have written; trust_remote_code runs the model repository's code)
+COMMAND_LINE_ONLY = {"model.trust_remote_code": False}
+
+
+def load_run_config(run: Path, command_line: dict[str, Any] | None = None) -> DictConfig:
+    """The resolved config a run was started with (validated again against today's schemas), with the
+    COMMAND_LINE_ONLY keys reset to their safe values (one warning each) or set to what `command_line`
+    (this invocation's own values for them, e.g. from a launcher's flags) says; overrides of this
+    invocation applied on top can set them too."""
     from epo_cli.config import validate
 
     path = Path(run) / "config.yaml"
     if not path.exists():
         raise UserError(f"'{run}' is not a run directory (no config.yaml). Pass the folder `epo train` made, "
                         "e.g. outputs/<date>/<time>-<name>.")
-    raw = OmegaConf.load(path)
+    try:  # OmegaConf's YAML loader is a safe loader: a python/object tag is an error, never run
+        raw = OmegaConf.load(path)
+    except Exception as err:  # noqa: BLE001 - yaml and omegaconf errors alike: the file is damaged
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise UserError(f"'{path}' is not a readable run config ({type(err).__name__}: {first}); nothing was "
+                        "loaded. Restore it from a copy of the run, or start a new run.") from None
+    if not isinstance(raw, DictConfig):
+        raise UserError(f"'{path}' is not a run config (expected a mapping of sections); nothing was loaded.")
     raw.pop("meta", None)
+    given = command_line or {}
+    for key, safe in COMMAND_LINE_ONLY.items():
+        saved = OmegaConf.select(raw, key, default=safe)
+        if saved != safe and key not in given:
+            warnings.warn(f"{path} sets {key}={saved}, which is honoured only from the command line, not from "
+                          f"a saved config; pass {key}=true on the command line if you trust that model's code.",
+                          stacklevel=2)
+        OmegaConf.update(raw, key, given.get(key, safe), force_add=True)
     return validate(raw)
+
+
+def read_yaml_data(path: Path) -> Any:
+    """A YAML file of a run (safe loader) as plain data, or None with a one-line warning if it is damaged:
+    for readers such as `epo report` that can go on without it."""
+    try:
+        return OmegaConf.to_container(OmegaConf.load(path))
+    except Exception as err:  # noqa: BLE001 - yaml and omegaconf errors alike
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        warnings.warn(f"'{path}' is unreadable ({type(err).__name__}: {first}); going on without it.",
+                      stacklevel=2)
+        return None
 
 
 def write_status(run: Path, status: str, **fields: Any) -> None:

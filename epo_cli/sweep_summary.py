@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 
 from epo_cli.errors import ConfigError, UserError
 from epo_cli.metrics import read_metrics
-from epo_cli.run_dir import read_status
+from epo_cli.run_dir import read_status, read_yaml_data
 
 NON_CONFIG_KEYS = ("seed", "run_dir", "output_dir", "name", "trainer.resume")
 SUCCESS_KEYS = ("eval/success", "rollout/success")
@@ -152,10 +152,12 @@ def run_overrides(path: Path) -> list[str]:
     if job.exists():
         return list(json.loads(job.read_text()).get("overrides", []))
     if (path / ".hydra" / "overrides.yaml").exists():
-        return [str(o) for o in OmegaConf.load(path / ".hydra" / "overrides.yaml")]
+        listed = read_yaml_data(path / ".hydra" / "overrides.yaml")
+        return [str(o) for o in listed] if isinstance(listed, list) else []
     if (path / "config.yaml").exists():
-        meta = OmegaConf.load(path / "config.yaml").get("meta", {})
-        return [str(o) for o in meta.get("overrides", [])]
+        data = read_yaml_data(path / "config.yaml")
+        meta = data.get("meta", {}) if isinstance(data, dict) else {}
+        return [str(o) for o in meta.get("overrides", [])] if isinstance(meta, dict) else []
     return []
 
 

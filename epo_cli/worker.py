@@ -124,9 +124,10 @@ def install_test_hook(rank: int) -> None:
     checkpoint.save = save  # the trainer calls checkpoint.save through the module
 
 
-def run_rank(run: Path, resume_latest: bool = False) -> int:
+def run_rank(run: Path, resume_latest: bool = False, trust_remote_code: bool = False) -> int:
     """Train this rank of the run in `run`; returns the process exit code. `resume_latest`: continue from
-    the run's latest complete checkpoint if it has one (a requeued SLURM job)."""
+    the run's latest complete checkpoint if it has one (a requeued SLURM job). `trust_remote_code`: passed
+    by the launching invocation when its command line asked for it (config.yaml cannot turn it on)."""
     from rich.markup import escape
 
     from epo_cli.cli import err_console, quiet_libraries
@@ -138,7 +139,7 @@ def run_rank(run: Path, resume_latest: bool = False) -> int:
     rank = int(os.environ.get("RANK", "0"))
     timeout_s: float | None = None
     try:
-        cfg = load_run_config(run)
+        cfg = load_run_config(run, command_line={"model.trust_remote_code": trust_remote_code})
         cfg.run_dir = str(run)  # absolute: every rank (and node) names the same folder
         if resume_latest:
             cfg.trainer.resume = "auto"
@@ -189,28 +190,30 @@ class SlurmRank:
     much is redone).
     """
 
-    def __call__(self, run_dir: str, resume: bool = False) -> None:
+    def __call__(self, run_dir: str, resume: bool = False, trust_remote_code: bool = False) -> None:
         import submitit
 
         submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
-        code = run_rank(Path(run_dir), resume_latest=resume)
+        code = run_rank(Path(run_dir), resume_latest=resume, trust_remote_code=trust_remote_code)
         if code != 0:
             rank = int(os.environ.get("RANK", "0"))
             record = rank_error_file(Path(run_dir), rank)
             raise RuntimeError(f"rank {rank} failed (exit code {code}); see {record}")
 
-    def checkpoint(self, run_dir: str, resume: bool = False) -> Any:
+    def checkpoint(self, run_dir: str, resume: bool = False, trust_remote_code: bool = False) -> Any:
         import submitit
 
-        return submitit.helpers.DelayedSubmission(SlurmRank(), run_dir, True)
+        return submitit.helpers.DelayedSubmission(SlurmRank(), run_dir, True, trust_remote_code=trust_remote_code)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m epo_cli.worker", description=__doc__.split("\n\n")[0])
     parser.add_argument("--run-dir", required=True, help="run directory holding config.yaml")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="load the model with trust_remote_code (the launcher passes it when asked to)")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # older launchers
     args = parser.parse_args(argv)
-    sys.exit(run_rank(Path(args.run_dir)))
+    sys.exit(run_rank(Path(args.run_dir), trust_remote_code=args.trust_remote_code))
 
 
 if __name__ == "__main__":

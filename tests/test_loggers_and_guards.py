@@ -61,7 +61,7 @@ def test_non_finite_updates_stop_the_run_with_a_message(tmp_path: Path, epo_cach
     rows = (run / "metrics.jsonl").read_text().splitlines()
     assert len(rows) == 1 and '"perf/skipped_updates": 1.0' in rows[0]  # logged, then stopped in step 2
     # the checkpoint after step 1 holds the initial weights: the skipped update changed nothing
-    state = torch.load(run / "checkpoints" / "step_1" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    state = torch.load(run / "checkpoints" / "step_1" / "mp_rank_00_model_states.pt", weights_only=True)["module"]
     from transformers import AutoModelForCausalLM
 
     from epo_cli.config import compose

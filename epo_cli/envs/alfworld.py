@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from epo_cli.config import EnvConfig
+from epo_cli.config import EnvConfig, num
 from epo_cli.envs.base import Env, EnvSuite, StepResult, Task
 from epo_cli.envs.household import SUBGOALS
 from epo_cli.errors import ConfigError, UserError
@@ -88,9 +88,9 @@ class AlfworldConfig(EnvConfig):
     data_dir: str | None = None
     #: task types to play (ids 1-6 or names); empty: all six
     task_types: list[str] = field(default_factory=list)
-    max_turns: int = 50
+    max_turns: int = num(50, ge=1)
     #: worker processes; null = one per CPU (a reset takes ~1 s and a step tens of ms)
-    num_workers: int | None = None
+    num_workers: int | None = num(None, ge=0)
     #: compute info["expert_action"] every step (alfworld's handcoded expert; needs the state's facts)
     expert: bool = True
     #: cache TextWorld's grammar parsing (same games, same text, ~3x faster steps); false = stock TextWorld

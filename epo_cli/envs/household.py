@@ -38,7 +38,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from epo_cli.config import EnvConfig
+from epo_cli.config import EnvConfig, num, one_of
 from epo_cli.envs.base import Env, EnvSuite, StepResult, Task
 from epo_cli.errors import ConfigError
 
@@ -203,11 +203,11 @@ class HouseholdConfig(EnvConfig):
     name: str = "household"
     #: curriculum level, easiest first: tiny_open_pick_place | small_pick_and_light | medium_with_transforms |
     #: large_all_tasks | alfworld_size_all_tasks
-    level: str = DEFAULT_LEVEL
+    level: str = one_of(DEFAULT_LEVEL, tuple(LEVEL_BY_NAME))
     #: restrict to these task types (empty = the level's own types)
     task_types: list[str] = field(default_factory=list)
     #: the expert needs 3-15 steps at the default level (median 8); 30 leaves room to explore
-    max_turns: int = 30
+    max_turns: int = num(30, ge=1)
     eval_splits: list[str] = field(
         default_factory=lambda: ["eval_in_distribution", "eval_out_of_distribution"])
 

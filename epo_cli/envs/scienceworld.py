@@ -47,7 +47,7 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import Any
 
-from epo_cli.config import EnvConfig
+from epo_cli.config import EnvConfig, num, one_of
 from epo_cli.envs.base import Env, EnvSuite, StepResult, Task
 from epo_cli.errors import ConfigError, UserError
 
@@ -66,13 +66,13 @@ class ScienceWorldConfig(EnvConfig):
     #: ScienceWorld simplifications: "easy" (all of them), "" (none) or a comma list such as
     #: "teleportAction,openDoors"
     simplification: str = "easy"
-    max_turns: int = 30
+    max_turns: int = num(30, ge=1)
     #: sparse: success only | dense: also score progress (info.progress) and subgoal events (info.subgoals)
-    reward: str = "sparse"
+    reward: str = one_of("sparse", ("sparse", "dense"))
     #: worker processes; null = one per CPU (each holds its envs' JVMs, ~0.7 GB each)
-    num_workers: int | None = None
+    num_workers: int | None = num(None, ge=0)
     #: cap on info.admissible_commands (0 = all valid action-object combinations)
-    max_admissible: int = 50
+    max_admissible: int = num(50, ge=0)
     #: generate the gold path at each reset for info.expert_action
     expert: bool = True
     #: JVM flags for each env's simulator, added to JAVA_TOOL_OPTIONS when it starts ("" = the JVM's defaults)

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from epo_cli.config import EnvConfig
+from epo_cli.config import EnvConfig, num
 from epo_cli.envs.base import Env, EnvSuite, StepResult, Task
 from epo_cli.errors import ConfigError, UserError
 
@@ -50,17 +50,17 @@ class TextWorldConfig(EnvConfig):
     #: where generated games are cached; null: ~/.cache/epo/textworld
     cache_dir: str | None = None
     #: generated games in the train split, and in each eval split
-    num_games: int = 20
-    num_eval_games: int = 10
+    num_games: int = num(20, ge=1)
+    num_eval_games: int = num(10, ge=1)
     #: generator options (tw-make): rooms, objects, quest length (actions in the winning walkthrough)
-    world_size: int = 5
-    nb_objects: int = 10
-    quest_length: int = 5
+    world_size: int = num(5, ge=1)
+    nb_objects: int = num(10, ge=0)
+    quest_length: int = num(5, ge=1)
     #: generator seed of the first train game
-    seed: int = 1234
-    max_turns: int = 50
+    seed: int = num(1234, ge=0)
+    max_turns: int = num(50, ge=1)
     #: TextWorld steps at ~200 steps/s in-process; workers only pay off for long resets
-    num_workers: int | None = 0
+    num_workers: int | None = num(0, ge=0)
 
 
 @dataclass(frozen=True)

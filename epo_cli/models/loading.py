@@ -1,13 +1,16 @@
 """Load the policy, its tokenizer, the frozen reference and the critic from config.
 
 Real models load from a hub id or a local folder through AutoTokenizer / AutoModelForCausalLM
-(trust_remote_code off unless `model.trust_remote_code=true`); `model=tiny` builds a small local model
-first (epo_cli/models/tiny.py) and then loads it through the very same path.
+(trust_remote_code off unless `model.trust_remote_code=true` on this invocation's command line: a run
+directory's saved config cannot turn it on, see epo_cli/run_dir.py); weights load from safetensors, or
+from PyTorch files with the restricted unpickler only (weights_only=True). `model=tiny` builds a small
+local model first (epo_cli/models/tiny.py) and then loads it through the very same path.
 """
 
 from __future__ import annotations
 
 import copy
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,7 @@ from torch import nn
 
 from epo_cli.envs.base import EnvSuite
 from epo_cli.errors import UserError
+from epo_cli.safe_load import refused_message
 
 
 def resolve_dtype(model_cfg: Any, device: torch.device) -> torch.dtype:
@@ -75,9 +79,12 @@ def load_causal_lm(source: str, model_cfg: Any, dtype: torch.dtype) -> nn.Module
             dtype=dtype,
             trust_remote_code=model_cfg.trust_remote_code,
             attn_implementation=model_cfg.attn_implementation,
+            weights_only=True,  # a pytorch_model.bin from elsewhere is never fully unpickled
         )
     except OSError as err:
         raise UserError(_hub_message(source, err)) from None
+    except pickle.UnpicklingError as err:  # the restricted unpickler refused a weights file
+        raise UserError(refused_message(Path(source), err)) from None
     except (ValueError, RuntimeError) as err:
         if "safetensors" in str(err).lower() or "header" in str(err).lower() or "size mismatch" in str(err):
             raise UserError(f"The model files in '{source}' are corrupt or incomplete: {err}") from None

@@ -3,26 +3,35 @@
     <run>/checkpoints/
         step_N/            DeepSpeed model + optimizer states (every ZeRO stage), critic/ (ppo),
                            trainer_state.json (counters, entropy history, monitor, schedules, curriculum,
-                           logger run ids), rng_rank<r>.pt, COMPLETE (written last)
+                           logger run ids; JSON), rng_rank<r>.pt (tensors and plain values only:
+                           loads with torch.load(weights_only=True)), COMPLETE (written last)
         latest             names the newest complete checkpoint (replaced atomically after COMPLETE)
         best               names the checkpoint with the best trainer.best_metric
+
+Safe loading: epo's own files (trainer_state.json, rng_rank<r>.pt) are read as JSON and with the restricted
+unpickler, and checked before anything else. DeepSpeed's model and optimizer states are then restored by
+DeepSpeed's own loader, which unpickles them fully: that happens only here, when the user resumes a run
+explicitly (`trainer.resume=` on the command line). `epo eval` never calls `load`; it reads weights only.
 """
 
 from __future__ import annotations
 
 import json
-import random
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from epo_cli.errors import UserError
+from epo_cli.safe_load import load_tensors
+from epo_cli.training import rng_state
 from epo_cli.training.engine import barrier
 
 COMPLETE = "COMPLETE"
+#: written into trainer_state.json; checkpoints of other formats are refused with a message
+CHECKPOINT_FORMAT = "epo-checkpoint/2"
 
 
 def _write_pointer(root: Path, name: str, tag: str) -> None:
@@ -93,11 +102,10 @@ def save(run: Path, step: int, engine: Any, critic_engine: Any, payload: dict[st
     engine.save_checkpoint(str(root), tag=tag, save_latest=False)
     if critic_engine is not None:
         critic_engine.save_checkpoint(str(folder), tag="critic", save_latest=False)
-    torch.save({"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
-               folder / f"rng_rank{rank}.pt")
+    torch.save(rng_state.capture(), folder / f"rng_rank{rank}.pt")
     barrier()
     if rank == 0:
-        (folder / "trainer_state.json").write_text(json.dumps(payload, indent=1))
+        (folder / "trainer_state.json").write_text(json.dumps({"format": CHECKPOINT_FORMAT, **payload}, indent=1))
         (folder / COMPLETE).write_text(str(step))
         _write_pointer(root, "latest", tag)
         if best_step == step:
@@ -132,13 +140,35 @@ def check_world_size(folder: Path, world: int) -> None:
         )
 
 
+def _read_own_files(folder: Path, rank: int) -> tuple[dict[str, Any], Any]:
+    """trainer_state.json and this rank's RNG states, read without unpickling, checked before DeepSpeed
+    touches anything: a checkpoint of another format or with a planted pickle stops here."""
+    payload = json.loads((folder / "trainer_state.json").read_text())
+    found = payload.get("format") if isinstance(payload, dict) else None
+    if found != CHECKPOINT_FORMAT:
+        raise UserError(
+            f"Checkpoint '{folder}' has format {found or 'none (written before epo-checkpoint/2)'}, and this "
+            f"epo reads {CHECKPOINT_FORMAT}: older checkpoints kept pickled RNG states, which epo no longer "
+            "unpickles. Start a new run from its weights instead: model.path=<run>/final (or evaluate it with "
+            "`epo eval run=<run> checkpoint=<step_N>`, which reads weights only)."
+        )
+    payload.pop("format")
+    rng_file = folder / f"rng_rank{rank}.pt"
+    if not rng_file.exists():  # e.g. a ZeRO-0 run resumed on more ranks than saved it
+        warnings.warn(f"'{rng_file}' does not exist: rank {rank} keeps the RNG states its seed gave it, so "
+                      "sampling will not repeat the original run exactly.", stacklevel=2)
+        return payload, None
+    return payload, load_tensors(rng_file)
+
+
 def load(folder: Path, engine: Any, critic_engine: Any, rank: int) -> dict[str, Any]:
-    """Restore engines, RNG states and return the trainer payload; a corrupt checkpoint is a UserError."""
+    """Restore engines, RNG states and return the trainer payload; a corrupt checkpoint is a UserError.
+    Only for an explicit resume: DeepSpeed's loader unpickles its model and optimizer states."""
     import torch.distributed as torch_dist
 
     check_world_size(folder, torch_dist.get_world_size() if torch_dist.is_initialized() else 1)
     try:
-        payload = json.loads((folder / "trainer_state.json").read_text())
+        payload, rng = _read_own_files(folder, rank)
         path, _ = engine.load_checkpoint(str(folder.parent), tag=folder.name, load_module_strict=True)
         if path is None:
             raise FileNotFoundError("DeepSpeed found no model states")
@@ -146,14 +176,11 @@ def load(folder: Path, engine: Any, critic_engine: Any, rank: int) -> dict[str, 
             cpath, _ = critic_engine.load_checkpoint(str(folder), tag="critic")
             if cpath is None:
                 raise FileNotFoundError("no critic states (was this checkpoint saved by a ppo run?)")
-        rng_file = folder / f"rng_rank{rank}.pt"
-        if rng_file.exists():
-            rng = torch.load(rng_file, weights_only=False)
-            torch.set_rng_state(rng["torch"])
-            random.setstate(rng["python"])
-            np.random.set_state(rng["numpy"])
-    except UserError:
-        raise
+        if rng is not None:
+            rng_state.restore(rng, folder / f"rng_rank{rank}.pt")
+    except UserError as err:
+        raise UserError(f"{err}\nComplete checkpoints of this run: {_listing(folder.parent.parent)}.",
+                        exit_code=err.exit_code) from None
     except Exception as err:  # noqa: BLE001 - any failure to read is reported the same way
         raise UserError(
             f"Checkpoint '{folder}' is corrupt or incompatible with this config: {type(err).__name__}: "
