@@ -144,10 +144,17 @@ def run_rank(run: Path, resume_latest: bool = False) -> int:
             cfg.trainer.resume = "auto"
         timeout_s = float(cfg.launcher.timeout_s)
         install_test_hook(rank)
+        from epo_cli.training.stop import STOP
         from epo_cli.training.trainer import Trainer
 
-        metrics = Trainer(cfg, run).train()
+        STOP.install()  # every rank: a signal or the launcher's relay stops all ranks after the same step
+        trainer = Trainer(cfg, run)
+        metrics = trainer.train()
     except BaseException as err:  # noqa: BLE001 - every way out of a rank is recorded
+        from epo_cli.training.stop import Interrupted
+
+        if isinstance(err, Interrupted):
+            return err.exit_code
         if isinstance(err, (KeyboardInterrupt, SystemExit)):
             raise
         record_failure(run, rank, err, timeout_s)
@@ -159,6 +166,10 @@ def run_rank(run: Path, resume_latest: bool = False) -> int:
         return 1
     finally:
         _leave_process_group()
+    if trainer.stop_signal and trainer.state.step < cfg.trainer.total_steps:
+        from epo_cli.training.stop import exit_code
+
+        return exit_code(trainer.stop_signal)  # stopped with a checkpoint; the launching process reports it
     if rank == 0:
         from epo_cli.summary import print_summary
 
