@@ -218,3 +218,14 @@ def test_sigterm_stops_every_rank_after_the_same_step(warm_start: Path, tmp_path
     run_cli(["train", f"trainer.resume={run}"], cwd=tmp_path, timeout=900)
     assert status(run)["status"] == "finished"
     assert [r["step"] for r in metrics_rows(run)] == [1, 2, 3, 4]
+
+
+def test_resume_skips_a_truncated_last_metrics_line(two_checkpoints: Path, tmp_path: Path) -> None:
+    """A kill while a metrics row was being written leaves half a line: the resume warns once and goes on."""
+    run = _copy(two_checkpoints, tmp_path / "copy")
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "rollout/succ')
+    proc = run_cli(["train", f"trainer.resume={run}"], cwd=tmp_path)
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning:") and "metrics" in line]
+    assert len(warnings) == 1 and "skipped 1 unreadable line (line 3" in warnings[0], proc.stderr[-2000:]
+    assert [r["step"] for r in metrics_rows(run)] == [1, 2, 3]
