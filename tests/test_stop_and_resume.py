@@ -202,8 +202,8 @@ def test_resume_path_that_is_not_a_run_is_exit_2(two_checkpoints: Path, tmp_path
 @pytest.mark.distributed
 def test_sigterm_stops_every_rank_after_the_same_step(warm_start: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    args = [*(a for a in RL_ARGS if a != "algo=epo"), "algo=grpo", "launcher=deepspeed", "launcher.num_procs=2", "deepspeed=zero2",
-            "algo.group_size=2", "algo.mini_batch_size=8", "algo.micro_batch_size=2",
+    args = [*(a for a in RL_ARGS if a != "algo=epo"), "algo=grpo", "launcher=deepspeed", "launcher.num_procs=2",
+            "deepspeed=zero2", "algo.group_size=2", "algo.mini_batch_size=8", "algo.micro_batch_size=2",
             f"model.path={warm_start / 'final'}", f"run_dir={run}"]
     proc = start_train(args, tmp_path)
     code, err = signal_after_first_step(proc, run, [signal.SIGTERM])
