@@ -96,7 +96,7 @@ class SweepJob:
         log.info(f"job {hc.job.num}: {' '.join(overrides)} -> {run}")
         started = time.perf_counter()
         with open(run / "train.log", "w") as out:
-            rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=Path.cwd()).returncode
+            rc = _run_job(cmd, out)
         record.update(exit_code=rc, ended=_now(), duration_s=round(time.perf_counter() - started, 1))
         if rc != 0:
             error = record_failure(run, rc)
@@ -113,6 +113,21 @@ class SweepJob:
         record["objective"] = {"metric": self.options.metric, "value": value}
         _write_json(run / "sweep_job.json", record)
         return value
+
+
+def _run_job(cmd: list[str], out: Any) -> int:
+    """The job's `epo train`. On Ctrl-C (which the job receives too, from the terminal) wait for it: it
+    finishes its step and saves a checkpoint (epo_cli.training.stop); a second Ctrl-C kills it at once."""
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=Path.cwd())
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        try:
+            proc.wait()
+        except KeyboardInterrupt:
+            proc.kill()
+            proc.wait()
+        raise
 
 
 def _quote(value: str) -> str:

@@ -229,3 +229,29 @@ def test_resume_skips_a_truncated_last_metrics_line(two_checkpoints: Path, tmp_p
     warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning:") and "metrics" in line]
     assert len(warnings) == 1 and "skipped 1 unreadable line (line 3" in warnings[0], proc.stderr[-2000:]
     assert [r["step"] for r in metrics_rows(run)] == [1, 2, 3]
+
+
+def test_ctrl_c_in_a_sweep_lets_the_running_job_checkpoint(warm_start: Path, tmp_path: Path) -> None:
+    """Ctrl-C reaches the whole foreground process group: the sweep waits while its job stops cleanly."""
+    out = tmp_path / "out"
+    args = [a for a in RL_ARGS if not a.startswith("algo=")]
+    proc = subprocess.Popen([sys.executable, "-m", "epo_cli", "sweep", "algo=grpo", "seed=0,1", *args,
+                             f"model.path={warm_start / 'final'}", f"output_dir={out}"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy(),
+                            preexec_fn=terminal_signal_dispositions, start_new_session=True)
+    deadline = time.monotonic() + 600
+    while not list(out.glob("sweeps/*/*/0-*/metrics.jsonl")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+    try:
+        _, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError("the sweep did not exit after Ctrl-C") from None
+    assert proc.returncode == 130, err[-3000:]
+    job = next(out.glob("sweeps/*/*/0-*"))
+    st = status(job)
+    assert st["status"] == "stopped" and st["signal"] == "SIGINT", st
+    assert (job / "checkpoints" / f"step_{st['step']}" / "COMPLETE").exists()
+    assert not list(out.glob("sweeps/*/*/1-*"))  # the second job never started
