@@ -14,7 +14,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from epo_cli.config import compose, validate
-from epo_cli.errors import ConfigError, Stopped
+from epo_cli.errors import ConfigError, Stopped, UserError
 from epo_cli.run_dir import load_run_config, new_run_dir, write_config, write_status
 
 
@@ -75,7 +75,13 @@ def prepare_run_dir(cfg: DictConfig, overrides: list[str]) -> Path:
 
     run = new_run_dir(cfg)
     cfg.run_dir = str(run)
-    write_config(run, cfg, overrides, make_suite(cfg.env).versions())
+    versions = make_suite(cfg.env).versions()
+    try:
+        write_config(run, cfg, overrides, versions)
+    except OSError as err:  # read-only, full, or a file where a folder must go: before any work
+        raise UserError(f"Cannot write the run directory {run}: {err.strerror or err} "
+                        f"({err.filename or run}). Choose a writable output_dir=DIR (or run_dir=DIR), or free "
+                        "disk space.") from None
     return run
 
 

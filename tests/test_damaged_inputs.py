@@ -153,6 +153,16 @@ def test_full_disk_while_checkpointing_fails_cleanly(warm_start: Path, tmp_path:
     assert [p.name for p in checkpoint.complete_checkpoints(run)] == ["step_1"]
 
 
+@pytest.mark.slow
+def test_an_unwritable_output_dir_is_one_message(tmp_path: Path) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")  # where a directory must go (root ignores chmod)
+    proc = run_cli(["train", f"output_dir={blocker / 'runs'}", "trainer.total_steps=1"], cwd=tmp_path, expect=1)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Cannot write the run directory" in errors[0] and "Traceback" not in proc.stderr
+    assert blocker.read_text() == "not a folder"
+
+
 # ---- demonstration files -------------------------------------------------------------------------------------
 
 GOOD_STEP = {"observation": "You are in a room.", "admissible_commands": ["look"], "thought": "", "action": "look"}
