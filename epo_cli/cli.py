@@ -16,7 +16,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from epo_cli.errors import UserError
+from epo_cli.errors import Stopped, UserError
+from epo_cli.training.stop import Interrupted
 
 
 def groups_help() -> str:
@@ -140,9 +141,15 @@ def main() -> None:
     except UserError as err:
         err_console.print("[bold red]error:[/] " + escape(str(err)), soft_wrap=True)
         sys.exit(err.exit_code)
+    except Stopped as err:
+        err_console.print("[bold yellow]stopped:[/] " + escape(str(err)), soft_wrap=True)
+        sys.exit(err.exit_code)
     except KeyboardInterrupt:
         err_console.print("[yellow]interrupted[/]")
         sys.exit(130)
+    except Interrupted as err:
+        err_console.print(f"[yellow]{escape(str(err))}[/]")
+        sys.exit(err.exit_code)
 
 
 if __name__ == "__main__":

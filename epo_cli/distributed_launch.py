@@ -27,7 +27,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from epo_cli.errors import ConfigError, UserError
+from epo_cli.errors import ConfigError, Stopped, UserError
+from epo_cli.run_dir import read_status, write_status
 
 #: launcher.master_port=0 picks a free port on a single node; multi-node jobs need a fixed one
 DEFAULT_MASTER_PORT = 29500
@@ -195,33 +196,68 @@ def launch_ranks(cfg: DictConfig, overrides: list[str]) -> None:
     check_resume(cfg, layout)  # before prepare_run_dir rewrites the run's config.yaml
     run = prepare_run_dir(cfg, overrides).resolve()
     clear_rank_records(run)
+    write_status(run, "running")  # not an earlier attempt's `stopped`/`failed`, whatever happens next
     cmd = deepspeed_command(cfg, run, layout)
     kind = f"{layout.ranks_per_node} GPU(s)" if layout.gpu else f"{layout.ranks_per_node} CPU rank(s) (gloo)"
     print(f"launching {layout.world_size} ranks: {layout.num_nodes} node(s) x {kind}, run directory {run}",
           file=sys.stderr, flush=True)
-    proc = subprocess.Popen(cmd, env=rank_environment(layout))
-    try:
-        code = proc.wait()
-    except KeyboardInterrupt:  # the launcher got the same SIGINT and stops its ranks; let it finish
-        _stop(proc)
-        raise
+    code = _run_ranks(cmd, layout, run)
+    status = read_status(run)
+    if status.get("status") == "stopped" and status.get("signal"):  # every rank stopped after one step
+        from epo_cli.launch import stopped_message
+        from epo_cli.training.stop import exit_code
+
+        signum = int(getattr(signal, str(status["signal"]), signal.SIGTERM))
+        raise Stopped(stopped_message(run, signum, int(status.get("step") or 0)), exit_code(signum))
     if code != 0:
         message = failure_message(run, code, layout.world_size)
-        from epo_cli.run_dir import write_status
-
         write_status(run, "failed", error=message, exit_code=code)
         raise UserError(message, exit_code=code if 0 < code < 126 else 1)
 
 
-def _stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGTERM)  # the launcher's handler terminates its rank processes
+def _run_ranks(cmd: list[str], layout: Layout, run: Path) -> int:
+    """Run the deepspeed launcher and its ranks in their own session, so that a terminal's Ctrl-C (or a
+    SIGTERM to `epo train`) reaches this process only: the first signal is relayed to every rank through
+    <run>/ranks/stop.json (the deepspeed launcher would kill the ranks mid-step); a second one kills the
+    whole session at once."""
+    from epo_cli.training.stop import STOP, Interrupted, signal_name, write_relay
+
+    proc = subprocess.Popen(cmd, env=rank_environment(layout), start_new_session=True)
+
+    def kill_now(signum: int) -> None:
         try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+    STOP.on_second = kill_now
+    STOP.install("asking every rank to stop after the current step with a checkpoint")
+    relayed = False
+    try:
+        while True:
+            try:
+                return proc.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                if STOP.signum is not None and not relayed:
+                    write_relay(run, STOP.signum)
+                    relayed = True
+    except (KeyboardInterrupt, Interrupted) as err:
+        kill_now(0)
+        proc.wait()
+        signum = err.signum if isinstance(err, Interrupted) else int(signal.SIGINT)
+        write_status(run, "stopped", signal=signal_name(signum),
+                     abandoned="a second signal killed the ranks during a step",
+                     checkpoint=_latest_tag(run), resume=f"epo train trainer.resume={run}")
+        raise
+    finally:
+        STOP.uninstall()
+        STOP.on_second = None
+
+
+def _latest_tag(run: Path) -> str | None:
+    from epo_cli.training.checkpoint import latest_tag
+
+    return latest_tag(run)
 
 
 def clear_rank_records(run: Path) -> None:

@@ -25,3 +25,12 @@ class ConfigError(UserError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, exit_code=EXIT_CONFIG)
+
+
+class Stopped(Exception):
+    """The run stopped cleanly because it was asked to (a signal): `str(err)` says where and how to
+    continue; the exit code is 128 + the signal number (143 SIGTERM, 130 SIGINT)."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code

@@ -14,16 +14,21 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from epo_cli.config import compose, validate
-from epo_cli.errors import ConfigError
+from epo_cli.errors import ConfigError, Stopped, UserError
 from epo_cli.run_dir import load_run_config, new_run_dir, write_config, write_status
 
 
 def compose_for_train(overrides: list[str]) -> tuple[DictConfig, list[str]]:
     """Compose a run's config. `trainer.resume=<run dir>` starts from that run's saved config (the other
     overrides apply on top, e.g. a longer trainer.total_steps) and continues in the same directory."""
+    check_lengths(overrides)
     resume = next((o.split("=", 1)[1] for o in overrides if o.startswith("trainer.resume=")), None)
-    if resume and resume not in ("auto", "null", "None") and (Path(resume) / "config.yaml").exists():
-        base = load_run_config(Path(resume))
+    if resume and resume not in ("auto", "null", "None", ""):
+        from epo_cli.training.checkpoint import locate_resume
+
+        # a run dir, <run>/checkpoints[/latest|best|step_N]: always THAT run's saved config, never defaults
+        target = locate_resume(resume)
+        base = load_run_config(target.run)
         rest = [o for o in overrides if not o.startswith("trainer.resume=")]
         groups = [o for o in rest if "." not in o.split("=", 1)[0] and o.split("=", 1)[0] not in ("seed", "name")]
         if groups:
@@ -33,12 +38,26 @@ def compose_for_train(overrides: list[str]) -> tuple[DictConfig, list[str]]:
             merged = OmegaConf.merge(base, OmegaConf.from_dotlist(rest))
         except Exception as err:  # noqa: BLE001 - reported as a config error
             raise ConfigError(f"Invalid override when resuming: {err}") from None
-        merged.trainer.resume = resume
-        merged.run_dir = str(Path(resume))
+        merged.trainer.resume = str(target.checkpoint)
+        merged.run_dir = str(target.run)
         if not any(o.startswith("trainer.stop_after=") for o in rest):
             merged.trainer.stop_after = None  # the earlier stop point is behind us
         return validate(merged), overrides
     return compose(overrides), overrides
+
+
+#: the longest override a command line may carry (a longer one is a paste accident, not a setting)
+MAX_OVERRIDE_CHARS = 4096
+
+
+def check_lengths(overrides: list[str]) -> None:
+    """Over-long overrides are one clear error, not an OSError (file name too long) deep in a run."""
+    for o in overrides:
+        if len(o) > MAX_OVERRIDE_CHARS:
+            key = o.split("=", 1)[0][:80]
+            raise ConfigError(f"The override for '{key}' is {len(o)} characters long; at most "
+                              f"{MAX_OVERRIDE_CHARS} are accepted. Shorten the value (put long lists in a "
+                              "config file under conf/ and select it).")
 
 
 def launch_training(overrides: list[str]) -> None:
@@ -56,29 +75,73 @@ def prepare_run_dir(cfg: DictConfig, overrides: list[str]) -> Path:
 
     run = new_run_dir(cfg)
     cfg.run_dir = str(run)
-    write_config(run, cfg, overrides, make_suite(cfg.env).versions())
+    versions = make_suite(cfg.env).versions()
+    try:
+        write_config(run, cfg, overrides, versions)
+    except OSError as err:  # read-only, full, or a file where a folder must go: before any work
+        raise UserError(f"Cannot write the run directory {run}: {err.strerror or err} "
+                        f"({err.filename or run}). Choose a writable output_dir=DIR (or run_dir=DIR), or free "
+                        "disk space.") from None
     return run
 
 
 def run_local(cfg: DictConfig, overrides: list[str]) -> dict:
     """Train in this process (a world of one, or one rank started by a launcher)."""
     from epo_cli.summary import print_summary
+    from epo_cli.training.stop import STOP, Interrupted, exit_code, signal_name
     from epo_cli.training.trainer import Trainer
 
     resuming = bool(cfg.trainer.resume) and cfg.run_dir and (Path(cfg.run_dir) / "config.yaml").exists()
-    if resuming:
-        # load the checkpoint first: if it is unusable, the run directory stays exactly as it was
-        run = Path(cfg.run_dir)
-        trainer = Trainer(cfg, run)
-        prepare_run_dir(cfg, overrides)
-    else:
-        run = prepare_run_dir(cfg, overrides)
+    STOP.install()  # SIGTERM/SIGINT/SIGUSR1: finish the step, checkpoint it, exit 128+N
     try:
-        trainer = trainer if resuming else Trainer(cfg, run)
-        metrics = trainer.train()
-    except BaseException as err:
-        write_status(run, "failed", error=f"{type(err).__name__}: {err}")
-        raise
+        if resuming:
+            # load the checkpoint first: if it is unusable, the run directory stays exactly as it was
+            run = Path(cfg.run_dir)
+            trainer = Trainer(cfg, run)
+            prepare_run_dir(cfg, overrides)
+        else:
+            run = prepare_run_dir(cfg, overrides)
+        try:
+            trainer = trainer if resuming else Trainer(cfg, run)
+            metrics = trainer.train()
+        except (KeyboardInterrupt, Interrupted) as err:
+            signum = err.signum if isinstance(err, Interrupted) else 2
+            _best_effort_status(run, "stopped", step=_latest_step(run), signal=signal_name(signum),
+                                abandoned="a second signal abandoned the step in progress",
+                                resume=f"epo train trainer.resume={run}")
+            raise
+        except BaseException as err:
+            _best_effort_status(run, "failed", error=f"{type(err).__name__}: {err}")
+            raise
+    finally:
+        STOP.uninstall()
+    if trainer.state.step < cfg.trainer.total_steps and trainer.stop_signal:
+        raise Stopped(stopped_message(run, trainer.stop_signal, trainer.state.step), exit_code(trainer.stop_signal))
     print_summary(cfg, run, metrics)
     sys.stdout.flush()
     return metrics
+
+
+def stopped_message(run: Path, signum: int, step: int) -> str:
+    from epo_cli.training.checkpoint import latest_tag
+    from epo_cli.training.stop import signal_name
+
+    tag = latest_tag(run)
+    saved = f"the checkpoint {run / 'checkpoints' / tag}" if tag else "no checkpoint (no step had completed)"
+    return (f"{signal_name(signum)}: stopped after step {step}; status.json says `stopped`, and {saved} holds "
+            f"the run. Continue with: epo train trainer.resume={run}")
+
+
+def _latest_step(run: Path) -> int | None:
+    from epo_cli.training.checkpoint import latest_tag
+
+    tag = latest_tag(run)
+    return int(tag.split("_", 1)[1]) if tag and tag.startswith("step_") else None
+
+
+def _best_effort_status(run: Path, status: str, **fields: object) -> None:
+    """A failed write of status.json (the disk that is full) must not hide the error being reported."""
+    try:
+        write_status(run, status, **fields)
+    except OSError:
+        pass

@@ -7,7 +7,7 @@
         checkpoints/step_N/  model/optimizer (DeepSpeed), trainer state, RNG states; `latest` names one
         final/               the trained policy in Hugging Face format (model.path=<run>/final)
         eval/  plots/  samples/   evaluation results, PNG plots, decoded trajectories
-        status.json          running | finished | failed (with the error)
+        status.json          running | finished | stopped (with the signal) | failed (with the error)
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from epo_cli.errors import UserError
+from epo_cli.errors import ConfigError, UserError
 
 CORE_PACKAGES = ("epo", "torch", "transformers", "deepspeed", "hydra-core", "omegaconf", "tokenizers")
 
@@ -38,9 +38,41 @@ def package_versions(extra: dict[str, str] | None = None) -> dict[str, str]:
     return versions
 
 
+#: the longest run name: the folder is "<HH-MM-SS>-<name>" and file systems allow 255 bytes per name
+MAX_NAME_CHARS = 200
+#: the longest path a run directory may have (Linux PATH_MAX is 4096; files inside need room too)
+MAX_PATH_CHARS = 3500
+
+
+def check_name(name: str, key: str = "name") -> None:
+    """A run (or sweep) name becomes a folder name: one clear error instead of an OSError later."""
+    if not name or name in (".", ".."):
+        raise ConfigError(f"{key}='{name}' is not a usable folder name; give it letters, e.g. {key}=my-run.")
+    if "/" in name or "\\" in name or "\0" in name:
+        raise ConfigError(f"{key}='{name[:80]}' contains a path separator; a name is one folder name "
+                          "(use output_dir=DIR to choose where runs go).")
+    if len(name.encode()) > MAX_NAME_CHARS:
+        raise ConfigError(f"{key} is {len(name.encode())} bytes long ('{name[:40]}...'); at most {MAX_NAME_CHARS} "
+                          "are accepted (it becomes a folder name). Choose a shorter name.")
+
+
+def check_path(path: Path, key: str) -> None:
+    text = str(path)
+    if len(text) > MAX_PATH_CHARS:
+        raise ConfigError(f"{key} is {len(text)} characters long ('{text[:40]}...'); at most {MAX_PATH_CHARS} "
+                          "are accepted. Choose a shorter directory.")
+    for part in path.parts:
+        if len(part.encode()) > 255:
+            raise ConfigError(f"{key} has a folder name of {len(part.encode())} bytes ('{part[:40]}...'); "
+                              "file systems allow at most 255. Choose a shorter directory.")
+
+
 def new_run_dir(cfg: DictConfig) -> Path:
     if cfg.run_dir:
+        check_path(Path(cfg.run_dir), "run_dir")
         return Path(cfg.run_dir)
+    check_name(str(cfg.name))
+    check_path(Path(cfg.output_dir), "output_dir")
     now = datetime.datetime.now()
     return Path(cfg.output_dir) / now.strftime("%Y-%m-%d") / f"{now.strftime('%H-%M-%S')}-{cfg.name}"
 

@@ -39,6 +39,7 @@ import json
 import logging
 import math
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -49,8 +50,9 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from epo_cli.errors import ConfigError, UserError
+from epo_cli.launch import check_lengths
 from epo_cli.metrics import read_metrics
-from epo_cli.run_dir import read_status, write_status
+from epo_cli.run_dir import check_name, check_path, read_status, write_status
 from epo_cli.sweep_summary import SweepOptions, is_run_dir, last_value, split_sweep_options, summarize
 
 log = logging.getLogger("epo.sweep")
@@ -94,7 +96,7 @@ class SweepJob:
         log.info(f"job {hc.job.num}: {' '.join(overrides)} -> {run}")
         started = time.perf_counter()
         with open(run / "train.log", "w") as out:
-            rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=Path.cwd()).returncode
+            rc = _run_job(cmd, out)
         record.update(exit_code=rc, ended=_now(), duration_s=round(time.perf_counter() - started, 1))
         if rc != 0:
             error = record_failure(run, rc)
@@ -111,6 +113,21 @@ class SweepJob:
         record["objective"] = {"metric": self.options.metric, "value": value}
         _write_json(run / "sweep_job.json", record)
         return value
+
+
+def _run_job(cmd: list[str], out: Any) -> int:
+    """The job's `epo train`. On Ctrl-C (which the job receives too, from the terminal) wait for it: it
+    finishes its step and saves a checkpoint (epo_cli.training.stop); a second Ctrl-C kills it at once."""
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=Path.cwd())
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        try:
+            proc.wait()
+        except KeyboardInterrupt:
+            proc.kill()
+            proc.wait()
+        raise
 
 
 def _quote(value: str) -> str:
@@ -169,21 +186,77 @@ def _parse(overrides: list[str]) -> list[Any]:
 
 
 def check_first_job(parsed: list[Any]) -> None:
-    """Compose and validate the sweep's first combination now: a typo fails here, once, not in every job."""
-    from epo_cli.config import compose
+    """Validate the sweep before anything runs or any folder is made: the first combination is composed
+    in full, and every other value of every swept key is checked too (a group option against conf/, a
+    key's value against the schema), so `algo=grpo,nosuch` fails here, once, with exit 2 like `epo train`."""
+    from omegaconf import OmegaConf
 
-    first = []
+    from epo_cli.config import GROUPS, compose, config_dir, group_options, validate
+
+    first, swept = [], []
     for o in parsed:
         if o.is_hydra_override():
             continue
         if o.is_sweep_override():
             try:
-                first.append(f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}")
-            except Exception:  # noqa: BLE001 - intervals have no first value; optuna picks one
+                values = [str(v) for v in o.sweep_string_iterator()]
+            except Exception:  # noqa: BLE001 - intervals have no values to list; optuna picks them
                 continue
+            if not values:
+                raise ConfigError(f"The sweep over '{o.get_key_element()}' has no values.")
+            first.append(f"{o.get_key_element()}={values[0]}")
+            swept.append((o.get_key_element(), values[1:]))
         else:
             first.append(o.input_line)
-    compose(first)
+    check_lengths(first)
+    check_hydra_groups(parsed)
+    base = compose(first)
+    plain = OmegaConf.to_container(base, resolve=False)
+    for key, values in swept:
+        group = key.lstrip("+~")
+        if group in GROUPS or (config_dir() / group).is_dir():
+            options = group_options(group)
+            for value in values:
+                if value not in options:
+                    raise ConfigError(f"Unknown option '{value}' for config group '{group}' in the sweep "
+                                      f"{key}=...\nValid options for {group}: {', '.join(options)}.")
+            continue
+        for value in values:  # schema checks without a full compose (a seed range may hold many values)
+            check_lengths([f"{key}={value}"])
+            candidate = OmegaConf.merge(OmegaConf.create(plain), OmegaConf.from_dotlist([f"{group}={value}"]))
+            validate(candidate)
+
+
+def check_hydra_groups(parsed: list[Any]) -> None:
+    """hydra/launcher=..., hydra/sweeper=...: an unknown option is one ConfigError (exit 2) before any folder
+    is made, listing the options Hydra knows (its plugins' and conf/hydra/'s)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from epo_cli.config import config_dir
+
+    groups = [o.input_line for o in parsed
+              if o.is_hydra_override() and "/" in o.key_or_group and not o.is_sweep_override()]
+    if not groups:
+        return
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+            hydra_compose(config_name="config", overrides=groups, return_hydra_config=True)
+    except Exception as err:  # noqa: BLE001 - hydra's errors are the user's to fix; bugs re-raised below
+        if not type(err).__module__.startswith(("hydra", "omegaconf")):
+            raise
+        text = str(err)
+        missing = re.search(r"Could not find '([\w\-/.]+)/([\w\-.]+)'", text)
+        if not missing:
+            raise ConfigError(f"Invalid override: {text.strip().splitlines()[0]}") from None
+        options = re.findall(r"^\t(\S+)\s*$", text, flags=re.M)
+        raise ConfigError(f"Unknown option '{missing.group(2)}' for '{missing.group(1)}'."
+                          + (f"\nValid options for {missing.group(1)}: {', '.join(options)}." if options else "")
+                          ) from None
+    finally:
+        GlobalHydra.instance().clear()
 
 
 def new_sweep_dir(output_dir: str, name: str) -> Path:
@@ -219,12 +292,15 @@ def run_sweep(args: list[str]) -> Path:
     options, overrides = split_sweep_options(args)
     if any(o.split("=", 1)[0] == "run_dir" for o in overrides):
         raise ConfigError("run_dir is set per job by `epo sweep`; use output_dir=DIR or hydra.sweep.dir=DIR.")
+    check_name(options.name, "sweep.name")
     parsed = _parse(overrides)
     check_first_job(parsed)
     output_dir = next((o.value() for o in parsed
                        if o.key_or_group == "output_dir" and not o.is_sweep_override()), "outputs")
     given = next((o.value() for o in parsed if o.key_or_group == "hydra.sweep.dir"), None)
     sweep_dir = Path(given).resolve() if given else new_sweep_dir(str(output_dir), options.name)
+    check_path(sweep_dir, "the sweep directory")
+    created = [d for d in (sweep_dir, *sweep_dir.parents) if not d.exists()]  # removed again if nothing runs
     sweep_dir.mkdir(parents=True, exist_ok=True)
     _write_json(sweep_dir / "sweep.json", {"options": asdict(options), "overrides": overrides,
                                            "command": " ".join(["epo", *sys.argv[1:]]), "started": _now()})
@@ -239,6 +315,15 @@ def run_sweep(args: list[str]) -> Path:
     except KeyboardInterrupt:
         if any(is_run_dir(p) for p in sweep_dir.iterdir()):  # keep what ran: the summary of the jobs so far
             summarize(sweep_dir, options)
+        raise
+    except BaseException:
+        if created and not any(is_run_dir(p) for p in sweep_dir.iterdir()):  # no job ran: leave no empty sweep
+            shutil.rmtree(sweep_dir, ignore_errors=True)
+            for parent in created[1:]:  # the date and sweeps/ folders this sweep created, if still empty
+                try:
+                    parent.rmdir()
+                except OSError:
+                    break
         raise
     groups = summarize(sweep_dir, options)
     if groups and all(g.finished == 0 for g in groups):

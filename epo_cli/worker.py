@@ -145,10 +145,19 @@ def run_rank(run: Path, resume_latest: bool = False, trust_remote_code: bool = F
             cfg.trainer.resume = "auto"
         timeout_s = float(cfg.launcher.timeout_s)
         install_test_hook(rank)
+        from epo_cli.training.stop import STOP
         from epo_cli.training.trainer import Trainer
 
-        metrics = Trainer(cfg, run).train()
+        STOP.install()  # every rank: a signal or the launcher's relay stops all ranks after the same step
+        trainer = Trainer(cfg, run)
+        metrics = trainer.train()
     except BaseException as err:  # noqa: BLE001 - every way out of a rank is recorded
+        from epo_cli.training.stop import Interrupted
+
+        if isinstance(err, Interrupted):  # a second signal: the step in progress is abandoned
+            if rank == 0:
+                _record_abandoned(run, err.signum)
+            return err.exit_code
         if isinstance(err, (KeyboardInterrupt, SystemExit)):
             raise
         record_failure(run, rank, err, timeout_s)
@@ -160,12 +169,29 @@ def run_rank(run: Path, resume_latest: bool = False, trust_remote_code: bool = F
         return 1
     finally:
         _leave_process_group()
+    if trainer.stop_signal and trainer.state.step < cfg.trainer.total_steps:
+        from epo_cli.training.stop import exit_code
+
+        return exit_code(trainer.stop_signal)  # stopped with a checkpoint; the launching process reports it
     if rank == 0:
         from epo_cli.summary import print_summary
 
         print_summary(cfg, run, metrics)
     sys.stdout.flush()
     return 0
+
+
+def _record_abandoned(run: Path, signum: int) -> None:
+    try:
+        from epo_cli.run_dir import write_status
+        from epo_cli.training.checkpoint import latest_tag
+        from epo_cli.training.stop import signal_name
+
+        write_status(run, "stopped", signal=signal_name(signum), checkpoint=latest_tag(run),
+                     abandoned="a second signal abandoned the step in progress",
+                     resume=f"epo train trainer.resume={run}")
+    except Exception:  # noqa: BLE001 - best effort while leaving
+        pass
 
 
 def _leave_process_group() -> None:
@@ -186,15 +212,22 @@ class SlurmRank:
     stays with LOCAL_RANK (all of a node's GPUs remain visible to each task).
 
     When the job reaches its time limit or is preempted, submitit calls `checkpoint` and requeues the job;
-    the requeued ranks resume from the run's latest complete checkpoint (trainer.save_every decides how
-    much is redone).
+    SIGTERM (scancel, preemption) and SIGUSR1 (`--signal=USR1@T`) stop every rank after the current step
+    with a checkpoint (epo_cli.training.stop). Whichever way a job is started again (submitit's requeue or
+    SLURM's own), its ranks resume from the run's latest complete checkpoint.
     """
 
     def __call__(self, run_dir: str, resume: bool = False, trust_remote_code: bool = False) -> None:
         import submitit
 
+        from epo_cli.training.stop import STOP_SIGNALS, exit_code
+
         submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
-        code = run_rank(Path(run_dir), resume_latest=resume, trust_remote_code=trust_remote_code)
+        # requeued by submitit (resume=True) or by SLURM itself (preemption: SLURM_RESTART_COUNT > 0)
+        requeued = resume or int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0
+        code = run_rank(Path(run_dir), resume_latest=requeued, trust_remote_code=trust_remote_code)
+        if code in {exit_code(s) for s in STOP_SIGNALS}:
+            return  # stopped on a signal with a checkpoint: status.json says so; not a failure
         if code != 0:
             rank = int(os.environ.get("RANK", "0"))
             record = rank_error_file(Path(run_dir), rank)

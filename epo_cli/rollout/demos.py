@@ -43,21 +43,74 @@ def write_jsonl(path: Path, records: list[dict]) -> None:
             f.write(json.dumps(r) + "\n")
 
 
+#: the longest text a demonstration field may hold (a larger one is a corrupt or hostile file)
+MAX_FIELD_CHARS = 100_000
+EXPECTED = ("expected one JSON object per line: {\"task_id\": str, \"task_type\": str, \"goal\": str, "
+            "\"steps\": [{\"observation\": str, \"admissible_commands\": [str, ...], \"thought\": str, "
+            "\"action\": str}, ...]} (format in epo_cli/rollout/demos.py)")
+
+
+def _text(value: Any, where: str, required: bool, allow_empty: bool = True) -> str | None:
+    """The problem with a text field, or None when it is fine."""
+    if value is None:
+        return f"`{where}` is missing" if required else None
+    if not isinstance(value, str):
+        return f"`{where}` must be a string (got {type(value).__name__})"
+    if not allow_empty and not value.strip():
+        return f"`{where}` is empty"
+    if len(value) > MAX_FIELD_CHARS:
+        return f"`{where}` is {len(value)} characters long (at most {MAX_FIELD_CHARS})"
+    return None
+
+
+def record_problem(rec: Any) -> str | None:
+    """What is wrong with one decoded trajectory record, field by field (None: nothing)."""
+    if not isinstance(rec, dict):
+        return f"a JSON {type(rec).__name__}, not an object"
+    for key in ("task_id", "task_type", "goal"):
+        problem = _text(rec.get(key), key, required=False)
+        if problem:
+            return problem
+    steps = rec.get("steps")
+    if steps is None:
+        return "`steps` is missing"
+    if not isinstance(steps, list) or not steps:
+        return "`steps` must be a non-empty list of turns"
+    for i, step in enumerate(steps):
+        if not isinstance(step, dict):
+            return f"`steps[{i}]` must be an object (got {type(step).__name__})"
+        problem = (_text(step.get("observation"), f"steps[{i}].observation", required=True)
+                   or _text(step.get("action"), f"steps[{i}].action", required=True, allow_empty=False)
+                   or _text(step.get("thought"), f"steps[{i}].thought", required=False))
+        if problem:
+            return problem
+        admissible = step.get("admissible_commands", [])
+        if not isinstance(admissible, list) or not all(isinstance(a, str) for a in admissible):
+            return f"`steps[{i}].admissible_commands` must be a list of strings"
+    return None
+
+
 def read_jsonl(path: str | Path) -> list[dict]:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"Demonstration file '{path}' does not exist (algo.demos). Pass a JSONL file of "
                         "trajectories (format in epo_cli/rollout/demos.py) or algo.demos=expert.")
     records = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"Demonstration file '{path}' cannot be read as UTF-8 text: {err}.") from None
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
-            assert isinstance(rec["steps"], list) and all("action" in s and "observation" in s for s in rec["steps"])
-        except (json.JSONDecodeError, KeyError, AssertionError, TypeError):
-            raise UserError(f"{path}:{n} is not a trajectory record: expected JSON with a `steps` list of "
-                            "{observation, admissible_commands, thought, action}.") from None
+        except ValueError as err:  # json.JSONDecodeError, or a number too large to parse
+            problem = f"not valid JSON ({str(err).splitlines()[0]})"
+        else:
+            problem = record_problem(rec)
+        if problem:
+            raise UserError(f"{path}:{n} is not a trajectory record: {problem}; {EXPECTED}.")
         records.append(rec)
     if not records:
         raise UserError(f"Demonstration file '{path}' holds no trajectories.")

@@ -81,6 +81,7 @@ from epo_cli.training.engine import (
     all_gather_objects,
     all_reduce_max,
     all_reduce_sum,
+    barrier,
     build_engine,
     grad_norm,
     inference_copy,
@@ -89,6 +90,7 @@ from epo_cli.training.engine import (
     step_was_skipped,
 )
 from epo_cli.training.forward import collate, plan_micro_batches, policy_forward, value_forward
+from epo_cli.training.stop import STOP, signal_name
 
 
 @dataclass
@@ -164,6 +166,7 @@ class Trainer:
         self.builder = PromptBuilder(cfg.env.prompt_template, cfg.env.history_length,
                                      cfg.rollout.max_prompt_tokens, chat_encoder(self.tokenizer))
         self.state = TrainState()
+        self.stop_signal: int | None = None  # a stop signal all ranks agreed on (epo_cli.training.stop)
 
         # --- resume, env pool, logging ------------------------------------------------------------------
         resume_from = checkpoint.resolve_resume(cfg.trainer.resume, run)
@@ -176,7 +179,13 @@ class Trainer:
         self.state.logger_ids = self.logger.run_ids
         if resume_from is not None and self.dist.is_main:
             truncate_metrics_file(run, self.state.step)  # rows after the checkpoint are re-logged
+            # from an earlier step_N: newer checkpoints belong to the abandoned branch (kept, moved aside)
+            for moved in checkpoint.supersede_newer(run, self.state.step):
+                self.logger.warn(f"resuming from step {self.state.step}: the newer checkpoint was moved to "
+                                 f"{moved} (nothing deleted)")
             self.logger.info(f"resumed from {resume_from} at step {self.state.step}")
+        if resume_from is not None:
+            barrier()
 
     # ------------------------------------------------------------------------------------------------------
     # helpers
@@ -202,9 +211,13 @@ class Trainer:
     # the loops
     # ------------------------------------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
-        write_status(self.run, "running") if self.dist.is_main else None
         try:
+            write_status(self.run, "running") if self.dist.is_main else None
             final = self.train_sft() if self.cfg.algo.name == "sft" else self.train_rl()
+        except (OSError, RuntimeError) as err:
+            if not checkpoint.is_disk_error(err):
+                raise
+            raise UserError(checkpoint.disk_error_message(self.run, err)) from None
         finally:
             self.pool.close()
             self.logger.close()
@@ -214,7 +227,8 @@ class Trainer:
         cfg = self.cfg
         total = cfg.trainer.total_steps
         metrics: dict[str, float] = {}
-        while self.state.step < total:
+        self._agree_on_stop()  # a signal during start-up: stop before the first step
+        while self.state.step < total and self.stop_signal is None:
             step = self.state.step
             set_lr(self.engine, cfg.algo.lr * lr_multiplier(step, total, cfg.algo.warmup_ratio,
                                                              cfg.algo.min_lr_ratio))
@@ -491,7 +505,8 @@ class Trainer:
         total = cfg.trainer.total_steps
         coefs = loss_coefficients(algo, 0.0, 0.0, 0.0)
         metrics: dict[str, float] = {}
-        while self.state.step < total:
+        self._agree_on_stop()
+        while self.state.step < total and self.stop_signal is None:
             step = self.state.step
             set_lr(self.engine, algo.lr * lr_multiplier(step, total, algo.warmup_ratio, algo.min_lr_ratio))
             # the mini-batch is a function of (seed, step): epochs are permutations, resumes are exact
@@ -605,12 +620,24 @@ class Trainer:
         self.state.step = done_steps
         metrics.update(self._maybe_evaluate(done_steps, total))
         self.logger.log(done_steps, metrics, total)
+        self._agree_on_stop()  # before the checkpoint: a stop makes one due
         self._maybe_checkpoint(done_steps, total, metrics)
         return self._should_stop(done_steps)
 
+    def _agree_on_stop(self) -> None:
+        """All ranks stop after the same step: the largest signal number any rank received (or that the
+        launching process relayed) wins. One tiny all-reduce per step."""
+        mine = STOP.requested(self.run) or 0
+        agreed = int(all_reduce_max(torch.tensor(mine, dtype=torch.long, device=self.dist.device)).item())
+        if agreed and self.stop_signal is None:
+            self.stop_signal = agreed
+            self.logger.info(f"stopping after step {self.state.step} ({signal_name(agreed)})")
+
     def _should_stop(self, done_steps: int) -> bool:
+        if done_steps >= self.cfg.trainer.total_steps:
+            return False
         stop = self.cfg.trainer.stop_after
-        return stop is not None and done_steps >= stop and done_steps < self.cfg.trainer.total_steps
+        return self.stop_signal is not None or (stop is not None and done_steps >= stop)
 
     def _finish(self) -> None:
         """Export the final policy (Hugging Face folder) and mark the run finished."""
@@ -625,7 +652,9 @@ class Trainer:
                 self.tokenizer.save_pretrained(final)
                 write_status(self.run, "finished", step=self.state.step)
         elif self.dist.is_main:
-            write_status(self.run, "stopped", step=self.state.step,
+            extra = {"signal": signal_name(self.stop_signal)} if self.stop_signal else {}
+            write_status(self.run, "stopped", step=self.state.step, **extra,
+                         checkpoint=checkpoint.latest_tag(self.run),
                          resume=f"epo train trainer.resume={self.run}")
 
 

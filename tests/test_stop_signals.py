@@ -1,0 +1,58 @@
+"""The stop-signal record (epo_cli.training.stop) in-process: first signal remembered, second leaves at
+once, an inherited SIG_IGN for SIGINT respected, the launcher's relay read by every rank."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from epo_cli.training.stop import Interrupted, StopRequest, exit_code, write_relay
+
+
+@pytest.fixture
+def saved_dispositions():
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
+def test_first_signal_is_remembered_second_leaves_at_once(saved_dispositions: None) -> None:
+    stop = StopRequest()
+    stop.install()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.requested() == signal.SIGUSR1  # the handler ran; nothing was raised
+        with pytest.raises(Interrupted) as err:
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert err.value.exit_code == 143
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        stop.uninstall()
+    assert (exit_code(signal.SIGTERM), exit_code(signal.SIGINT), exit_code(signal.SIGUSR1)) == (143, 130, 138)
+
+
+def test_an_inherited_ignored_sigint_stays_ignored_sigterm_does_not(saved_dispositions: None) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # how a non-interactive shell starts a background job
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    stop = StopRequest()
+    stop.install()
+    try:
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) == stop._handle
+    finally:
+        stop.uninstall()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN  # restored as it was
+
+
+def test_the_launchers_relay_reaches_every_rank(tmp_path: Path) -> None:
+    stop = StopRequest()
+    assert stop.requested(tmp_path) is None
+    write_relay(tmp_path, signal.SIGINT)
+    assert stop.requested(tmp_path) == signal.SIGINT
+    (tmp_path / "ranks" / "stop.json").write_text("{half")  # torn write: still a request to stop
+    assert stop.requested(tmp_path) == signal.SIGTERM
