@@ -5,7 +5,7 @@ schemas below. Any unknown key, unknown group option or wrong type fails here, b
 with one `ConfigError` that names the key and the valid choices.
 
 Groups (conf/<group>/<option>.yaml) and their schemas:
-    algo        AlgoConfig        sft | ppo | grpo | epo | epo_ppo
+    algo        AlgoConfig        sft | ppo | grpo | gigpo | epo | epo_ppo
     env         EnvConfig+        household | alfworld | scienceworld | textworld (schema per env)
     model       ModelConfig       tiny | qwen2.5-0.5b | ... (hub ids or local paths)
     entropy     EntropyConfig     the entropy coefficient (lambda) schedule
@@ -138,6 +138,21 @@ class GRPOConfig:
 
 
 @dataclass
+class GiGPOConfig:
+    """GiGPO (arXiv 2505.10978): episode-level + step-level (anchor state) group advantages."""
+
+    #: discount of the step-level returns (verl-agent ALFWorld: 0.95)
+    gamma: float = 0.95
+    #: omega: A = A_episode + step_weight * A_step
+    step_weight: float = 1.0
+    #: mean_std_norm: (x - mean) / (std + eps) (verl-agent ALFWorld) | mean_norm: x - mean
+    mode: str = "mean_std_norm"
+    #: anchor match: 1.0 = identical observation text; in (0, 1): normalised edit similarity threshold
+    similarity: float = 1.0
+    eps: float = 1e-6
+
+
+@dataclass
 class MonitorConfig:
     """Entropy fluctuation monitor: sigma <- a*sigma + (1-a)*|H_t - mean(H over the last k steps, incl. H_t)|."""
 
@@ -153,9 +168,10 @@ class MonitorConfig:
 @dataclass
 class AlgoConfig:
     name: str = "sft"
-    #: the RL base of the algorithm: none (sft) | ppo | grpo
+    #: the RL base of the algorithm: none (sft) | ppo | grpo | gigpo
     base: str = "none"
-    #: advantage estimator: gae | grpo | rloo | none; `auto` picks gae for base=ppo, grpo for base=grpo
+    #: advantage estimator: gae | grpo | rloo | gigpo | none; `auto` picks gae for base=ppo, grpo for
+    #: base=grpo, gigpo for base=gigpo
     estimator: str = "auto"
     #: policy loss terms, summed in this order; see epo_cli/algos/losses.py
     loss_terms: list[str] = field(default_factory=lambda: ["nll"])
@@ -190,6 +206,7 @@ class AlgoConfig:
     kl: KLConfig = field(default_factory=KLConfig)
     gae: GAEConfig = field(default_factory=GAEConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    gigpo: GiGPOConfig = field(default_factory=GiGPOConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     nll_aggregation: str = "token-mean"
 
@@ -587,9 +604,9 @@ def _check_consistency(cfg: DictConfig) -> None:
 
     names = registry_names()
     algo = cfg.algo
-    _choice("algo.base", algo.base, ("none", "ppo", "grpo"))
+    _choice("algo.base", algo.base, ("none", "ppo", "grpo", "gigpo"))
     if algo.estimator == "auto":
-        algo.estimator = {"ppo": "gae", "grpo": "grpo", "none": "none"}[algo.base]
+        algo.estimator = {"ppo": "gae", "grpo": "grpo", "gigpo": "gigpo", "none": "none"}[algo.base]
     _choice("algo.estimator", algo.estimator, [*names["estimators"], "none"])
     for term in algo.loss_terms:
         _choice("algo.loss_terms", term, names["loss_terms"])
@@ -603,10 +620,13 @@ def _check_consistency(cfg: DictConfig) -> None:
     _choice("algo.kl.schedule", algo.kl.schedule, ("constant", "two_phase"))
     _choice("algo.monitor.action", algo.monitor.action, ("warn", "clamp"))
     _choice("algo.grpo.mean_over", algo.grpo.mean_over, ("turns", "trajectories"))
+    _choice("algo.gigpo.mode", algo.gigpo.mode, ("mean_norm", "mean_std_norm"))
+    if not 0.0 < algo.gigpo.similarity <= 1.0:
+        raise ConfigError(f"algo.gigpo.similarity must be in (0, 1] (1 = exact match); got {algo.gigpo.similarity}.")
     _choice("entropy.schedule", cfg.entropy.schedule, names["entropy_schedules"])
     if algo.name != "sft" and algo.estimator == "none":
         raise ConfigError(f"algo={algo.name} needs an advantage estimator; set algo.estimator.")
-    if algo.estimator in ("grpo", "rloo") and algo.group_size < 2:
+    if algo.estimator in ("grpo", "rloo", "gigpo") and algo.group_size < 2:
         raise ConfigError(
             f"algo.estimator={algo.estimator} compares rollouts of the same task and needs "
             f"algo.group_size >= 2 (got {algo.group_size})."
