@@ -189,6 +189,12 @@ class AlgoConfig:
     # rollout batch
     tasks_per_step: int = 4
     group_size: int = 1
+    #: DAPO dynamic sampling: replace groups whose scores are all equal by fresh rounds of tasks_per_step groups
+    dynamic_sampling: bool = False
+    #: extra rounds at most per iteration (then the batch is topped up with zero-variance groups)
+    dynamic_sampling_max_rounds: int = 3
+    #: return (outcome + turn rewards, what GRPO normalises) | outcome (task reward only: DAPO's accuracy)
+    dynamic_sampling_metric: str = "return"
     # reward shaping (verl-agent conventions)
     reward_scale: float = 10.0
     invalid_action_penalty: float = 0.1
@@ -631,6 +637,12 @@ def _check_consistency(cfg: DictConfig) -> None:
             f"algo.estimator={algo.estimator} compares rollouts of the same task and needs "
             f"algo.group_size >= 2 (got {algo.group_size})."
         )
+    _choice("algo.dynamic_sampling_metric", algo.dynamic_sampling_metric, ("return", "outcome"))
+    if algo.dynamic_sampling_max_rounds < 0:
+        raise ConfigError(f"algo.dynamic_sampling_max_rounds must be >= 0 (got {algo.dynamic_sampling_max_rounds}).")
+    if algo.dynamic_sampling and algo.group_size < 2:
+        raise ConfigError("algo.dynamic_sampling=true drops groups whose rollouts all scored the same and needs "
+                          f"algo.group_size >= 2 (got {algo.group_size}); use it with grpo, rloo or gigpo.")
     for key in ("mini_batch_size", "micro_batch_size", "tasks_per_step", "group_size", "ppo_epochs"):
         if algo[key] < 1:
             raise ConfigError(f"algo.{key} must be >= 1 (got {algo[key]}).")
