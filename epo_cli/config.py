@@ -63,6 +63,14 @@ class PolicyClipConfig:
     #: dual-clip constant c for negative advantages (Ye et al. 2020); null disables it
     dual_clip: float | None = 3.0
     aggregation: str = "token-mean"
+    #: algo.policy_loss=clip_cov (Cui et al. 2025, arXiv 2505.22617; verl's names and defaults): detach the
+    #: gradient of this share of tokens, drawn among those with clip_cov_lb < covariance < clip_cov_ub
+    clip_cov_ratio: float = 2.0e-4
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    #: algo.policy_loss=kl_cov: KL penalty ppo_kl_coef * |log ratio| on this top share of tokens by covariance
+    kl_cov_ratio: float = 2.0e-3
+    ppo_kl_coef: float = 1.0
 
 
 @dataclass
@@ -175,6 +183,8 @@ class AlgoConfig:
     estimator: str = "auto"
     #: policy loss terms, summed in this order; see epo_cli/algos/losses.py
     loss_terms: list[str] = field(default_factory=lambda: ["nll"])
+    #: the module in the policy_clip slot: clip (PPO) | clip_cov | kl_cov (arXiv 2505.22617)
+    policy_loss: str = "clip"
     # optimisation
     lr: float = 1e-3
     weight_decay: float = 0.0
@@ -597,6 +607,27 @@ def _check_smoothing_weight(algo: Any) -> None:
                       "assumes alpha * beta_max < 1; the paper uses alpha = 0.1).", stacklevel=2)
 
 
+def _check_policy_loss(algo: Any, valid: list[str]) -> None:
+    _choice("algo.policy_loss", algo.policy_loss, valid)
+    if algo.policy_loss == "clip":
+        return
+    if "policy_clip" not in algo.loss_terms:
+        raise ConfigError(f"algo.policy_loss={algo.policy_loss} replaces the policy_clip term, which is not in "
+                          f"algo.loss_terms {list(algo.loss_terms)}; add it or leave algo.policy_loss=clip.")
+    pc = algo.policy_clip
+    ratio_key = "clip_cov_ratio" if algo.policy_loss == "clip_cov" else "kl_cov_ratio"
+    if not 0.0 < pc[ratio_key] <= 1.0:
+        raise ConfigError(f"algo.policy_clip.{ratio_key} must be in (0, 1] (a share of tokens); got {pc[ratio_key]}.")
+    if algo.policy_loss == "clip_cov" and pc.clip_cov_lb >= pc.clip_cov_ub:
+        raise ConfigError(f"algo.policy_clip.clip_cov_lb ({pc.clip_cov_lb}) must be < clip_cov_ub ({pc.clip_cov_ub}).")
+    if algo.policy_loss == "kl_cov":
+        if pc.ppo_kl_coef < 0:
+            raise ConfigError(f"algo.policy_clip.ppo_kl_coef must be >= 0 (got {pc.ppo_kl_coef}).")
+        warnings.warn("algo.policy_loss=kl_cov has no ratio clip (its KL penalty on the high-covariance tokens "
+                      "takes the clip's place): algo.policy_clip.clip_low, clip_high and dual_clip are not used.",
+                      stacklevel=2)
+
+
 def _choice(key: str, value: Any, valid: list[str] | tuple[str, ...]) -> None:
     if value not in valid:
         close = difflib.get_close_matches(str(value), list(valid), n=1)
@@ -616,6 +647,7 @@ def _check_consistency(cfg: DictConfig) -> None:
     _choice("algo.estimator", algo.estimator, [*names["estimators"], "none"])
     for term in algo.loss_terms:
         _choice("algo.loss_terms", term, names["loss_terms"])
+    _check_policy_loss(algo, names["policy_losses"])
     for key in ("policy_clip.aggregation", "kl.aggregation", "entropy_smoothing.aggregation", "nll_aggregation"):
         _choice(f"algo.{key}", OmegaConf.select(algo, key), names["aggregations"])
     _choice("algo.entropy.mode", algo.entropy.mode, names["entropy_modes"])

@@ -449,7 +449,8 @@ class Trainer:
         norms: list[float] = []
         self.engine.train()
         for epoch in range(algo.ppo_epochs if algo.name != "sft" else 1):
-            for rows in (self.mini_batches(batch, step, epoch) if algo.name != "sft" else [list(range(len(batch)))]):
+            for mini, rows in enumerate(self.mini_batches(batch, step, epoch) if algo.name != "sft"
+                                        else [list(range(len(batch)))]):
                 micro = plan_micro_batches(rows, lengths, algo.micro_batch_size)
                 n_micro = int(all_reduce_max(torch.tensor(len(micro))).item())
                 micro += [[] for _ in range(n_micro - len(micro))]
@@ -457,8 +458,12 @@ class Trainer:
                 denominators = {mode: float(all_reduce_sum(row_denominators[mode][rows].sum().to(device))
                                             .clamp(min=1e-12)) for mode in modes}
                 step_metrics: dict[str, float] = {}
-                for m in micro:
+                for micro_index, m in enumerate(micro):
                     mb = collate(batch, m, pad, device, num_rows=max(len(m), 1))
+                    # random token choices (Clip-Cov) are a function of the run's seed and position only
+                    # (a tuple of ints hashes the same in every process)
+                    position = (self.cfg.seed, step, epoch, mini, micro_index, self.dist.rank)
+                    self.loss_stack.reseed(hash(position) & 0x7FFFFFFF)
                     for mode in modes:
                         u, _ = AGGREGATIONS[mode].weights(mb.response_mask, mb.turn_index, mb.num_turns, decay)
                         mb.weights[mode] = (u / denominators[mode]).to(device)
