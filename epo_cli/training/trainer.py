@@ -5,9 +5,10 @@
 One RL iteration (`rl_step`):
     tasks     <- curriculum: tasks_per_step tasks x group_size rollouts; this rank plays whole groups
     episodes  <- run_episodes(policy, env pool, tasks)           one sample per turn -> TurnBatch
+                 (algo.dynamic_sampling: zero-variance groups replaced by fresh rounds, DAPO)
     scoring   <- old log-probs, entropy (sampling temperature), reference log-probs, critic values
     entropy history, fluctuation monitor <- the rollout's entropies (all-reduced; no extra forward pass)
-    advantages <- ESTIMATORS[algo.estimator]                       gae | grpo | rloo
+    advantages <- ESTIMATORS[algo.estimator]                       gae | grpo | rloo | gigpo
     coefs     <- schedules: lambda (entropy group), beta_k (algo.phase), KL weight
     update    <- ppo_epochs x mini-batches x micro-batches:
                  loss = sum_i coef_i * term_i   (e.g. policy_clip + 0.01*kl - lambda*entropy
