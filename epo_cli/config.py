@@ -157,6 +157,8 @@ class GiGPOConfig:
     mode: str = "mean_std_norm"
     #: anchor match: 1.0 = identical observation text; in (0, 1): normalised edit similarity threshold
     similarity: float = 1.0
+    #: observation (the paper) | observation_admissible (also the prompt's admissible actions)
+    anchor: str = "observation"
     eps: float = 1e-6
 
 
@@ -659,6 +661,7 @@ def _check_consistency(cfg: DictConfig) -> None:
     _choice("algo.monitor.action", algo.monitor.action, ("warn", "clamp"))
     _choice("algo.grpo.mean_over", algo.grpo.mean_over, ("turns", "trajectories"))
     _choice("algo.gigpo.mode", algo.gigpo.mode, ("mean_norm", "mean_std_norm"))
+    _choice("algo.gigpo.anchor", algo.gigpo.anchor, ("observation", "observation_admissible"))
     if not 0.0 < algo.gigpo.similarity <= 1.0:
         raise ConfigError(f"algo.gigpo.similarity must be in (0, 1] (1 = exact match); got {algo.gigpo.similarity}.")
     _choice("entropy.schedule", cfg.entropy.schedule, names["entropy_schedules"])

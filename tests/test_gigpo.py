@@ -146,6 +146,23 @@ def test_similarity_threshold_merges_near_identical_anchors():
     close(adv, [20 / 3 + 5, -10 / 3 - 5, -10 / 3])
 
 
+def test_admissible_actions_refine_the_anchor():
+    # three turns that all read "Nothing happens.", two at the same place (same admissible actions)
+    trajs = [(0, 0, 10.0, [0.0], ["Nothing happens."]), (1, 0, 0.0, [0.0], ["Nothing happens."]),
+             (2, 0, 0.0, [0.0], ["Nothing happens."])]
+    batch = make_batch(trajs)
+    batch.admissible = ["look\ntake mug 1", "look\ntake mug 1", "look\nopen fridge 1"]
+    assert len(set(anchor_groups(batch).tolist())) == 1
+    refined = anchor_groups(batch, anchor="observation_admissible").tolist()
+    assert refined[0] == refined[1] != refined[2]
+    # mean_norm, gamma 1: episode 20/3, -10/3, -10/3 (mean 10/3); step: {10, 0} -> +5, -5; alone -> 0
+    algo = gigpo_algo(gamma=1.0, mode="mean_norm", anchor="observation_admissible")
+    close(gigpo(batch, algo)[0], [20 / 3 + 5, -10 / 3 - 5, -10 / 3])
+    batch.admissible = []
+    with pytest.raises(ValueError, match="admissible"):
+        gigpo(batch, algo)
+
+
 def test_gigpo_needs_anchor_observations():
     batch = make_batch(TWO_GROUPS)
     batch.anchor_obs = []
@@ -154,8 +171,10 @@ def test_gigpo_needs_anchor_observations():
 
 
 def test_select_keeps_anchors():
-    batch = make_batch(TWO_GROUPS).select([3, 0])
-    assert batch.anchor_obs == ["C", "A"]
+    batch = make_batch(TWO_GROUPS)
+    batch.admissible = [f"a{i}" for i in range(len(batch))]
+    picked = batch.select([3, 0])
+    assert picked.anchor_obs == ["C", "A"] and picked.admissible == ["a3", "a0"]
 
 
 def test_gigpo_configs():
@@ -170,6 +189,7 @@ def test_gigpo_configs():
 @pytest.mark.parametrize("overrides,needle", [
     (["algo=gigpo", "algo.gigpo.mode=std"], "mean_norm, mean_std_norm"),
     (["algo=gigpo", "algo.gigpo.similarity=0"], "(0, 1]"),
+    (["algo=gigpo", "algo.gigpo.anchor=state"], "observation, observation_admissible"),
     (["algo=gigpo", "algo.gigpo.similarity=1.5"], "(0, 1]"),
     (["algo=gigpo", "algo.group_size=1"], "group_size >= 2"),
     (["algo=grpo", "algo.estimator=gipgo"], "gigpo"),

@@ -191,16 +191,34 @@ def text_similarity(a: str, b: str) -> float:
     return 1.0 if a == b else SequenceMatcher(None, a, b).ratio()
 
 
-def anchor_groups(batch: TurnBatch, similarity: float = 1.0) -> Tensor:
-    """Step-group id per turn-sample [N]: turns of ONE episode group whose anchor observations match.
+#: algo.gigpo.anchor: what identifies a turn's state
+ANCHORS = ("observation", "observation_admissible")
+
+
+def anchor_texts(batch: TurnBatch, anchor: str = "observation") -> list[str]:
+    """The text each turn is matched on: its observation (the paper, verl-agent), or the observation plus
+    the admissible actions of its prompt (separates states whose observation alone is the same, such as
+    household's "Nothing happens." at different places)."""
+    if anchor not in ANCHORS:
+        raise ValueError(f"unknown algo.gigpo.anchor '{anchor}' ({' | '.join(ANCHORS)})")
+    if len(batch.anchor_obs) != len(batch):
+        raise ValueError("gigpo needs batch.anchor_obs (the observation of every turn); this batch has "
+                         f"{len(batch.anchor_obs)} for {len(batch)} turns")
+    if anchor == "observation":
+        return list(batch.anchor_obs)
+    if len(batch.admissible) != len(batch):
+        raise ValueError("algo.gigpo.anchor=observation_admissible needs batch.admissible for every turn")
+    return [f"{o}\n--\n{a}" for o, a in zip(batch.anchor_obs, batch.admissible)]
+
+
+def anchor_groups(batch: TurnBatch, similarity: float = 1.0, anchor: str = "observation") -> Tensor:
+    """Step-group id per turn-sample [N]: turns of ONE episode group whose anchor texts match.
 
     similarity = 1.0: exact text match. Below 1: greedy clustering in row order (as verl-agent): a turn
     joins the first cluster of its group whose first member's text has text_similarity >= similarity,
     else it starts a new cluster. Turns of the same trajectory may share a step group (a revisited state).
     """
-    if len(batch.anchor_obs) != len(batch):
-        raise ValueError("gigpo needs batch.anchor_obs (the observation of every turn); this batch has "
-                         f"{len(batch.anchor_obs)} for {len(batch)} turns")
+    texts = anchor_texts(batch, anchor)
     ids = [0] * len(batch)
     next_id = 0
     by_group: dict[int, list[int]] = defaultdict(list)
@@ -210,7 +228,7 @@ def anchor_groups(batch: TurnBatch, similarity: float = 1.0) -> Tensor:
         exact: dict[str, int] = {}
         clusters: list[tuple[str, int]] = []  # (representative text, id)
         for i in by_group[g]:
-            obs = batch.anchor_obs[i]
+            obs = texts[i]
             if similarity >= 1.0:
                 if obs not in exact:
                     exact[obs], next_id = next_id, next_id + 1
@@ -249,7 +267,8 @@ def gigpo(
         row_traj, traj_score, traj_group = _trajectory_scores(batch)
         episode_adv = _normalize_in_groups(traj_score, traj_group, by_std, cfg.eps)[row_traj]  # [N]
     step_returns = discounted_step_returns(batch, cfg.gamma)  # [N]
-    step_adv = _normalize_in_groups(step_returns, anchor_groups(batch, cfg.similarity), by_std, cfg.eps)  # [N]
+    step_groups = anchor_groups(batch, cfg.similarity, cfg.anchor)  # [N]
+    step_adv = _normalize_in_groups(step_returns, step_groups, by_std, cfg.eps)  # [N]
     adv = episode_adv + cfg.step_weight * step_adv  # [N]
     return adv, adv
 
