@@ -8,7 +8,7 @@ algos registry); `check_field_rules` walks the schema and checks them all, then 
 checks the rules that span keys and warns (one line) about settings the run would not read.
 
 Groups (conf/<group>/<option>.yaml) and their schemas:
-    algo        AlgoConfig        sft | ppo | grpo | epo | epo_ppo
+    algo        AlgoConfig        sft | ppo | grpo | gigpo | epo | epo_ppo
     env         EnvConfig+        household | alfworld | scienceworld | textworld (schema per env)
     model       ModelConfig       tiny | qwen2.5-0.5b | ... (hub ids or local paths)
     entropy     EntropyConfig     the entropy coefficient (lambda) schedule
@@ -102,6 +102,14 @@ class PolicyClipConfig:
     #: dual-clip constant c for negative advantages (Ye et al. 2020); null disables it
     dual_clip: float | None = num(3.0, gt=1)
     aggregation: str = one_of("token-mean", registry="aggregations")
+    #: algo.policy_loss=clip_cov (Cui et al. 2025, arXiv 2505.22617; verl's names and defaults): detach the
+    #: gradient of this share of tokens, drawn among those with clip_cov_lb < covariance < clip_cov_ub
+    clip_cov_ratio: float = num(2.0e-4, gt=0, le=1)
+    clip_cov_lb: float = num(1.0)
+    clip_cov_ub: float = num(5.0)
+    #: algo.policy_loss=kl_cov: KL penalty ppo_kl_coef * |log ratio| on this top share of tokens by covariance
+    kl_cov_ratio: float = num(2.0e-3, gt=0, le=1)
+    ppo_kl_coef: float = num(1.0, ge=0)
 
 
 @dataclass
@@ -177,6 +185,23 @@ class GRPOConfig:
 
 
 @dataclass
+class GiGPOConfig:
+    """GiGPO (arXiv 2505.10978): episode-level + step-level (anchor state) group advantages."""
+
+    #: discount of the step-level returns (verl-agent ALFWorld: 0.95)
+    gamma: float = num(0.95, ge=0, le=1)
+    #: omega: A = A_episode + step_weight * A_step
+    step_weight: float = num(1.0, ge=0)
+    #: mean_std_norm: (x - mean) / (std + eps) (verl-agent ALFWorld) | mean_norm: x - mean
+    mode: str = one_of("mean_std_norm", ("mean_std_norm", "mean_norm"))
+    #: anchor match: 1.0 = identical observation text; in (0, 1): normalised edit similarity threshold
+    similarity: float = num(1.0, gt=0, le=1)
+    #: observation (the paper) | observation_admissible (also the prompt's admissible actions)
+    anchor: str = one_of("observation", ("observation", "observation_admissible"))
+    eps: float = num(1e-6, gt=0)
+
+
+@dataclass
 class MonitorConfig:
     """Entropy fluctuation monitor: sigma <- a*sigma + (1-a)*|H_t - mean(H over the last k steps, incl. H_t)|."""
 
@@ -192,12 +217,15 @@ class MonitorConfig:
 @dataclass
 class AlgoConfig:
     name: str = "sft"
-    #: the RL base of the algorithm: none (sft) | ppo | grpo
-    base: str = one_of("none", ("none", "ppo", "grpo"))
-    #: advantage estimator: gae | grpo | rloo | none; `auto` picks gae for base=ppo, grpo for base=grpo
+    #: the RL base of the algorithm: none (sft) | ppo | grpo | gigpo
+    base: str = one_of("none", ("none", "ppo", "grpo", "gigpo"))
+    #: advantage estimator: gae | grpo | rloo | gigpo | none; `auto` picks gae for base=ppo, grpo for
+    #: base=grpo, gigpo for base=gigpo
     estimator: str = one_of("auto", registry="estimators", extra=("auto", "none"))
     #: policy loss terms, summed in this order; see epo_cli/algos/losses.py
     loss_terms: list[str] = one_of(registry="loss_terms", default_factory=lambda: ["nll"])
+    #: the module in the policy_clip slot: clip (PPO) | clip_cov | kl_cov (arXiv 2505.22617)
+    policy_loss: str = one_of("clip", registry="policy_losses")
     # optimisation
     lr: float = num(1e-3, gt=0)
     weight_decay: float = num(0.0, ge=0)
@@ -213,6 +241,12 @@ class AlgoConfig:
     # rollout batch
     tasks_per_step: int = num(4, ge=1)
     group_size: int = num(1, ge=1)
+    #: DAPO dynamic sampling: replace groups whose scores are all equal by fresh rounds of tasks_per_step groups
+    dynamic_sampling: bool = False
+    #: extra rounds at most per iteration (then the batch is topped up with zero-variance groups)
+    dynamic_sampling_max_rounds: int = num(3, ge=0)
+    #: return (outcome + turn rewards, what GRPO normalises) | outcome (task reward only: DAPO's accuracy)
+    dynamic_sampling_metric: str = one_of("return", ("return", "outcome"))
     # reward shaping (verl-agent conventions)
     reward_scale: float = num(10.0, gt=0)
     invalid_action_penalty: float = num(0.1, ge=0)
@@ -230,6 +264,7 @@ class AlgoConfig:
     kl: KLConfig = field(default_factory=KLConfig)
     gae: GAEConfig = field(default_factory=GAEConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    gigpo: GiGPOConfig = field(default_factory=GiGPOConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     nll_aggregation: str = one_of("token-mean", registry="aggregations")
 
@@ -623,6 +658,22 @@ def _check_smoothing_weight(algo: Any) -> None:
                       "assumes alpha * beta_max < 1; the paper uses alpha = 0.1).", stacklevel=2)
 
 
+def _check_policy_loss(algo: Any) -> None:
+    """Rules of the clip_cov / kl_cov policy losses that span keys (their ranges sit on the fields)."""
+    if algo.policy_loss == "clip":
+        return
+    if "policy_clip" not in algo.loss_terms:
+        raise ConfigError(f"algo.policy_loss={algo.policy_loss} replaces the policy_clip term, which is not in "
+                          f"algo.loss_terms {list(algo.loss_terms)}; add it or leave algo.policy_loss=clip.")
+    pc = algo.policy_clip
+    if algo.policy_loss == "clip_cov" and pc.clip_cov_lb >= pc.clip_cov_ub:
+        raise ConfigError(f"algo.policy_clip.clip_cov_lb ({pc.clip_cov_lb}) must be < clip_cov_ub ({pc.clip_cov_ub}).")
+    if algo.policy_loss == "kl_cov":
+        warnings.warn("algo.policy_loss=kl_cov has no ratio clip (its KL penalty on the high-covariance tokens "
+                      "takes the clip's place): algo.policy_clip.clip_low, clip_high and dual_clip are not used.",
+                      stacklevel=2)
+
+
 def _choice(key: str, value: Any, valid: list[Any] | tuple[Any, ...]) -> None:
     if value not in valid:
         close = difflib.get_close_matches(str(value), [str(v) for v in valid], n=1)
@@ -673,10 +724,11 @@ def _check_consistency(cfg: DictConfig) -> None:
     """Rules that span keys (each field's own range is declared next to it and checked before this)."""
     algo = cfg.algo
     if algo.estimator == "auto":
-        algo.estimator = {"ppo": "gae", "grpo": "grpo", "none": "none"}[algo.base]
+        algo.estimator = {"ppo": "gae", "grpo": "grpo", "gigpo": "gigpo", "none": "none"}[algo.base]
+    _check_policy_loss(algo)
     if algo.name != "sft" and algo.estimator == "none":
         raise ConfigError(f"algo={algo.name} needs an advantage estimator; set algo.estimator.")
-    if algo.estimator in ("grpo", "rloo") and algo.group_size < 2:
+    if algo.estimator in ("grpo", "rloo", "gigpo") and algo.group_size < 2:
         raise ConfigError(
             f"algo.estimator={algo.estimator} compares rollouts of the same task and needs "
             f"algo.group_size >= 2 (got {algo.group_size})."
@@ -697,6 +749,9 @@ def _check_consistency(cfg: DictConfig) -> None:
     if sm.kappa_low >= sm.kappa_high:
         raise ConfigError(f"The smoothing band needs algo.entropy_smoothing.kappa_low < kappa_high (got "
                           f"{sm.kappa_low:g} and {sm.kappa_high:g}); the paper uses 0.0 and 2.0.")
+    if algo.dynamic_sampling and algo.group_size < 2:
+        raise ConfigError("algo.dynamic_sampling=true drops groups whose rollouts all scored the same and needs "
+                          f"algo.group_size >= 2 (got {algo.group_size}); use it with grpo, rloo or gigpo.")
     if "entropy_smoothing" in algo.loss_terms:
         _check_smoothing_weight(algo)
     if cfg.entropy.min_coef > cfg.entropy.max_coef:

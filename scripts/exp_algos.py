@@ -30,7 +30,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-ALGO_NAMES = {"ppo": "PPO", "grpo": "GRPO", "epo_ppo": "PPO+EPO", "epo": "GRPO+EPO"}
+ALGO_NAMES = {"ppo": "PPO", "grpo": "GRPO", "gigpo": "GiGPO", "epo_ppo": "PPO+EPO", "epo": "GRPO+EPO"}
 
 
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

@@ -58,7 +58,7 @@ def close(x, expected, atol=1e-5):
 
 
 def test_registry_names():
-    assert set(ESTIMATORS) == {"gae", "grpo", "rloo"}
+    assert set(ESTIMATORS) == {"gae", "grpo", "rloo", "gigpo"}
 
 
 # ------------------------------------------------------------------------------------------------ gae

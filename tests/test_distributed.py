@@ -7,10 +7,10 @@ epo_cli.worker. The launcher path itself (`epo train launcher=deepspeed`: run di
 failure handling, resume) is exercised through the real CLI by the killed-rank / resume test.
 
     runs (all from the behaviour-cloned warm start, 2 groups x 2 rollouts per iteration)
-    1 rank          grpo (2 iterations), ppo (2), epo (2)
+    1 rank          grpo (2 iterations), ppo (2), epo (2), gigpo (1), grpo + dynamic sampling (1)
     2 ranks         grpo ZeRO-2 (1), grpo ZeRO-3 (2, checkpoint every step), ppo ZeRO-2 (1),
-                    ppo ZeRO-3 (2), epo ZeRO-2 (2), grpo + LoRA ZeRO-2 (1), then a collective that must
-                    time out
+                    ppo ZeRO-3 (2), epo ZeRO-2 (2), grpo + LoRA ZeRO-2 (1), gigpo ZeRO-2 (1),
+                    grpo + dynamic sampling ZeRO-2 (1), then a collective that must time out
     CLI, 2 ranks    grpo ZeRO-3 whose rank 1 dies while saving step 2; then `trainer.resume=<run>`
     CLI, no ranks   batch/world-size checks, SLURM submission (a stand-in `sbatch` records the script)
     in-process      the multi-node deepspeed command from a hostfile; the failure message's choice of cause
@@ -46,6 +46,9 @@ BASELINE_RUNS = {
     "grpo": ["algo=grpo", "trainer.total_steps=2"],
     "ppo": ["algo=ppo", "trainer.total_steps=2"],
     "epo": ["algo=epo", "trainer.total_steps=2"],
+    "gigpo": ["algo=gigpo", "trainer.total_steps=1"],
+    "grpo_ds": ["algo=grpo", "trainer.total_steps=1", "algo.dynamic_sampling=true",
+                "algo.dynamic_sampling_max_rounds=2"],
 }
 SHARDED_RUNS = {
     "grpo_z2": ["algo=grpo", "trainer.total_steps=1", "deepspeed=zero2"],
@@ -54,6 +57,10 @@ SHARDED_RUNS = {
     "ppo_z3": ["algo=ppo", "trainer.total_steps=2", "deepspeed=zero3"],
     "epo_z2": ["algo=epo", "trainer.total_steps=2", "deepspeed=zero2"],
     "lora_z2": ["algo=grpo", "trainer.total_steps=1", "deepspeed=zero2", "model.lora.rank=4"],
+    # GiGPO's step groups and dynamic sampling's replacement rounds: the same global batch on 2 ranks
+    "gigpo_z2": ["algo=gigpo", "trainer.total_steps=1", "deepspeed=zero2"],
+    "grpo_ds_z2": ["algo=grpo", "trainer.total_steps=1", "deepspeed=zero2", "algo.dynamic_sampling=true",
+                   "algo.dynamic_sampling_max_rounds=2"],
 }
 REL_TOL = 1e-4
 #: metrics that must be equal exactly (counts and success rates: the rollouts themselves are identical)
@@ -242,7 +249,8 @@ def sharded(warm_start: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple
 
 # ---- 2 ranks = 1 rank ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("algo,stage", [("grpo", 2), ("grpo", 3), ("ppo", 2), ("ppo", 3), ("epo", 2)])
+@pytest.mark.parametrize("algo,stage", [("grpo", 2), ("grpo", 3), ("ppo", 2), ("ppo", 3), ("epo", 2), ("gigpo", 2),
+                                        ("grpo_ds", 2)])
 def test_two_ranks_match_one_rank(baseline: Path, sharded: tuple[Path, dict], algo: str, stage: int) -> None:
     root, facts = sharded
     name = f"{algo}_z{stage}"

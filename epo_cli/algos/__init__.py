@@ -13,6 +13,7 @@ def registry_names() -> dict[str, list[str]]:
     return {
         "estimators": sorted(advantages.ESTIMATORS),
         "loss_terms": sorted(losses.LOSS_TERMS),
+        "policy_losses": sorted(losses.POLICY_LOSSES),
         "kl_estimators": sorted(losses.KL_ESTIMATORS),
         "entropy_modes": sorted(losses.ENTROPY_MODES),
         "aggregations": sorted(aggregation.AGGREGATIONS),

@@ -11,6 +11,9 @@ meaning use it (GAE's whitening); GRPO/RLOO groups and trajectories are whole on
     grpo  group-relative: (score - group mean) / (group std + eps) (Shao et al. 2024; verl-agent)
     rloo  REINFORCE leave-one-out: trajectory score minus the mean of the group's other trajectories
           (Ahmadian et al. 2024)
+    gigpo group-in-group (Feng et al. 2025, arXiv 2505.10978; verl-agent's headline estimator): the
+          episode-level GRPO advantage plus step_weight x a step-level advantage, normalised among the
+          group's turns that saw the same observation (anchor state)
 
 Scores follow verl-agent: the episode outcome (reward_scale * won) is broadcast to every turn, and a
 turn's own reward (minus the invalid-action penalty, plus subgoal rewards) is added on top of it.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
+from difflib import SequenceMatcher
 
 import torch
 from torch import Tensor
@@ -169,7 +173,109 @@ def rloo(
     return adv[row_traj], score[row_traj]
 
 
-ESTIMATORS: dict[str, Callable[..., tuple[Tensor, Tensor]]] = {"gae": gae, "grpo": grpo, "rloo": rloo}
+def discounted_step_returns(batch: TurnBatch, gamma: float) -> Tensor:
+    """R_t = sum_{l >= t} gamma^(l - t) r_l per trajectory (GiGPO Eq. 5), r_l = reward_l + outcome at the last
+    turn (the episode outcome is earned at the end; the turn-local rewards where they happen). [N]"""
+    reward, outcome = batch.reward.tolist(), batch.outcome.tolist()
+    out = [0.0] * len(batch)
+    for idx in _trajectories(batch).values():
+        running = 0.0
+        for k, i in enumerate(reversed(idx)):
+            running = reward[i] + (outcome[i] if k == 0 else 0.0) + gamma * running
+            out[i] = running
+    return torch.tensor(out, dtype=batch.reward.dtype)
+
+
+def text_similarity(a: str, b: str) -> float:
+    """Normalised edit similarity in [0, 1] (difflib's ratio: 2 * matched characters / total length)."""
+    return 1.0 if a == b else SequenceMatcher(None, a, b).ratio()
+
+
+#: algo.gigpo.anchor: what identifies a turn's state
+ANCHORS = ("observation", "observation_admissible")
+
+
+def anchor_texts(batch: TurnBatch, anchor: str = "observation") -> list[str]:
+    """The text each turn is matched on: its observation (the paper, verl-agent), or the observation plus
+    the admissible actions of its prompt (separates states whose observation alone is the same, such as
+    household's "Nothing happens." at different places)."""
+    if anchor not in ANCHORS:
+        raise ValueError(f"unknown algo.gigpo.anchor '{anchor}' ({' | '.join(ANCHORS)})")
+    if len(batch.anchor_obs) != len(batch):
+        raise ValueError("gigpo needs batch.anchor_obs (the observation of every turn); this batch has "
+                         f"{len(batch.anchor_obs)} for {len(batch)} turns")
+    if anchor == "observation":
+        return list(batch.anchor_obs)
+    if len(batch.admissible) != len(batch):
+        raise ValueError("algo.gigpo.anchor=observation_admissible needs batch.admissible for every turn")
+    return [f"{o}\n--\n{a}" for o, a in zip(batch.anchor_obs, batch.admissible)]
+
+
+def anchor_groups(batch: TurnBatch, similarity: float = 1.0, anchor: str = "observation") -> Tensor:
+    """Step-group id per turn-sample [N]: turns of ONE episode group whose anchor texts match.
+
+    similarity = 1.0: exact text match. Below 1: greedy clustering in row order (as verl-agent): a turn
+    joins the first cluster of its group whose first member's text has text_similarity >= similarity,
+    else it starts a new cluster. Turns of the same trajectory may share a step group (a revisited state).
+    """
+    texts = anchor_texts(batch, anchor)
+    ids = [0] * len(batch)
+    next_id = 0
+    by_group: dict[int, list[int]] = defaultdict(list)
+    for i, g in enumerate(batch.group_id.tolist()):
+        by_group[g].append(i)
+    for g in sorted(by_group):
+        exact: dict[str, int] = {}
+        clusters: list[tuple[str, int]] = []  # (representative text, id)
+        for i in by_group[g]:
+            obs = texts[i]
+            if similarity >= 1.0:
+                if obs not in exact:
+                    exact[obs], next_id = next_id, next_id + 1
+                ids[i] = exact[obs]
+                continue
+            match = next((cid for rep, cid in clusters if text_similarity(obs, rep) >= similarity), None)
+            if match is None:
+                match, next_id = next_id, next_id + 1
+                clusters.append((obs, match))
+            ids[i] = match
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def gigpo(
+    batch: TurnBatch, algo: AlgoConfig, all_reduce_sum: AllReduce | None = None
+) -> tuple[Tensor, Tensor]:
+    """GiGPO (Feng et al. 2025, arXiv 2505.10978), following verl-agent's core_gigpo:
+
+        A_episode = GRPO normalisation of the episode scores in the group (Eq. 3; over turn-samples or
+                    trajectories as algo.grpo.mean_over says, like grpo)
+        R_t       = discounted return from turn t, gamma = algo.gigpo.gamma (Eq. 5)
+        A_step    = R_t normalised among the turns of the group with the same anchor observation (Eq. 6-7);
+                    a step group of one turn gets 0
+        A         = A_episode + step_weight * A_step (Eq. 8)
+
+    mode mean_std_norm: (x - mean) / (std + eps) at both levels (std unbiased); mean_norm: x - mean.
+    returns = A (as verl-agent; there is no critic).
+    """
+    cfg = algo.gigpo
+    if cfg.mode not in ("mean_norm", "mean_std_norm"):
+        raise ValueError(f"unknown algo.gigpo.mode '{cfg.mode}' (mean_norm | mean_std_norm)")
+    by_std = cfg.mode == "mean_std_norm"
+    if algo.grpo.mean_over == "turns":
+        episode_adv = _normalize_in_groups(batch.outcome + batch.reward, batch.group_id, by_std, cfg.eps)  # [N]
+    else:
+        row_traj, traj_score, traj_group = _trajectory_scores(batch)
+        episode_adv = _normalize_in_groups(traj_score, traj_group, by_std, cfg.eps)[row_traj]  # [N]
+    step_returns = discounted_step_returns(batch, cfg.gamma)  # [N]
+    step_groups = anchor_groups(batch, cfg.similarity, cfg.anchor)  # [N]
+    step_adv = _normalize_in_groups(step_returns, step_groups, by_std, cfg.eps)  # [N]
+    adv = episode_adv + cfg.step_weight * step_adv  # [N]
+    return adv, adv
+
+
+ESTIMATORS: dict[str, Callable[..., tuple[Tensor, Tensor]]] = {
+    "gae": gae, "grpo": grpo, "rloo": rloo, "gigpo": gigpo,
+}
 
 
 def compute_advantages(

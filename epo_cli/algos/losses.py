@@ -7,6 +7,7 @@ ranks of a mini-batch gives the mini-batch aggregate; its metrics use the same w
 way, and are detached.
 
     policy_clip        PPO clipped surrogate (+ dual clip)                      -> loss/policy_clip
+                       or, by algo.policy_loss, Clip-Cov / KL-Cov (arXiv 2505.22617) in its place
     value              clipped critic regression (applied to the critic)        -> loss/value
     entropy            L_H, POSITIVE (the coefficient -lambda carries the sign) -> loss/entropy
     entropy_smoothing  EPO hinge band around the historical entropy             -> loss/entropy_smoothing
@@ -109,6 +110,155 @@ class PolicyClipLoss(LossTerm):
                 "policy/approx_kl": weighted_sum(w, (ratio - 1.0) - log_ratio),
             }
         return loss, metrics
+
+
+def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def _centred_covariance(adv: Tensor, logp: Tensor, mask: Tensor) -> Tensor:
+    """Per-token (A - mean A) * (logp - mean logp), means over the micro-batch's real tokens (Cui et al.
+    2025 Eq. 11, as verl: the statistics of one forward pass), detached: it only selects tokens. [B, R]"""
+    m = mask.float()
+    a, lp = adv.detach(), logp.detach()
+    return (a - _masked_mean(a, m)) * (lp - _masked_mean(lp, m))
+
+
+class ClipCovLoss(PolicyClipLoss):
+    """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs", arXiv 2505.22617, Sec. 4.2;
+    hyperparameter names and defaults from verl's `clip_cov`).
+
+        cov_i     = (A_i - mean A) * (logp_i - mean logp)            over the micro-batch's real tokens
+        candidates: real tokens not already clipped by the PPO clip with clip_cov_lb < cov_i < clip_cov_ub
+        selected  = max(1, floor(clip_cov_ratio * real tokens)) candidates drawn uniformly at random
+        loss      = PPO clipped surrogate (as policy_clip, dual clip included), with the gradient of the
+                    selected tokens detached (their loss value is kept; verl multiplies them by 0, which
+                    gives the same gradient)
+
+    The high-covariance tokens are those whose update lowers the entropy most (paper Eq. 9-10); freezing a
+    tiny random share of them is enough to stop the entropy collapse. `reseed` sets the generator of the
+    random draw (the trainer reseeds it per micro-batch from (seed, step, epoch, mini-batch, micro-batch)).
+    """
+
+    name = "policy_clip"
+
+    def __init__(
+        self,
+        clip_low: float = 0.2,
+        clip_high: float = 0.2,
+        dual_clip: float | None = 3.0,
+        aggregation: str = "token-mean",
+        clip_cov_ratio: float = 2e-4,
+        clip_cov_lb: float = 1.0,
+        clip_cov_ub: float = 5.0,
+    ) -> None:
+        super().__init__(clip_low, clip_high, dual_clip, aggregation)
+        if not 0.0 < clip_cov_ratio <= 1.0:
+            raise ValueError(f"clip_cov_ratio must be in (0, 1] (got {clip_cov_ratio})")
+        if clip_cov_lb >= clip_cov_ub:
+            raise ValueError(f"clip_cov_lb ({clip_cov_lb}) must be < clip_cov_ub ({clip_cov_ub})")
+        self.clip_cov_ratio, self.clip_cov_lb, self.clip_cov_ub = clip_cov_ratio, clip_cov_lb, clip_cov_ub
+        self.generator = torch.Generator().manual_seed(0)
+
+    def reseed(self, seed: int) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def select(self, mb: MicroBatch, out: PolicyOutputs, ppo_clipped: Tensor) -> Tensor:
+        """Boolean [B, R] of the tokens whose gradient is detached."""
+        mask = mb.response_mask  # [B, R] bool
+        adv = _require(mb.advantages, "advantages", self.name)[:, None].expand_as(out.logprobs)  # [B, R]
+        cov = _centred_covariance(adv, out.logprobs, mask)  # [B, R]
+        candidates = mask & ~ppo_clipped & (cov > self.clip_cov_lb) & (cov < self.clip_cov_ub)  # [B, R]
+        selected = torch.zeros_like(mask)  # [B, R] bool
+        positions = torch.nonzero(candidates.cpu())  # [C, 2]
+        if len(positions):
+            n = max(int(self.clip_cov_ratio * int(mask.sum())), 1)
+            pick = positions[torch.randperm(len(positions), generator=self.generator)[:n]]  # [n, 2]
+            selected[pick[:, 0], pick[:, 1]] = True
+        return selected
+
+    def forward(self, mb: MicroBatch, out: PolicyOutputs) -> tuple[Tensor, dict[str, Tensor]]:
+        w = _weights(mb, self.aggregation)  # [B, R]
+        old_logp = _require(mb.old_logprobs, "old_logprobs", self.name)  # [B, R]
+        adv = _require(mb.advantages, "advantages", self.name)[:, None]  # [B, 1]
+        log_ratio = out.logprobs - old_logp  # [B, R]
+        ratio = torch.exp(log_ratio)  # [B, R]
+        pg1 = -adv * ratio  # [B, R]
+        pg2 = -adv * torch.clamp(ratio, 1.0 - self.clip_low, 1.0 + self.clip_high)  # [B, R]
+        pg = torch.maximum(pg1, pg2)  # [B, R]
+        dual_active = torch.zeros_like(pg, dtype=torch.bool)  # [B, R]
+        if self.dual_clip is not None:
+            pg3 = -adv * self.dual_clip  # [B, 1]
+            dual_active = (adv < 0) & (pg > pg3)
+            pg = torch.where(dual_active, pg3.expand_as(pg), pg)
+        selected = self.select(mb, out, (pg2 > pg1) | dual_active)  # [B, R]
+        pg = torch.where(selected, pg.detach(), pg)  # [B, R]
+        loss = weighted_sum(w, pg)
+        with torch.no_grad():
+            metrics = {
+                "loss/policy_clip": loss.detach(),
+                "policy/clipfrac": weighted_sum(w, (pg2 > pg1).float()),
+                "policy/dual_clipfrac": weighted_sum(w, dual_active.float()),
+                "policy/approx_kl": weighted_sum(w, (ratio - 1.0) - log_ratio),
+                "policy/cov_clipfrac": weighted_sum(w, selected.float()),
+            }
+        return loss, metrics
+
+
+class KLCovLoss(LossTerm):
+    """KL-Cov (Cui et al. 2025, arXiv 2505.22617, Sec. 4.2; names and defaults from verl's `kl_cov`, ratio
+    2e-3 as the paper's 7B setting).
+
+        cov_i    = (A_i - mean A) * (logp_i - mean logp)             over the micro-batch's real tokens
+        selected = the top max(1, floor(kl_cov_ratio * real tokens)) real tokens by cov
+        loss_i   = -A_i * ratio_i + ppo_kl_coef * |logp_i - old_logp_i| * [i selected]
+
+    No ratio clip (the paper's KL-Cov objective): the KL penalty on the high-covariance tokens takes its
+    place, so algo.policy_clip.clip_low / clip_high / dual_clip do not apply.
+    """
+
+    name = "policy_clip"
+
+    def __init__(self, aggregation: str = "token-mean", kl_cov_ratio: float = 2e-3, ppo_kl_coef: float = 1.0) -> None:
+        super().__init__()
+        if not 0.0 < kl_cov_ratio <= 1.0:
+            raise ValueError(f"kl_cov_ratio must be in (0, 1] (got {kl_cov_ratio})")
+        self.aggregation, self.kl_cov_ratio, self.ppo_kl_coef = aggregation, kl_cov_ratio, ppo_kl_coef
+
+    def select(self, mb: MicroBatch, out: PolicyOutputs) -> Tensor:
+        """Boolean [B, R] of the penalised tokens."""
+        mask = mb.response_mask  # [B, R] bool
+        adv = _require(mb.advantages, "advantages", self.name)[:, None].expand_as(out.logprobs)  # [B, R]
+        cov = _centred_covariance(adv, out.logprobs, mask)  # [B, R]
+        selected = torch.zeros_like(mask)  # [B, R] bool
+        n_real = int(mask.sum())
+        if n_real:
+            k = max(1, int(n_real * self.kl_cov_ratio))
+            flat = torch.where(mask, cov, torch.full_like(cov, -torch.inf)).flatten()  # [B*R]
+            selected.view(-1)[torch.topk(flat, k).indices] = True
+        return selected
+
+    def forward(self, mb: MicroBatch, out: PolicyOutputs) -> tuple[Tensor, dict[str, Tensor]]:
+        w = _weights(mb, self.aggregation)  # [B, R]
+        old_logp = _require(mb.old_logprobs, "old_logprobs", self.name)  # [B, R]
+        adv = _require(mb.advantages, "advantages", self.name)[:, None]  # [B, 1]
+        log_ratio = out.logprobs - old_logp  # [B, R]
+        ratio = torch.exp(log_ratio)  # [B, R]
+        selected = self.select(mb, out)  # [B, R]
+        pg = -adv * ratio + self.ppo_kl_coef * log_ratio.abs() * selected  # [B, R]
+        loss = weighted_sum(w, pg)
+        with torch.no_grad():
+            metrics = {
+                "loss/policy_clip": loss.detach(),
+                "policy/approx_kl": weighted_sum(w, (ratio - 1.0) - log_ratio),
+                "policy/kl_cov_frac": weighted_sum(w, selected.float()),
+                "policy/kl_cov_penalty": weighted_sum(w, log_ratio.abs() * selected),
+            }
+        return loss, metrics
+
+
+#: algo.policy_loss -> the module in the `policy_clip` slot of the loss stack
+POLICY_LOSSES: dict[str, type[LossTerm]] = {"clip": PolicyClipLoss, "clip_cov": ClipCovLoss, "kl_cov": KLCovLoss}
 
 
 class ValueLoss(LossTerm):
@@ -283,6 +433,13 @@ def build_loss_term(name: str, algo: AlgoConfig) -> LossTerm:
     """One term, configured from algo."""
     if name == "policy_clip":
         pc = algo.policy_clip
+        if algo.policy_loss == "clip_cov":
+            return ClipCovLoss(pc.clip_low, pc.clip_high, pc.dual_clip, pc.aggregation, pc.clip_cov_ratio,
+                               pc.clip_cov_lb, pc.clip_cov_ub)
+        if algo.policy_loss == "kl_cov":
+            return KLCovLoss(pc.aggregation, pc.kl_cov_ratio, pc.ppo_kl_coef)
+        if algo.policy_loss != "clip":
+            raise KeyError(f"unknown policy loss '{algo.policy_loss}'; valid: {', '.join(POLICY_LOSSES)}")
         return PolicyClipLoss(pc.clip_low, pc.clip_high, pc.dual_clip, pc.aggregation)
     if name == "value":
         return ValueLoss(algo.value.clip)
@@ -319,6 +476,12 @@ class LossStack(nn.Module):
     def __init__(self, terms: nn.ModuleDict) -> None:
         super().__init__()
         self.terms = terms
+
+    def reseed(self, seed: int) -> None:
+        """Seed the terms that draw random numbers (Clip-Cov), so a run is reproducible and resumable."""
+        for term in self.terms.values():
+            if hasattr(term, "reseed"):
+                term.reseed(seed)
 
     def forward(
         self, mb: MicroBatch, out: PolicyOutputs, coefs: dict[str, float]

@@ -33,6 +33,11 @@ class TurnBatch:
     valid: Tensor  # [N] bool, the response had a well-formed <action>...</action>
     won: Tensor  # [N] bool, the trajectory solved its task
     task_type: list[str]
+    #: the env observation text the policy saw at this turn (before the history window): GiGPO's anchor
+    #: state; empty when the batch was not built from episodes (demonstrations)
+    anchor_obs: list[str] = field(default_factory=list)
+    #: the admissible actions listed in that turn's prompt, one per line (GiGPO's optional anchor refinement)
+    admissible: list[str] = field(default_factory=list)
     # --- filled by the old-policy forward pass (no extra pass for EPO's entropy history) ---------------
     old_logprobs: list[Tensor] = field(default_factory=list)  # N x [len(response)]
     entropy: list[Tensor] = field(default_factory=list)  # N x [len(response)], at sampling temperature
@@ -76,6 +81,8 @@ class TurnBatch:
             valid=self.valid[idx],
             won=self.won[idx],
             task_type=rows(self.task_type),
+            anchor_obs=rows(self.anchor_obs),
+            admissible=rows(self.admissible),
             old_logprobs=rows(self.old_logprobs),
             entropy=rows(self.entropy),
             ref_logprobs=rows(self.ref_logprobs),

@@ -192,7 +192,7 @@ def episodes_to_batch(
     subgoal_reward: float = 0.0,
 ) -> TurnBatch:
     """Flatten episodes into turn-samples with the reward convention of the module docstring."""
-    prompt_ids, response_ids, task_type = [], [], []
+    prompt_ids, response_ids, task_type, anchor_obs, admissible = [], [], [], [], []
     traj, group, turn_index, num_turns, reward, outcome, valid, won = [], [], [], [], [], [], [], []
     for ep in episodes:
         T = len(ep.turns)
@@ -200,6 +200,8 @@ def episodes_to_batch(
             prompt_ids.append(turn.prompt_ids)
             response_ids.append(turn.response_ids)
             task_type.append(ep.task.task_type)
+            anchor_obs.append(turn.observation)
+            admissible.append("\n".join(turn.admissible))
             traj.append(ep.traj_id)
             group.append(ep.group_id)
             turn_index.append(t)
@@ -220,6 +222,8 @@ def episodes_to_batch(
         valid=torch.tensor(valid, dtype=torch.bool),
         won=torch.tensor(won, dtype=torch.bool),
         task_type=task_type,
+        anchor_obs=anchor_obs,
+        admissible=admissible,
     )
 
 

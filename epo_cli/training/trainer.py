@@ -5,9 +5,10 @@
 One RL iteration (`rl_step`):
     tasks     <- curriculum: tasks_per_step tasks x group_size rollouts; this rank plays whole groups
     episodes  <- run_episodes(policy, env pool, tasks)           one sample per turn -> TurnBatch
+                 (algo.dynamic_sampling: zero-variance groups replaced by fresh rounds, DAPO)
     scoring   <- old log-probs, entropy (sampling temperature), reference log-probs, critic values
     entropy history, fluctuation monitor <- the rollout's entropies (all-reduced; no extra forward pass)
-    advantages <- ESTIMATORS[algo.estimator]                       gae | grpo | rloo
+    advantages <- ESTIMATORS[algo.estimator]                       gae | grpo | rloo | gigpo
     coefs     <- schedules: lambda (entropy group), beta_k (algo.phase), KL weight
     update    <- ppo_epochs x mini-batches x micro-batches:
                  loss = sum_i coef_i * term_i   (e.g. policy_clip + 0.01*kl - lambda*entropy
@@ -33,6 +34,7 @@ from omegaconf import DictConfig
 
 from epo_cli.algos.advantages import ESTIMATORS
 from epo_cli.algos.aggregation import AGGREGATIONS
+from epo_cli.algos.dynamic_sampling import choose_groups, concat_batches, group_has_signal, rows_of_groups
 from epo_cli.algos.entropy import EntropyHistory, FluctuationMonitor, response_diversity, step_statistics
 from epo_cli.algos.losses import (
     LossStack,
@@ -167,6 +169,7 @@ class Trainer:
                                      cfg.rollout.max_prompt_tokens, chat_encoder(self.tokenizer))
         self.state = TrainState()
         self.stop_signal: int | None = None  # a stop signal all ranks agreed on (epo_cli.training.stop)
+        self.sampling_metrics: dict[str, float] = {}  # dynamic sampling's counters of the last rollout
 
         # --- resume, env pool, logging ------------------------------------------------------------------
         resume_from = checkpoint.resolve_resume(cfg.trainer.resume, run)
@@ -243,22 +246,61 @@ class Trainer:
 
     def rollout(self, step: int, total: int) -> tuple[list[Episode], TurnBatch, RolloutStats]:
         """Steps 1-2 of an RL iteration: the step's tasks (this rank's whole groups), played by the current
-        policy into one sample per turn (rewards as configured, no scoring yet)."""
-        cfg, algo = self.cfg, self.cfg.algo
+        policy into one sample per turn (rewards as configured, no scoring yet).
 
-        # 1. tasks: identical draw on every rank; this rank plays whole groups
+        With algo.dynamic_sampling, groups without score variance are replaced by fresh rounds (see
+        epo_cli/algos/dynamic_sampling.py); the episodes returned are all those played (for the rollout
+        metrics: every round is an unbiased draw), the batch holds the chosen groups only."""
+        algo = self.cfg.algo
         groups = algo.tasks_per_step
         if groups % self.dist.world_size:
             raise UserError(f"algo.tasks_per_step={groups} must be divisible by the number of ranks "
                             f"({self.dist.world_size}) so every GRPO group stays on one rank.")
+        self.sampling_metrics = {}
+        if not algo.dynamic_sampling:
+            return self._play_round(step, total, 0)
+        episodes, batches, stats = [], [], RolloutStats()
+        played: list[tuple[int, bool]] = []  # (global group id, has signal), in play order, on every rank
+        rounds = 0
+        for r in range(1 + algo.dynamic_sampling_max_rounds):
+            eps, batch, rstats = self._play_round(step, total, r)
+            rounds += 1
+            episodes += eps
+            batches.append(batch)
+            for name in ("rollout_s", "generate_s", "env_s", "env_steps", "generated_tokens"):
+                setattr(stats, name, getattr(stats, name) + getattr(rstats, name))
+            signal = sorted(group_has_signal(batch, algo.dynamic_sampling_metric).items())
+            played += sorted(item for rank_items in all_gather_objects(signal) for item in rank_items)
+            if sum(ok for _, ok in played) >= groups:
+                break
+        chosen, topped_up = choose_groups(played, groups)
+        everyone = concat_batches(all_gather_objects(concat_batches(batches)))  # every rank's played rows
+        w, k = self.dist.world_size, self.dist.rank
+        mine = chosen[k * groups // w:(k + 1) * groups // w]  # whole groups, the same count on every rank
+        batch = everyone.select(rows_of_groups(everyone, mine))
+        self.sampling_metrics = {
+            "rollout/groups_dropped": float(sum(not ok for _, ok in played) - topped_up),
+            "rollout/groups_topped_up": float(topped_up),
+            "rollout/sampling_rounds": float(rounds - 1),
+        }
+        return episodes, batch, stats
+
+    def _play_round(self, step: int, total: int, round_index: int) -> tuple[list[Episode], TurnBatch, RolloutStats]:
+        """One round of tasks_per_step groups; this rank plays its share of whole groups. Group and
+        trajectory ids are global and include the round, so sampling seeds do not depend on the rank."""
+        cfg, algo = self.cfg, self.cfg.algo
+        groups = algo.tasks_per_step
+
+        # 1. tasks: identical draw on every rank; this rank plays whole groups
         # a string seed, not hash(): str hashes are salted per process, so ranks (and resumes) would differ
-        rng = random.Random(f"{cfg.seed}-{step}-tasks")
+        rng = random.Random(f"{cfg.seed}-{step}-tasks" + (f"-round{round_index}" if round_index else ""))
         tasks = self.curriculum.sample_tasks(self.suite, groups, rng, step, total)
+        first = round_index * groups  # global id of this round's first group
         mine = range(self.dist.rank * groups // self.dist.world_size,
                      (self.dist.rank + 1) * groups // self.dist.world_size)
         my_tasks = [tasks[g] for g in mine for _ in range(algo.group_size)]
-        group_ids = [g for g in mine for _ in range(algo.group_size)]
-        traj_ids = [g * algo.group_size + k for g in mine for k in range(algo.group_size)]
+        group_ids = [first + g for g in mine for _ in range(algo.group_size)]
+        traj_ids = [(first + g) * algo.group_size + k for g in mine for k in range(algo.group_size)]
 
         # 2. rollout: one sample per turn
         policy = self._model_policy(cfg.rollout.temperature)
@@ -340,6 +382,7 @@ class Trainer:
         metrics.update({f"curriculum/level_success/{level}": wins / max(n, 1.0)
                         for level, (wins, n) in by_level.items()})
         metrics.update(self.curriculum.metrics())
+        metrics.update(self.sampling_metrics)
         metrics.update({
             "rollout/subgoal_coef": subgoal_coef,
             "rollout/max_turns": float(max_turns),
@@ -421,7 +464,8 @@ class Trainer:
         norms: list[float] = []
         self.engine.train()
         for epoch in range(algo.ppo_epochs if algo.name != "sft" else 1):
-            for rows in (self.mini_batches(batch, step, epoch) if algo.name != "sft" else [list(range(len(batch)))]):
+            for mini, rows in enumerate(self.mini_batches(batch, step, epoch) if algo.name != "sft"
+                                        else [list(range(len(batch)))]):
                 micro = plan_micro_batches(rows, lengths, algo.micro_batch_size)
                 n_micro = int(all_reduce_max(torch.tensor(len(micro))).item())
                 micro += [[] for _ in range(n_micro - len(micro))]
@@ -429,8 +473,12 @@ class Trainer:
                 denominators = {mode: float(all_reduce_sum(row_denominators[mode][rows].sum().to(device))
                                             .clamp(min=1e-12)) for mode in modes}
                 step_metrics: dict[str, float] = {}
-                for m in micro:
+                for micro_index, m in enumerate(micro):
                     mb = collate(batch, m, pad, device, num_rows=max(len(m), 1))
+                    # random token choices (Clip-Cov) are a function of the run's seed and position only
+                    # (a tuple of ints hashes the same in every process)
+                    position = (self.cfg.seed, step, epoch, mini, micro_index, self.dist.rank)
+                    self.loss_stack.reseed(hash(position) & 0x7FFFFFFF)
                     for mode in modes:
                         u, _ = AGGREGATIONS[mode].weights(mb.response_mask, mb.turn_index, mb.num_turns, decay)
                         mb.weights[mode] = (u / denominators[mode]).to(device)
