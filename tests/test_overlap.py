@@ -100,3 +100,35 @@ def test_overlapped_rollout_greedy_and_default_waves(tiny_policy) -> None:
     # the env time is the time some env was stepping (each step sleeps >= 10 ms), not the time waited
     assert stats.env_s >= 0.01 * stats.env_steps / 2
     assert stats.env_wait_s <= stats.rollout_s
+
+
+def test_shared_prefill_gives_the_same_tokens_and_logprobs(tiny_policy) -> None:
+    """A GRPO group's first turn: identical prompts are prefilled once and their KV cache copied to each
+    row; the tokens and their log-probs are those of prefilling every row."""
+    import torch
+
+    from epo_cli.rollout.generation import generate
+
+    tok, model = tiny_policy
+    a = tok.encode("Task: put a mug in desk. You are in the middle of a room.")
+    b = tok.encode("Observation: You arrive at cabinet 1. The cabinet 1 is closed.")
+    prompts = [a, a, a, b, b, a[:5]]  # two groups (3 and 2 rows) and a shorter prompt: left padding differs
+    seeds = [11, 12, 13, 14, 15, 16]
+    params = SamplingParams(max_new_tokens=10, temperature=1.0, stop="</action>")
+    prefill_rows: list[int] = []
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: prefill_rows.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    try:
+        plain_lp: list[list[float]] = []
+        plain = generate(model, prompts, params, tok, seeds=seeds, shared_prefill=False, logprobs=plain_lp)
+        plain_prefill, prefill_rows[:] = prefill_rows[0], []
+        shared_lp: list[list[float]] = []
+        shared = generate(model, prompts, params, tok, seeds=seeds, shared_prefill=True, logprobs=shared_lp)
+        shared_prefill = prefill_rows[0]
+    finally:
+        hook.remove()
+    assert plain_prefill[0] == 6 and shared_prefill[0] == 3  # 3 distinct prompts ran through the model
+    assert shared == plain
+    assert len(set(map(tuple, plain[:3]))) > 1  # the group's rows still sample differently (own seeds)
+    for x, y in zip(shared_lp, plain_lp):
+        assert torch.allclose(torch.tensor(x), torch.tensor(y), atol=1e-5)

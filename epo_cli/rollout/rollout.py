@@ -44,6 +44,7 @@ class ModelPolicy:
     params: SamplingParams
     vocab_limit: int | None = None
     batch_size: int = 0  # 0 = all prompts at once
+    shared_prefill: bool = True  # prefill each distinct prompt once (a GRPO group's first turn)
     generate_seconds: float = 0.0
     generated_tokens: int = 0
 
@@ -54,7 +55,7 @@ class ModelPolicy:
         for i in range(0, len(prompts), step):
             out += generate(self.model, prompts[i:i + step], self.params, self.tokenizer,
                             seeds=seeds[i:i + step] if self.params.temperature > 0 else None,
-                            vocab_limit=self.vocab_limit)
+                            vocab_limit=self.vocab_limit, shared_prefill=self.shared_prefill)
         self.generate_seconds += time.perf_counter() - start
         self.generated_tokens += sum(len(r) for r in out)
         return out
@@ -231,7 +232,7 @@ def _play_overlapped(play: _Play, num_waves: int, on_progress: Callable[[int, in
     policy generates as soon as a part's worth of envs has answered (or nothing else is in flight), for
     all that have. Batch composition then depends on timing, the episodes do not (run_episodes).
     """
-    waiting = list(range(len(play.episodes)))  # slots with an observation and no action yet
+    waiting = list(range(len(play.episodes))) if play.max_turns > 0 else []  # observed, no action yet
     in_flight: set[int] = set()
     live = len(waiting)
     while waiting or in_flight:
