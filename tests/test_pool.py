@@ -166,6 +166,24 @@ def test_submit_returns_at_once_and_collect_gathers_in_any_order() -> None:
         assert not results[2].done
 
 
+@pytest.mark.slow
+def test_start_reset_answers_through_collect_retries_a_crash_and_raises_env_errors(tmp_path: Path) -> None:
+    with EnvPool(FakeSuite(None), num_workers=2, step_timeout_s=30) as pool:
+        reference = pool.reset(TASKS)
+        tasks = [*TASKS[:3], Task("t3", "fake", TASKS[3].seed, extra={"crash_once": str(tmp_path / "crashed")})]
+        pool.start_reset(tasks)  # slot 3's worker dies once, is restarted, and slots 1 and 3 reset again
+        assert pool.in_flight() == [0, 1, 2, 3]
+        got = pool.collect([0, 1, 2, 3])  # slot 1 answered before the crash, uncollected: reset again too
+        assert (tmp_path / "crashed").exists()
+        assert [(obs, _no_pid(info)) for obs, info in (got[s] for s in range(4))] == \
+            [(obs, _no_pid(info)) for obs, info in reference]
+        assert not any(r.done for r in pool.step({0: "wait", 1: "wait", 3: "wait"}).values())
+        pool.start_reset([TASKS[0], Task("bad", "fake", 0)])
+        with pytest.raises(ValueError, match="no such game"):  # the env's own error, raised by collect
+            pool.collect([0, 1])
+        assert pool.reset(TASKS)[3][0] == "start t3"  # and the pool is still usable
+
+
 def test_in_process_submit_steps_at_once() -> None:
     with EnvPool(FakeSuite(None), num_workers=0) as pool:
         pool.reset(TASKS)

@@ -16,7 +16,12 @@ overlapped rollout generates for one wave of slots while the workers step anothe
     ...                              the caller works; the workers step
     pool.collect(slots)              wait for those slots' results (others may stay in flight)
 
-A slot has at most one step in flight. Each worker steps its slots in the order they were submitted.
+`start_reset(tasks)` is `reset` without the wait: `collect` then returns each slot's (observation, info) as
+its env answers, so the caller can generate for the first envs while the others still reset (ALFWorld:
+~1.3 s a game). A slot has at most one step or reset in flight; each worker serves its slots in the order
+they were sent. A worker that dies during an asynchronous reset is restarted and the resets it owed are
+sent again once, with those it answered that nobody collected yet (slots already collected lose their
+episodes, as after any crash).
 
 Faults never lose a run. A worker that dies, or does not answer within `step_timeout_s` for one slot, is
 killed (with its children: ScienceWorld's JVMs) and restarted; each episode it held comes back as
@@ -123,7 +128,7 @@ def _worker_main(conn: Connection, suite: EnvSuite, parent_pid: int) -> None:
 
     Messages in: ("reset", [(slot, task)]), ("step", [(slot, action)]), ("close", None).
     Messages out, one per slot as soon as it is done (so a hang is pinned on the slot that hangs):
-    ("reset", slot, obs, info) | ("reset_error", slot, exception, traceback) |
+    ("reset", slot, obs, info, started, finished) | ("reset_error", slot, exception, traceback) |
     ("step", slot, obs, reward, done, info, traceback_or_None, started, finished) (time.monotonic(): the
     clock is system-wide, so the parent can add up the time its workers spent stepping).
     """
@@ -145,10 +150,11 @@ def _worker_main(conn: Connection, suite: EnvSuite, parent_pid: int) -> None:
             if command == "reset":
                 for slot, task in payload:
                     try:
+                        started = time.monotonic()
                         if slot not in envs:
                             envs[slot] = suite.make_env()
                         obs, info = envs[slot].reset(task)
-                        conn.send(("reset", slot, obs, info))
+                        conn.send(("reset", slot, obs, info, started, time.monotonic()))
                     except Exception as err:  # noqa: BLE001 - raised again in the parent
                         conn.send(("reset_error", slot, _portable_exception(err), traceback.format_exc()))
             elif command == "step":
@@ -218,6 +224,13 @@ def _kill_tree(process: mp.process.BaseProcess) -> None:
                 pass
         process.kill()
     process.join(timeout=5)
+
+
+class _ResetError:
+    """An env's exception from an asynchronous reset, kept until `collect` raises it."""
+
+    def __init__(self, error: BaseException, traceback: str) -> None:
+        self.error, self.traceback = error, traceback
 
 
 class _Worker:
@@ -330,6 +343,7 @@ class EnvPool:
         self._progress: dict[int, float] = {}  # worker -> when it last answered (or was sent work while idle)
         self._ready: dict[int, StepResult] = {}  # results received, not yet collected
         self._busy: list[tuple[float, float]] = []  # (start, end) of each env step since the last reset
+        self._resetting: dict[int, int] = {}  # slot -> how often its asynchronous reset was sent before
         self._closed = False
         if self.num_workers:
             _install_hooks()
@@ -364,6 +378,23 @@ class EnvPool:
             raise error
         return results
 
+    def start_reset(self, tasks: list[Task]) -> None:
+        """`reset` without waiting: `collect(slots)` returns each slot's (observation, info) and raises an
+        env's reset error (missing data, bad task) when it reads it. In-process envs reset here."""
+        self._check_open()
+        if self.in_flight():
+            self.collect(self.in_flight())
+        self._tasks = list(tasks)
+        self._busy = []
+        self._active = [True] * len(self._tasks)
+        self._lost.clear()
+        if not self.num_workers:
+            for slot, (obs, info) in enumerate(self.reset(self._tasks)):
+                self._ready[slot] = (obs, info)
+            return
+        self._resetting = {}
+        self._guarded(self._send_resets, dict(enumerate(self._tasks)))
+
     def step(self, actions: dict[int, str]) -> dict[int, StepResult]:
         """Apply `actions[slot]` in each named slot, all workers at once; return the results by slot."""
         self.submit(actions)
@@ -397,7 +428,7 @@ class EnvPool:
         elif todo:
             self._guarded(self._submit_to_workers, todo)
 
-    def collect(self, slots: list[int], wait_all: bool = True) -> dict[int, StepResult]:
+    def collect(self, slots: list[int], wait_all: bool = True) -> dict[int, Any]:
         """Wait for the results of `slots` (each submitted and not yet collected); return them by slot, in
         the order asked. Results of other slots that arrive meanwhile are kept for their own `collect`.
 
@@ -410,7 +441,14 @@ class EnvPool:
                 raise RuntimeError(f"slot {slot} has no step in flight; submit it first")
         if self.num_workers and any(slot not in self._ready for slot in slots):
             self._guarded(self._receive_until, set(slots), wait_all)
-        return {slot: self._ready.pop(slot) for slot in slots if slot in self._ready}
+        results = {slot: self._ready.pop(slot) for slot in slots if slot in self._ready}
+        for slot, result in results.items():
+            if isinstance(result, _ResetError):  # the pool stays usable, as after a failed `reset`
+                err = result.error
+                if hasattr(err, "add_note"):
+                    err.add_note(f"(raised in an env worker while resetting slot {slot})\n{result.traceback}")
+                raise err
+        return results
 
     def busy_seconds(self) -> float:
         """Wall time since the last reset during which at least one env was stepping (the union of every
@@ -438,7 +476,7 @@ class EnvPool:
             except Exception:  # noqa: BLE001 - close the others
                 log.warning("closing an env failed", exc_info=True)
         self._envs = []
-        self._in_flight, self._ready = {}, {}
+        self._in_flight, self._ready, self._resetting = {}, {}, {}
         workers = [w for w in self._workers if w is not None]
         self._workers = [None] * self.num_workers
         # Ask all first, then wait: the workers close their JVMs in parallel.
@@ -619,13 +657,27 @@ class EnvPool:
             if not workers[index].send(("step", items)):
                 self._fail_worker(index, f"env worker {index} died (its pipe broke)")
 
+    def _send_resets(self, tasks: dict[int, Task]) -> None:
+        by_worker = self._split(tasks)
+        workers = self._start_workers(sorted(by_worker))
+        for index, items in by_worker.items():
+            for slot, _ in items:
+                self._resetting[slot] = self._resetting.get(slot, -1) + 1
+            if not self._in_flight.get(index):
+                self._progress[index] = time.monotonic()
+            self._in_flight.setdefault(index, []).extend(slot for slot, _ in items)
+            if not workers[index].send(("reset", items)):
+                self._fail_worker(index, f"env worker {index} died (its pipe broke)")
+
     def _receive_until(self, wanted: set[int], wait_all: bool = True) -> None:
         """Read answers from the workers until every slot in `wanted` has a result (wait_all=False: one).
 
         A worker fails when it dies, or when `step_timeout_s` passes without its next answer: it is killed,
         the slots it still owed end truncated, and its other live episodes end at their next step.
         """
-        timeout = self.step_timeout_s
+        def timeout_of(index: int) -> float:  # a reset may build its env first: it gets longer
+            return self.reset_timeout_s if self._in_flight[index][0] in self._resetting else self.step_timeout_s
+
         first = True
         while any(slot not in self._ready for slot in wanted):
             if not wait_all and not first and any(slot in self._ready for slot in wanted):
@@ -638,7 +690,7 @@ class EnvPool:
                 worker = self._workers[index]
                 handles[worker.conn] = index
                 handles[worker.process.sentinel] = index
-            next_deadline = min(self._progress[index] for index in busy) + timeout
+            next_deadline = min(self._progress[index] + timeout_of(index) for index in busy)
             # the first pass only reads what is already there (so wait_all=False returns all of it)
             ready = wait(list(handles), timeout=0.0 if first else max(0.0, next_deadline - time.monotonic()))
             first = False
@@ -649,25 +701,51 @@ class EnvPool:
                 try:
                     # drain everything this worker has sent (its sentinel may fire with answers still queued)
                     while self._in_flight[index] and worker.conn.poll():
-                        _, slot, obs, reward, done, info, tb, started, finished = worker.conn.recv()
-                        self._busy.append((started, finished))
-                        if tb:
-                            log.warning("env slot %d: %s\n%s", slot, info.get("error"), tb)
+                        message = worker.conn.recv()
+                        tag, slot = message[0], message[1]
                         self._in_flight[index].remove(slot)
                         self._progress[index] = time.monotonic()
-                        self._finish(slot, StepResult(obs, reward, done, info))
+                        if tag == "step":
+                            _, _, obs, reward, done, info, tb, started, finished = message
+                            self._busy.append((started, finished))
+                            if tb:
+                                log.warning("env slot %d: %s\n%s", slot, info.get("error"), tb)
+                            self._finish(slot, StepResult(obs, reward, done, info))
+                        elif tag == "reset":
+                            _, _, obs, info, started, finished = message
+                            self._busy.append((started, finished))
+                            self._resetting.pop(slot, None)
+                            self._ready[slot] = (obs, info)
+                        else:  # reset_error
+                            self._resetting.pop(slot, None)
+                            self._ready[slot] = _ResetError(message[2], message[3])
                 except (EOFError, OSError):
                     pass
                 if self._in_flight[index] and not worker.process.is_alive():
                     self._fail_worker(index, f"env worker {index} died (exit code {worker.process.exitcode})")
             now = time.monotonic()
             for index in busy:
-                if self._in_flight.get(index) and now >= self._progress[index] + timeout:
-                    slot = self._in_flight[index][0]
+                if self._in_flight.get(index) and now >= self._progress[index] + timeout_of(index):
+                    slot, timeout = self._in_flight[index][0], timeout_of(index)
                     self._fail_worker(index, f"env worker {index} gave no answer for slot {slot} within {timeout:g}s")
 
     def _fail_worker(self, index: int, why: str) -> None:
-        """The slots a dead or hung worker still owed end truncated now; then it is restarted."""
+        """The steps a dead or hung worker still owed end truncated now; then it is restarted, and the
+        asynchronous resets it owed are sent again, once."""
+        retry: dict[int, Task] = {}
         for slot in self._in_flight.pop(index, []):
-            self._finish(slot, truncated_result(why, self._task_info(slot)))
+            if slot in self._resetting:
+                if self._resetting[slot] >= 1:
+                    raise RuntimeError(f"env reset failed twice: {why}")
+                retry[slot] = self._tasks[slot]
+            else:
+                self._finish(slot, truncated_result(why, self._task_info(slot)))
+        for slot, answer in list(self._ready.items()):  # resets it answered that nobody collected yet
+            if self._worker_of(slot) == index and isinstance(answer, tuple):
+                retry[slot] = self._tasks[slot]
+                del self._ready[slot]
         self._restart(index, why)
+        if retry:
+            for slot in retry:
+                self._lost.pop(slot, None)  # its reset is redone on the fresh worker
+            self._send_resets(retry)

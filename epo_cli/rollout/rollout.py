@@ -142,7 +142,10 @@ def run_episodes(
     """
     stats = RolloutStats()
     start = time.perf_counter()
-    play = _Play(policy, pool, tasks, traj_ids, group_ids, builder, tokenizer, max_turns, seed, step, stats)
+    # overlapping envs reset as they answer (generation starts with the first ones) where the pool can
+    wait_reset = not (overlap and hasattr(pool, "start_reset"))
+    play = _Play(policy, pool, tasks, traj_ids, group_ids, builder, tokenizer, max_turns, seed, step, stats,
+                 wait_reset)
     gen_before = getattr(policy, "generate_seconds", 0.0)
     tok_before = getattr(policy, "generated_tokens", 0)
     if overlap:
@@ -163,20 +166,32 @@ class _Play:
 
     def __init__(self, policy: Policy, pool: Any, tasks: list[Task], traj_ids: list[int], group_ids: list[int],
                  builder: PromptBuilder, tokenizer: Any, max_turns: int, seed: int, step: int,
-                 stats: RolloutStats) -> None:
+                 stats: RolloutStats, wait_reset: bool = True) -> None:
         self.policy, self.pool, self.builder, self.tokenizer = policy, pool, builder, tokenizer
         self.max_turns, self.seed, self.step, self.stats = max_turns, seed, step, stats
         self.episodes = [Episode(task, t, g) for task, t, g in zip(tasks, traj_ids, group_ids)]
-        t0 = time.perf_counter()
-        first = pool.reset(tasks)
-        stats.env_s += time.perf_counter() - t0  # resets overlap nothing: they count as env time and wait
-        stats.env_wait_s += time.perf_counter() - t0
-        self.observations = {i: obs for i, (obs, _) in enumerate(first)}
-        self.infos = {i: info for i, (_, info) in enumerate(first)}
-        self.memories = {i: EpisodeMemory(task=self.infos[i].get("goal", "")) for i in range(len(tasks))}
-        for i, ep in enumerate(self.episodes):
-            ep.goal = self.memories[i].task
+        self.observations: dict[int, str] = {}
+        self.infos: dict[int, dict[str, Any]] = {}
+        self.memories: dict[int, EpisodeMemory] = {}
         self.actions: dict[int, str] = {}
+        self.resetting: set[int] = set()  # slots whose first observation has not arrived yet
+        t0 = time.perf_counter()
+        if wait_reset:
+            for slot, first in enumerate(pool.reset(tasks)):
+                self.started(slot, first)
+            # resets overlap nothing here: the pool's busy time does not hold them, the wait is env time
+            stats.env_s += time.perf_counter() - t0
+        else:
+            pool.start_reset(tasks)  # the pool's busy time holds the resets
+            self.resetting = set(range(len(tasks)))
+        stats.env_wait_s += time.perf_counter() - t0
+
+    def started(self, slot: int, first: tuple[str, dict[str, Any]]) -> None:
+        """A slot's first observation and info (from its env's reset)."""
+        self.observations[slot], self.infos[slot] = first
+        self.memories[slot] = EpisodeMemory(task=self.infos[slot].get("goal", ""))
+        self.episodes[slot].goal = self.memories[slot].task
+        self.resetting.discard(slot)
 
     def act(self, slots: list[int]) -> dict[int, str]:
         """One generate call for `slots` (each at its own next turn); records the turns, returns the actions."""
@@ -232,9 +247,11 @@ def _play_overlapped(play: _Play, num_waves: int, on_progress: Callable[[int, in
     policy generates as soon as a part's worth of envs has answered (or nothing else is in flight), for
     all that have. Batch composition then depends on timing, the episodes do not (run_episodes).
     """
-    waiting = list(range(len(play.episodes))) if play.max_turns > 0 else []  # observed, no action yet
-    in_flight: set[int] = set()
-    live = len(waiting)
+    waiting = [i for i in range(len(play.episodes)) if i not in play.resetting]  # observed, no action yet
+    in_flight: set[int] = set(play.resetting)
+    live = len(play.episodes)
+    if play.max_turns <= 0:  # no turn to play: only the resets to wait for
+        waiting, live = [], 0
     while waiting or in_flight:
         part = -(-live // num_waves)  # ceil
         if waiting and (not in_flight or len(waiting) >= part):
@@ -251,7 +268,11 @@ def _play_overlapped(play: _Play, num_waves: int, on_progress: Callable[[int, in
         play.stats.env_wait_s += time.perf_counter() - t0
         for slot in sorted(results):
             in_flight.discard(slot)
-            if play.apply(slot, results[slot]):
+            if slot in play.resetting:
+                play.started(slot, results[slot])
+                if play.max_turns > 0:
+                    waiting.append(slot)
+            elif play.apply(slot, results[slot]):
                 waiting.append(slot)
             else:
                 live -= 1
