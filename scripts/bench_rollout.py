@@ -8,8 +8,10 @@ rollouts of the same tasks in the same run (modes interleaved per iteration, so 
 load hits all alike). Every mode must play the same episodes as lock-step ("same" column).
 overlap ratio = rollout_s / (generate_s + env_s); env_s = resets + time some env was stepping.
 ALFWorld plays the shared games (--alfworld-data, default $ALFWORLD_DATA or ../shared/alfworld) with
---alfworld-workers env workers (default 2). Targets (issue 12): overlap ratio <= 0.75 and rollout >= 1.4x
-faster on ALFWorld with 2 workers; household not slower.
+--alfworld-workers env workers (default 2). household-sleepy: household in as many workers, each step
+sleeping --sleep-ms (an env that waits instead of computing: what overlap hides when the CPU is busy).
+Targets (issue 12): overlap ratio <= 0.75 and rollout >= 1.4x faster on ALFWorld with 2 workers;
+household not slower.
 
 rollout overhead = wall time of a rollout / (time inside generate + time inside env.step)
 update overhead  = loss-stack update time / a plain causal-LM forward+backward(+step) over the same
@@ -31,15 +33,42 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
+class SleepyEnv:
+    """An env whose steps take `delay_s` longer without using the CPU (a remote or I/O-bound env)."""
+
+    def __init__(self, env, delay_s: float) -> None:
+        self.env, self.delay_s = env, delay_s
+
+    def reset(self, task):
+        time.sleep(5 * self.delay_s)
+        return self.env.reset(task)
+
+    def step(self, action):
+        time.sleep(self.delay_s)
+        return self.env.step(action)
+
+    def close(self) -> None:
+        self.env.close()
+
+
+class SleepySuite:
+    def __init__(self, suite, delay_s: float) -> None:
+        self.suite, self.delay_s = suite, delay_s
+
+    def make_env(self) -> SleepyEnv:
+        return SleepyEnv(self.suite.make_env(), self.delay_s)
+
+
 #: (name, rollout.overlap, rollout.shared_prefill); the first is the baseline
 MODES = [("lock-step", False, False), ("shared prefill", False, True), ("overlap", True, False),
          ("overlap + shared prefill", True, True)]
 
 
 def env_overrides(env: str, args: argparse.Namespace) -> list[str]:
-    if env == "household":
+    if env.startswith("household"):
+        workers = args.household_workers if env == "household" else args.alfworld_workers
         return ["env=household", "env.level=small_pick_and_light", "env.prompt_template=compact",
-                f"env.num_workers={args.household_workers}", "env.max_turns=15"]
+                f"env.num_workers={workers}", "env.max_turns=15"]
     shared = [Path(__file__).resolve().parents[1].parent / "shared" / "alfworld", Path("/work/shared/alfworld")]
     found = [str(p) for p in shared if (p / "json_2.1.1").is_dir()]
     data = args.alfworld_data or os.environ.get("ALFWORLD_DATA") or (found[0] if found else str(shared[0]))
@@ -61,6 +90,11 @@ def compare_modes(env: str, args: argparse.Namespace) -> list[tuple[str, dict[st
     run = Path(tempfile.mkdtemp(prefix=f"bench_rollout_{env}_"))
     cfg.run_dir = str(run)
     trainer = Trainer(cfg, run)
+    if env == "household-sleepy":  # steps that wait without computing: what overlap can hide on a busy CPU
+        from epo_cli.envs.pool import EnvPool
+
+        trainer.pool.close()
+        trainer.pool = EnvPool(SleepySuite(trainer.suite, args.sleep_ms / 1000), num_workers=args.alfworld_workers)
     try:
         # start the workers and build every slot's env before timing (a one-off cost of the first rollout)
         import random
@@ -125,6 +159,9 @@ def main() -> None:
     parser.add_argument("--alfworld-workers", type=int, default=2)
     parser.add_argument("--alfworld-turns", type=int, default=10)
     parser.add_argument("--household-workers", type=int, default=0)
+    parser.add_argument("--sleep-ms", type=float, default=40.0,
+                        help="--modes: env household-sleepy (household with --alfworld-workers workers): each step "
+                             "sleeps this long (a reset 5x), like ALFWorld's ~15 steps/s but without the CPU")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
 
