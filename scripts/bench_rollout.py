@@ -109,6 +109,7 @@ def compare_modes(env: str, args: argparse.Namespace) -> list[tuple[str, dict[st
             for name, overlap, prefill in order:
                 cfg.rollout.overlap, cfg.rollout.shared_prefill = overlap, prefill
                 episodes, _, stats = trainer.rollout(it, cfg.trainer.total_steps)
+                first_prompts = [ep.turns[0].prompt_ids for ep in episodes if ep.turns]
                 played[name] = [(ep.traj_id, [(t.response_ids, t.observation) for t in ep.turns]) for ep in episodes]
                 for key in sums[name]:
                     sums[name][key] += getattr(stats, key) / args.iterations
@@ -118,13 +119,34 @@ def compare_modes(env: str, args: argparse.Namespace) -> list[tuple[str, dict[st
             reference = played[MODES[0][0]]
             for name in played:
                 same[name] &= played[name] == reference
+        prefill = time_first_turn(trainer, first_prompts)
     finally:
         trainer.pool.close()
         import torch
 
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+    print(f"  {env} first-turn generate call ({len(first_prompts)} rows, {len(set(map(tuple, first_prompts)))} "
+          f"distinct prompts), best of 5: {prefill[False]:.3f}s plain, {prefill[True]:.3f}s shared prefill "
+          f"({prefill[False] / prefill[True]:.2f}x)", flush=True)
     return [(name, sums[name], same[name]) for name, _, _ in MODES]
+
+
+def time_first_turn(trainer, prompts: list[list[int]]) -> dict[bool, float]:
+    """Best-of-5 wall time of one generate call over a rollout's first-turn prompts, with and without
+    shared prefill (interleaved): the saving, without the rest of the rollout's noise."""
+    from epo_cli.rollout.generation import generate
+
+    policy = trainer._model_policy(trainer.cfg.rollout.temperature)
+    seeds = list(range(len(prompts)))
+    best = {False: float("inf"), True: float("inf")}
+    for _ in range(5):
+        for shared in (False, True):
+            t0 = time.perf_counter()
+            generate(policy.model, prompts, policy.params, policy.tokenizer, seeds=seeds,
+                     vocab_limit=policy.vocab_limit, shared_prefill=shared)
+            best[shared] = min(best[shared], time.perf_counter() - t0)
+    return best
 
 
 def print_modes(results: dict[str, list[tuple[str, dict[str, float], bool]]], args: argparse.Namespace) -> None:

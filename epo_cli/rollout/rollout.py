@@ -6,7 +6,7 @@
         actions  <- parse_action(response)     invalid turns (missing tags) are flagged for the penalty
         observations <- pool.step(actions)     envs step in parallel worker processes (or in-process)
 
-rollout.overlap=true (the default) breaks the lock-step with env workers: the policy generates for the envs
+rollout.overlap=true breaks the lock-step with env workers: the policy generates for the envs
 that have answered while the workers step (and reset) the others; same episodes (run_episodes).
 
 Rewards (epo-reference section 4): the task reward `reward_scale * won` is the trajectory's `outcome`
