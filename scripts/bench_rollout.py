@@ -121,11 +121,7 @@ def compare_modes(env: str, args: argparse.Namespace) -> list[tuple[str, dict[st
                 same[name] &= played[name] == reference
         prefill = time_first_turn(trainer, first_prompts)
     finally:
-        trainer.pool.close()
-        import torch
-
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        trainer.pool.close()  # the process group stays: DeepSpeed keeps its groups for the next Trainer
     print(f"  {env} first-turn generate call ({len(first_prompts)} rows, {len(set(map(tuple, first_prompts)))} "
           f"distinct prompts), best of 5: {prefill[False]:.3f}s plain, {prefill[True]:.3f}s shared prefill "
           f"({prefill[False] / prefill[True]:.2f}x)", flush=True)
@@ -192,6 +188,9 @@ def main() -> None:
         for env in args.envs.split(","):
             results[env] = compare_modes(env.strip(), args)
         print_modes(results, args)
+        import torch
+
+        torch.distributed.destroy_process_group()
         return
 
     import torch
