@@ -8,8 +8,10 @@ different times).
 
 from __future__ import annotations
 
+import json
 import random
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,6 +21,8 @@ from epo_cli.envs.pool import EnvPool
 from epo_cli.rollout.generation import SamplingParams
 from epo_cli.rollout.prompts import PromptBuilder, chat_encoder
 from epo_cli.rollout.rollout import ModelPolicy, run_episodes
+
+from conftest import only_run_dir, run_cli
 
 
 class EchoEnv(Env):
@@ -132,3 +136,22 @@ def test_shared_prefill_gives_the_same_tokens_and_logprobs(tiny_policy) -> None:
     assert len(set(map(tuple, plain[:3]))) > 1  # the group's rows still sample differently (own seeds)
     for x, y in zip(shared_lp, plain_lp):
         assert torch.allclose(torch.tensor(x), torch.tensor(y), atol=1e-5)
+
+
+@pytest.mark.slow
+def test_overlap_through_the_cli_trains_on_the_same_rollouts(warm_start: Path, tmp_path: Path) -> None:
+    """`epo train ... env.num_workers=2 rollout.overlap=true` logs the same rollout metrics and loss as the
+    lock-step run (same episodes), plus the overlap ratio."""
+    rows = {}
+    for overlap in ("false", "true"):
+        out = tmp_path / overlap
+        run_cli(["train", "algo=grpo", f"model.path={warm_start / 'final'}", "env.num_workers=2",
+                 f"rollout.overlap={overlap}", "algo.tasks_per_step=2", "algo.group_size=2", "env.max_turns=4",
+                 "trainer.total_steps=1", "env.eval_splits=[]", "logger.tensorboard=false", f"output_dir={out}"],
+                cwd=tmp_path)
+        rows[overlap] = json.loads((only_run_dir(out) / "metrics.jsonl").read_text().splitlines()[0])
+    same_keys = [k for k in rows["false"] if k.startswith(("rollout/", "loss/", "policy/"))]
+    assert "rollout/episode_len" in same_keys and "loss/policy_clip" in same_keys
+    assert {k: rows["true"][k] for k in same_keys} == {k: rows["false"][k] for k in same_keys}
+    for row in rows.values():
+        assert 0 < row["perf/overlap_ratio"] < 2 and row["perf/env_s"] > 0
