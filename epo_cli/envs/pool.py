@@ -389,8 +389,10 @@ class EnvPool:
         self._active = [True] * len(self._tasks)
         self._lost.clear()
         if not self.num_workers:
+            started = time.monotonic()
             for slot, (obs, info) in enumerate(self.reset(self._tasks)):
                 self._ready[slot] = (obs, info)
+            self._busy.append((started, time.monotonic()))  # as the workers' resets count, in busy_seconds
             return
         self._resetting = {}
         self._guarded(self._send_resets, dict(enumerate(self._tasks)))
