@@ -452,6 +452,13 @@ class RolloutConfig:
     stop: str = "</action>"
     #: envs generated for in one batched `generate` call (0 = all active envs)
     generation_batch_size: int = num(0, ge=0)
+    #: generate for the envs that have answered while env workers step the others (same episodes as
+    #: lock-step; only with env.num_workers > 0, in-process envs cannot step meanwhile). Off by default:
+    #: not faster on a 2-core machine, where envs and generation share the CPU (README, Performance)
+    overlap: bool = False
+    #: prefill each distinct prompt once per generate call, sharing its KV cache with the rows that have
+    #: the same prompt (a GRPO group's first turn); same tokens as without
+    shared_prefill: bool = True
     #: decoded trajectories written to samples/ per evaluation
     num_samples_to_save: int = num(4, ge=0)
 

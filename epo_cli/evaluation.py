@@ -85,11 +85,12 @@ def evaluate_split(
     max_turns: int,
     seed: int,
     reduce: Callable[[dict[str, tuple[float, float]]], dict[str, float]] = local_reduce,
+    overlap: bool = False,
 ) -> tuple[dict[str, float], list[Episode]]:
     """Play `tasks` (this rank's share; `ids` are their global indices, which seed the sampling) and return
     the metrics under eval/<split>/... (reduced over ranks by `reduce`) and this rank's episodes."""
     episodes, _ = run_episodes(policy, pool, tasks, ids, ids, builder, tokenizer, max_turns, seed=seed,
-                               step=-1)
+                               step=-1, overlap=overlap)
     reduced = reduce(episode_metrics(episodes))
     return {k.replace("rollout/", f"eval/{split}/", 1): v for k, v in reduced.items()}, episodes
 
@@ -422,7 +423,8 @@ def run_eval(args: list[str]) -> dict[str, Any]:
     try:
         with torch.no_grad():
             metrics, episodes = evaluate_split(policy, pool, builder, tokenizer, split, tasks,
-                                               list(range(len(tasks))), cfg.env.max_turns, cfg.seed)
+                                               list(range(len(tasks))), cfg.env.max_turns, cfg.seed,
+                                               overlap=cfg.rollout.overlap)
     finally:
         pool.close()
 

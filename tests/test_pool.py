@@ -50,6 +50,8 @@ class FakeEnv(Env):
             time.sleep(3600)
         if action == "raise":
             raise ValueError("broken env")
+        if action == "sleep":  # a slow step, as ALFWorld's
+            time.sleep(0.4)
         self.turn += 1
         won = action == "win"
         obs = f"{self.task.task_id} turn {self.turn} did {action} draw {self.rng.random():.6f}"
@@ -133,6 +135,63 @@ def test_same_results_whatever_the_number_of_workers() -> None:
     first_step = traces[0][1]
     assert first_step[1][2] is True and first_step[1][1] == 1.0  # "win" ends slot 1 with reward 1
     assert first_step[0][2] is False
+
+
+@pytest.mark.slow
+def test_submit_returns_at_once_and_collect_gathers_in_any_order() -> None:
+    """The async half of the API: steps run in the workers while the caller goes on."""
+    with EnvPool(FakeSuite(None), num_workers=2, step_timeout_s=30) as pool:
+        pool.reset(TASKS)
+        reference = {s: (r.observation, r.done) for s, r in pool.step({0: "wait", 1: "wait"}).items()}
+        pool.reset(TASKS)
+        t0 = time.monotonic()
+        pool.submit({0: "sleep", 1: "sleep"})  # one sleeping step in each worker
+        assert time.monotonic() - t0 < 0.3  # returned before the 0.4 s steps could end
+        pool.submit({2: "wait"})  # slot 2 shares slot 0's worker: it steps after it
+        assert pool.in_flight() == [0, 1, 2]
+        with pytest.raises(RuntimeError, match="already has a step in flight"):
+            pool.submit({0: "wait"})
+        with pytest.raises(RuntimeError, match="no step in flight"):
+            pool.collect([3])
+        first = pool.collect([0, 1, 2], wait_all=False)  # whatever has answered, at least one
+        assert first and set(first) <= {0, 1, 2}
+        rest = pool.collect([s for s in (0, 1, 2) if s not in first])
+        results = {**first, **rest}
+        assert pool.in_flight() == []
+        elapsed = time.monotonic() - t0
+        # the two workers slept at the same time: the busy time is one sleep, not two
+        assert 0.4 <= pool.busy_seconds() < min(0.75, elapsed + 0.05)
+        # a "sleep" is a "wait" that takes longer: same results as the lock-step call above
+        assert {s: (results[s].observation.replace("sleep", "wait"), results[s].done) for s in (0, 1)} == reference
+        assert not results[2].done
+
+
+@pytest.mark.slow
+def test_start_reset_answers_through_collect_retries_a_crash_and_raises_env_errors(tmp_path: Path) -> None:
+    with EnvPool(FakeSuite(None), num_workers=2, step_timeout_s=30) as pool:
+        reference = pool.reset(TASKS)
+        tasks = [*TASKS[:3], Task("t3", "fake", TASKS[3].seed, extra={"crash_once": str(tmp_path / "crashed")})]
+        pool.start_reset(tasks)  # slot 3's worker dies once, is restarted, and slots 1 and 3 reset again
+        assert pool.in_flight() == [0, 1, 2, 3]
+        got = pool.collect([0, 1, 2, 3])  # slot 1 answered before the crash, uncollected: reset again too
+        assert (tmp_path / "crashed").exists()
+        assert [(obs, _no_pid(info)) for obs, info in (got[s] for s in range(4))] == \
+            [(obs, _no_pid(info)) for obs, info in reference]
+        assert not any(r.done for r in pool.step({0: "wait", 1: "wait", 3: "wait"}).values())
+        pool.start_reset([TASKS[0], Task("bad", "fake", 0)])
+        with pytest.raises(ValueError, match="no such game"):  # the env's own error, raised by collect
+            pool.collect([0, 1])
+        assert pool.reset(TASKS)[3][0] == "start t3"  # and the pool is still usable
+
+
+def test_in_process_submit_steps_at_once() -> None:
+    with EnvPool(FakeSuite(None), num_workers=0) as pool:
+        pool.reset(TASKS)
+        pool.submit({1: "win", 0: "wait"})
+        assert pool.in_flight() == [0, 1]
+        results = pool.collect([1, 0], wait_all=False)  # in-process: everything is there already
+        assert list(results) == [1, 0] and results[1].done and not results[0].done
+        assert pool.busy_seconds() > 0
 
 
 @pytest.mark.slow

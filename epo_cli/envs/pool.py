@@ -9,6 +9,20 @@ tasks[i] in slot i, `step({slot: action})` advances the slots it names and retur
                       every worker busy. One `step` sends every worker its actions first and gathers after,
                       so the workers step their slots at the same time.
 
+`step` is `submit` + `collect`. The two halves let a caller overlap env steps with its own work (the
+overlapped rollout generates for one wave of slots while the workers step another):
+
+    pool.submit({slot: action})      send the actions, return at once (in-process envs step right here)
+    ...                              the caller works; the workers step
+    pool.collect(slots)              wait for those slots' results (others may stay in flight)
+
+`start_reset(tasks)` is `reset` without the wait: `collect` then returns each slot's (observation, info) as
+its env answers, so the caller can generate for the first envs while the others still reset (ALFWorld:
+~1.3 s a game). A slot has at most one step or reset in flight; each worker serves its slots in the order
+they were sent. A worker that dies during an asynchronous reset is restarted and the resets it owed are
+sent again once, with those it answered that nobody collected yet (slots already collected lose their
+episodes, as after any crash).
+
 Faults never lose a run. A worker that dies, or does not answer within `step_timeout_s` for one slot, is
 killed (with its children: ScienceWorld's JVMs) and restarted; each episode it held comes back as
 `StepResult(done=True, reward=0, info={"truncated": True, "error": why, ...})` and its slots work again after
@@ -114,8 +128,9 @@ def _worker_main(conn: Connection, suite: EnvSuite, parent_pid: int) -> None:
 
     Messages in: ("reset", [(slot, task)]), ("step", [(slot, action)]), ("close", None).
     Messages out, one per slot as soon as it is done (so a hang is pinned on the slot that hangs):
-    ("reset", slot, obs, info) | ("reset_error", slot, exception, traceback) |
-    ("step", slot, obs, reward, done, info, traceback_or_None).
+    ("reset", slot, obs, info, started, finished) | ("reset_error", slot, exception, traceback) |
+    ("step", slot, obs, reward, done, info, traceback_or_None, started, finished) (time.monotonic(): the
+    clock is system-wide, so the parent can add up the time its workers spent stepping).
     """
     # The parent decides what Ctrl-C means; SIGTERM (from the parent dying, or from close) unwinds
     # through `finally` so the envs close their JVMs.
@@ -135,20 +150,23 @@ def _worker_main(conn: Connection, suite: EnvSuite, parent_pid: int) -> None:
             if command == "reset":
                 for slot, task in payload:
                     try:
+                        started = time.monotonic()
                         if slot not in envs:
                             envs[slot] = suite.make_env()
                         obs, info = envs[slot].reset(task)
-                        conn.send(("reset", slot, obs, info))
+                        conn.send(("reset", slot, obs, info, started, time.monotonic()))
                     except Exception as err:  # noqa: BLE001 - raised again in the parent
                         conn.send(("reset_error", slot, _portable_exception(err), traceback.format_exc()))
             elif command == "step":
                 for slot, action in payload:
+                    started = time.monotonic()
                     env = envs.get(slot)
                     if env is None:  # cannot happen through EnvPool; keep the protocol whole anyway
                         result, tb = truncated_result(f"slot {slot} has no env in this worker"), None
                     else:
                         result, tb = _safe_step(env, action)
-                    conn.send(("step", slot, result.observation, result.reward, result.done, result.info, tb))
+                    conn.send(("step", slot, result.observation, result.reward, result.done, result.info, tb,
+                               started, time.monotonic()))
             elif command == "close":
                 return
     finally:
@@ -206,6 +224,13 @@ def _kill_tree(process: mp.process.BaseProcess) -> None:
                 pass
         process.kill()
     process.join(timeout=5)
+
+
+class _ResetError:
+    """An env's exception from an asynchronous reset, kept until `collect` raises it."""
+
+    def __init__(self, error: BaseException, traceback: str) -> None:
+        self.error, self.traceback = error, traceback
 
 
 class _Worker:
@@ -314,6 +339,11 @@ class EnvPool:
         self._tasks: list[Task] = []  # the task in each slot since the last reset
         self._active: list[bool] = []  # slot holds an episode that has not ended
         self._lost: dict[int, str] = {}  # slot -> why its episode died with its worker
+        self._in_flight: dict[int, list[int]] = {}  # worker -> slots submitted to it, not yet answered
+        self._progress: dict[int, float] = {}  # worker -> when it last answered (or was sent work while idle)
+        self._ready: dict[int, StepResult] = {}  # results received, not yet collected
+        self._busy: list[tuple[float, float]] = []  # (start, end) of each env step since the last reset
+        self._resetting: dict[int, int] = {}  # slot -> how often its asynchronous reset was sent before
         self._closed = False
         if self.num_workers:
             _install_hooks()
@@ -332,8 +362,11 @@ class EnvPool:
     def reset(self, tasks: list[Task]) -> list[tuple[str, dict[str, Any]]]:
         """Start tasks[i] in slot i; return each slot's first observation and info."""
         self._check_open()
+        if self.in_flight():  # steps of the previous episodes nobody collected (a rollout cut short)
+            self.collect(self.in_flight())
         tasks = list(tasks)
         self._tasks = tasks
+        self._busy = []
         self._active = [True] * len(tasks)
         self._lost.clear()
         if not self.num_workers:
@@ -345,31 +378,93 @@ class EnvPool:
             raise error
         return results
 
+    def start_reset(self, tasks: list[Task]) -> None:
+        """`reset` without waiting: `collect(slots)` returns each slot's (observation, info) and raises an
+        env's reset error (missing data, bad task) when it reads it. In-process envs reset here."""
+        self._check_open()
+        if self.in_flight():
+            self.collect(self.in_flight())
+        self._tasks = list(tasks)
+        self._busy = []
+        self._active = [True] * len(self._tasks)
+        self._lost.clear()
+        if not self.num_workers:
+            started = time.monotonic()
+            for slot, (obs, info) in enumerate(self.reset(self._tasks)):
+                self._ready[slot] = (obs, info)
+            self._busy.append((started, time.monotonic()))  # as the workers' resets count, in busy_seconds
+            return
+        self._resetting = {}
+        self._guarded(self._send_resets, dict(enumerate(self._tasks)))
+
     def step(self, actions: dict[int, str]) -> dict[int, StepResult]:
         """Apply `actions[slot]` in each named slot, all workers at once; return the results by slot."""
+        self.submit(actions)
+        return self.collect(list(actions))
+
+    def submit(self, actions: dict[int, str]) -> None:
+        """Send `actions[slot]` to each named slot's worker and return without waiting for the results
+        (`collect` gets them). In-process envs (num_workers=0) step here, before returning."""
         self._check_open()
         for slot in actions:
             if not 0 <= slot < len(self._tasks):
                 raise IndexError(f"slot {slot} was not reset (the pool has {len(self._tasks)} slots)")
+            if slot in self._ready or any(slot in slots for slots in self._in_flight.values()):
+                raise RuntimeError(f"slot {slot} already has a step in flight; collect it first")
         if self.num_workers:
             self._reap_dead_workers()
-        results: dict[int, StepResult] = {}
-        for slot in list(actions):
+        todo: dict[int, str] = {}
+        for slot in sorted(actions):
             if slot in self._lost:  # its worker died while it was waiting for this action
-                results[slot] = truncated_result(self._lost.pop(slot), self._task_info(slot))
-        todo = {slot: action for slot, action in actions.items() if slot not in results}
+                self._finish(slot, truncated_result(self._lost.pop(slot), self._task_info(slot)))
+            else:
+                todo[slot] = actions[slot]
         if not self.num_workers:
-            for slot in sorted(todo):
-                result, tb = _safe_step(self._envs[slot], todo[slot])
+            for slot, action in todo.items():
+                started = time.monotonic()
+                result, tb = _safe_step(self._envs[slot], action)
+                self._busy.append((started, time.monotonic()))
                 if tb:
                     log.warning("env slot %d: %s\n%s", slot, result.info["error"], tb)
-                results[slot] = result
+                self._finish(slot, result)
         elif todo:
-            results.update(self._guarded(self._step_workers, todo))
+            self._guarded(self._submit_to_workers, todo)
+
+    def collect(self, slots: list[int], wait_all: bool = True) -> dict[int, Any]:
+        """Wait for the results of `slots` (each submitted and not yet collected); return them by slot, in
+        the order asked. Results of other slots that arrive meanwhile are kept for their own `collect`.
+
+        wait_all=False: wait until at least one of `slots` has its result, then return those that have
+        (answers already queued in the pipes are read first, so this returns everything that is done).
+        """
+        self._check_open()
+        for slot in slots:
+            if slot not in self._ready and not any(slot in s for s in self._in_flight.values()):
+                raise RuntimeError(f"slot {slot} has no step in flight; submit it first")
+        if self.num_workers and any(slot not in self._ready for slot in slots):
+            self._guarded(self._receive_until, set(slots), wait_all)
+        results = {slot: self._ready.pop(slot) for slot in slots if slot in self._ready}
         for slot, result in results.items():
-            if result.done:
-                self._active[slot] = False
-        return {slot: results[slot] for slot in actions}
+            if isinstance(result, _ResetError):  # the pool stays usable, as after a failed `reset`
+                err = result.error
+                if hasattr(err, "add_note"):
+                    err.add_note(f"(raised in an env worker while resetting slot {slot})\n{result.traceback}")
+                raise err
+        return results
+
+    def busy_seconds(self) -> float:
+        """Wall time since the last reset during which at least one env was stepping (the union of every
+        step's interval over all workers): the env time a rollout would spend if nothing overlapped it."""
+        total, end = 0.0, float("-inf")
+        for a, b in sorted(self._busy):
+            if b > end:
+                total += b - max(a, end)
+                end = b
+        return total
+
+    def in_flight(self) -> list[int]:
+        """Slots submitted and not yet collected."""
+        return sorted({*self._ready, *(slot for slots in self._in_flight.values() for slot in slots)})
 
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Close every env and worker; idempotent."""
@@ -383,6 +478,7 @@ class EnvPool:
             except Exception:  # noqa: BLE001 - close the others
                 log.warning("closing an env failed", exc_info=True)
         self._envs = []
+        self._in_flight, self._ready, self._resetting = {}, {}, {}
         workers = [w for w in self._workers if w is not None]
         self._workers = [None] * self.num_workers
         # Ask all first, then wait: the workers close their JVMs in parallel.
@@ -412,11 +508,11 @@ class EnvPool:
         if self._closed:
             raise RuntimeError("EnvPool is closed")
 
-    def _guarded(self, fn: Any, arg: Any) -> Any:
+    def _guarded(self, fn: Any, *args: Any) -> Any:
         """Run an exchange with the workers; if it is interrupted (Ctrl-C, a bug), the pipes may hold
         half a conversation, so close the pool rather than leave it in a state nobody can reason about."""
         try:
-            return fn(arg)
+            return fn(*args)
         except BaseException:
             self.close(timeout=2.0)
             raise
@@ -445,7 +541,8 @@ class EnvPool:
     def _reap_dead_workers(self) -> None:
         """Notice workers that died between calls (killed from outside), so their episodes are reported."""
         for index, worker in enumerate(self._workers):
-            if worker is not None and not worker.process.is_alive():
+            # a worker with steps in flight may have answered before it died: `_receive_until` reads those
+            if worker is not None and not worker.process.is_alive() and not self._in_flight.get(index):
                 self._restart(index, f"env worker {index} died (exit code {worker.process.exitcode})")
 
     def _restart(self, index: int, why: str) -> None:
@@ -547,16 +644,110 @@ class EnvPool:
             return [], err
         return [(answers[slot][2], answers[slot][3]) for slot in range(len(tasks))], None
 
-    def _step_workers(self, actions: dict[int, str]) -> dict[int, StepResult]:
-        answers, unanswered, failed = self._exchange("step", self._split(actions), self.step_timeout_s)
-        results: dict[int, StepResult] = {}
-        for slot, (_, _, obs, reward, done, info, tb) in answers.items():
-            if tb:
-                log.warning("env slot %d: %s\n%s", slot, info.get("error"), tb)
-            results[slot] = StepResult(obs, reward, done, info)
-        for index, why in failed.items():
-            for slot in unanswered[index]:
-                results[slot] = truncated_result(why, self._task_info(slot))
-                self._active[slot] = False
-            self._restart(index, why)
-        return results
+    def _finish(self, slot: int, result: StepResult) -> None:
+        self._ready[slot] = result
+        if result.done:
+            self._active[slot] = False
+
+    def _submit_to_workers(self, actions: dict[int, str]) -> None:
+        by_worker = self._split(actions)
+        workers = self._start_workers(sorted(by_worker))
+        for index, items in by_worker.items():
+            if not self._in_flight.get(index):
+                self._progress[index] = time.monotonic()  # its clock starts now, not at its last answer
+            self._in_flight.setdefault(index, []).extend(slot for slot, _ in items)
+            if not workers[index].send(("step", items)):
+                self._fail_worker(index, f"env worker {index} died (its pipe broke)")
+
+    def _send_resets(self, tasks: dict[int, Task]) -> None:
+        by_worker = self._split(tasks)
+        workers = self._start_workers(sorted(by_worker))
+        for index, items in by_worker.items():
+            for slot, _ in items:
+                self._resetting[slot] = self._resetting.get(slot, -1) + 1
+            if not self._in_flight.get(index):
+                self._progress[index] = time.monotonic()
+            self._in_flight.setdefault(index, []).extend(slot for slot, _ in items)
+            if not workers[index].send(("reset", items)):
+                self._fail_worker(index, f"env worker {index} died (its pipe broke)")
+
+    def _receive_until(self, wanted: set[int], wait_all: bool = True) -> None:
+        """Read answers from the workers until every slot in `wanted` has a result (wait_all=False: one).
+
+        A worker fails when it dies, or when `step_timeout_s` passes without its next answer: it is killed,
+        the slots it still owed end truncated, and its other live episodes end at their next step.
+        """
+        def timeout_of(index: int) -> float:  # a reset may build its env first: it gets longer
+            return self.reset_timeout_s if self._in_flight[index][0] in self._resetting else self.step_timeout_s
+
+        first = True
+        while any(slot not in self._ready for slot in wanted):
+            if not wait_all and not first and any(slot in self._ready for slot in wanted):
+                return
+            busy = [index for index, slots in self._in_flight.items() if slots]
+            if not busy:
+                raise RuntimeError(f"slots {sorted(wanted - set(self._ready))} have no step in flight")
+            handles: dict[Any, int] = {}
+            for index in busy:
+                worker = self._workers[index]
+                handles[worker.conn] = index
+                handles[worker.process.sentinel] = index
+            next_deadline = min(self._progress[index] + timeout_of(index) for index in busy)
+            # the first pass only reads what is already there (so wait_all=False returns all of it)
+            ready = wait(list(handles), timeout=0.0 if first else max(0.0, next_deadline - time.monotonic()))
+            first = False
+            for index in sorted({handles[h] for h in ready}):
+                if not self._in_flight.get(index):
+                    continue
+                worker = self._workers[index]
+                try:
+                    # drain everything this worker has sent (its sentinel may fire with answers still queued)
+                    while self._in_flight[index] and worker.conn.poll():
+                        message = worker.conn.recv()
+                        tag, slot = message[0], message[1]
+                        self._in_flight[index].remove(slot)
+                        self._progress[index] = time.monotonic()
+                        if tag == "step":
+                            _, _, obs, reward, done, info, tb, started, finished = message
+                            self._busy.append((started, finished))
+                            if tb:
+                                log.warning("env slot %d: %s\n%s", slot, info.get("error"), tb)
+                            self._finish(slot, StepResult(obs, reward, done, info))
+                        elif tag == "reset":
+                            _, _, obs, info, started, finished = message
+                            self._busy.append((started, finished))
+                            self._resetting.pop(slot, None)
+                            self._ready[slot] = (obs, info)
+                        else:  # reset_error
+                            self._resetting.pop(slot, None)
+                            self._ready[slot] = _ResetError(message[2], message[3])
+                except (EOFError, OSError):
+                    pass
+                if self._in_flight[index] and not worker.process.is_alive():
+                    self._fail_worker(index, f"env worker {index} died (exit code {worker.process.exitcode})")
+            now = time.monotonic()
+            for index in busy:
+                if self._in_flight.get(index) and now >= self._progress[index] + timeout_of(index):
+                    slot, timeout = self._in_flight[index][0], timeout_of(index)
+                    self._fail_worker(index, f"env worker {index} gave no answer for slot {slot} within {timeout:g}s")
+
+    def _fail_worker(self, index: int, why: str) -> None:
+        """The steps a dead or hung worker still owed end truncated now; then it is restarted, and the
+        asynchronous resets it owed are sent again, once."""
+        retry: dict[int, Task] = {}
+        for slot in self._in_flight.pop(index, []):
+            if slot in self._resetting:
+                if self._resetting[slot] >= 1:
+                    raise RuntimeError(f"env reset failed twice: {why}")
+                retry[slot] = self._tasks[slot]
+            else:
+                self._finish(slot, truncated_result(why, self._task_info(slot)))
+        for slot, answer in list(self._ready.items()):  # resets it answered that nobody collected yet
+            if self._worker_of(slot) == index and isinstance(answer, tuple):
+                retry[slot] = self._tasks[slot]
+                del self._ready[slot]
+        self._restart(index, why)
+        if retry:
+            for slot in retry:
+                self._lost.pop(slot, None)  # its reset is redone on the fresh worker
+            self._send_resets(retry)

@@ -4,6 +4,11 @@ Why not `model.generate`: each row samples from its own seeded torch.Generator, 
 tokens do not depend on which other envs share its batch or rank. A run then gives the same rollouts on
 1 or N ranks and after a resume. Rows that reach the stop string or EOS leave the batch (their KV cache
 rows are dropped), so long-tailed turns do not cost the whole batch.
+
+Shared prefill: rows with identical prompts (a GRPO group's turn 0: same task, same first observation)
+run the prompt through the model once; its KV cache rows are then copied to every row that shares it
+(`Cache.batch_select_indices` with repeated indices). Rows are independent in a batch, so this gives the
+same tokens as prefilling every row, for less compute.
 """
 
 from __future__ import annotations
@@ -81,22 +86,33 @@ def generate(
     tokenizer,
     seeds: list[int] | None = None,
     vocab_limit: int | None = None,
+    shared_prefill: bool = True,
+    logprobs: list[list[float]] | None = None,
 ) -> list[list[int]]:
     """Sample a response for each prompt; returns the response token ids (stop string / EOS included).
 
     seeds: one per prompt; row i samples with torch.Generator seeded by seeds[i] (None: global RNG).
     vocab_limit: sample only among the first `vocab_limit` ids (embedding rows the tokenizer never
     produces); the scoring forward applies the same limit.
+    shared_prefill: prefill each distinct prompt once (module docstring).
+    logprobs: if given (an empty list), filled with each response token's log-probability under the
+    sampling temperature (before top-k/top-p), row by row: a diagnostic; training scores its own.
     """
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id
     eos_ids = {tokenizer.eos_token_id, tokenizer.pad_token_id} - {None}
     cache_kw = _cache_kwarg(model)
 
-    ids, mask = left_pad(prompts, pad_id, device)
+    distinct, row_of = _distinct_prompts(prompts) if shared_prefill else (prompts, None)
+    ids, mask = left_pad(distinct, pad_id, device)  # [U, P]
     position = positions_from_mask(mask)
     out = model(input_ids=ids, attention_mask=mask, position_ids=position, use_cache=True, logits_to_keep=1)
     cache = _output_cache(out)
+    logits = out.logits[:, -1].float()  # [U, V]
+    if row_of is not None:  # copy each distinct prompt's cache (and its next-token logits) to its rows
+        index = torch.tensor(row_of, device=device)  # [B] -> row in the distinct batch
+        cache.batch_select_indices(index)
+        mask, position, logits = mask[index], position[index], logits[index]
     next_position = position[:, -1] + 1  # [B]
     generators = None
     if seeds is not None:
@@ -104,11 +120,17 @@ def generate(
 
     responses: list[list[int]] = [[] for _ in prompts]
     rows = list(range(len(prompts)))  # original index of each live batch row
-    logits = out.logits[:, -1].float()
+    if logprobs is not None:
+        logprobs[:] = [[] for _ in prompts]
     for _ in range(params.max_new_tokens):
         if vocab_limit is not None:
             logits = logits[:, :vocab_limit]
         tokens = sample_next(logits, params, generators)
+        if logprobs is not None:
+            scaled = logits / params.temperature if params.temperature > 0 else logits
+            picked = scaled.log_softmax(-1).gather(-1, tokens[:, None])[:, 0].tolist()
+            for row, value in zip(rows, picked):
+                logprobs[row].append(value)
         keep: list[int] = []
         for b, (row, token) in enumerate(zip(rows, tokens.tolist())):
             responses[row].append(token)
@@ -131,3 +153,13 @@ def generate(
         next_position = next_position + 1
         logits = out.logits[:, -1].float()
     return responses
+
+
+def _distinct_prompts(prompts: list[list[int]]) -> tuple[list[list[int]], list[int] | None]:
+    """The distinct prompts (first-seen order) and, per row, the index of its prompt among them; None for
+    the index when every prompt is distinct (nothing to share)."""
+    first: dict[tuple[int, ...], int] = {}
+    row_of = [first.setdefault(tuple(p), len(first)) for p in prompts]
+    if len(first) == len(prompts):
+        return prompts, None
+    return [list(p) for p in first], row_of

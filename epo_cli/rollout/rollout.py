@@ -6,6 +6,9 @@
         actions  <- parse_action(response)     invalid turns (missing tags) are flagged for the penalty
         observations <- pool.step(actions)     envs step in parallel worker processes (or in-process)
 
+rollout.overlap=true breaks the lock-step with env workers: the policy generates for the envs
+that have answered while the workers step (and reset) the others; same episodes (run_episodes).
+
 Rewards (epo-reference section 4): the task reward `reward_scale * won` is the trajectory's `outcome`
 (broadcast to every turn by the estimators); a turn-local `reward` holds the invalid-action penalty and
 curriculum subgoal rewards, kept apart so that success is always the true task success.
@@ -44,6 +47,7 @@ class ModelPolicy:
     params: SamplingParams
     vocab_limit: int | None = None
     batch_size: int = 0  # 0 = all prompts at once
+    shared_prefill: bool = True  # prefill each distinct prompt once (a GRPO group's first turn)
     generate_seconds: float = 0.0
     generated_tokens: int = 0
 
@@ -54,7 +58,7 @@ class ModelPolicy:
         for i in range(0, len(prompts), step):
             out += generate(self.model, prompts[i:i + step], self.params, self.tokenizer,
                             seeds=seeds[i:i + step] if self.params.temperature > 0 else None,
-                            vocab_limit=self.vocab_limit)
+                            vocab_limit=self.vocab_limit, shared_prefill=self.shared_prefill)
         self.generate_seconds += time.perf_counter() - start
         self.generated_tokens += sum(len(r) for r in out)
         return out
@@ -102,9 +106,10 @@ class Episode:
 
 @dataclass
 class RolloutStats:
-    rollout_s: float = 0.0
-    generate_s: float = 0.0
-    env_s: float = 0.0
+    rollout_s: float = 0.0  # wall time of the whole rollout
+    generate_s: float = 0.0  # time inside the policy's generate calls
+    env_s: float = 0.0  # env time: resets, plus the time some env was stepping (the pool's busy_seconds)
+    env_wait_s: float = 0.0  # time the rollout waited for envs: env time that generation did not hide
     env_steps: int = 0
     generated_tokens: int = 0
 
@@ -126,63 +131,156 @@ def run_episodes(
     seed: int = 0,
     step: int = 0,
     on_progress: Callable[[int, int], None] | None = None,
+    overlap: bool = False,
+    num_waves: int | None = None,
 ) -> tuple[list[Episode], RolloutStats]:
-    """Play `tasks` (slot i plays tasks[i]) with `policy` until all episodes end or reach max_turns."""
+    """Play `tasks` (slot i plays tasks[i]) with `policy` until all episodes end or reach max_turns.
+
+    overlap=False: lock-step turns (generate for every live env, then step them all).
+    overlap=True: envs step in the pool's workers while the policy generates for the envs that have
+    already answered (see `_play_overlapped`). Both give the same episodes: a row's tokens depend only on
+    its prompt and its (trajectory, turn) seed, never on which rows share its generate call.
+    num_waves: how many parts the live envs are split into when overlapping (default: 2 with env
+    workers; 1, i.e. lock-step, for in-process envs, which cannot step while the policy generates).
+    """
     stats = RolloutStats()
     start = time.perf_counter()
-    episodes = [Episode(task, t, g) for task, t, g in zip(tasks, traj_ids, group_ids)]
-    t0 = time.perf_counter()
-    first = pool.reset(tasks)
-    stats.env_s += time.perf_counter() - t0
-    observations = {i: obs for i, (obs, _) in enumerate(first)}
-    infos = {i: info for i, (_, info) in enumerate(first)}
-    memories = {i: EpisodeMemory(task=infos[i].get("goal", "")) for i in range(len(tasks))}
-    for i, ep in enumerate(episodes):
-        ep.goal = memories[i].task
-    active = [i for i in range(len(tasks))]
+    # overlapping envs reset as they answer (generation starts with the first ones) where the pool can
+    wait_reset = not (overlap and hasattr(pool, "start_reset"))
+    play = _Play(policy, pool, tasks, traj_ids, group_ids, builder, tokenizer, max_turns, seed, step, stats,
+                 wait_reset)
     gen_before = getattr(policy, "generate_seconds", 0.0)
     tok_before = getattr(policy, "generated_tokens", 0)
-
-    for turn in range(max_turns):
-        if not active:
-            break
-        built = [builder.build(memories[i], observations[i], infos[i].get("admissible_commands", []))
-                 for i in active]
-        seeds = [turn_seed(seed, step, episodes[i].traj_id, turn) for i in active]
-        responses = policy.act([b.ids for b in built], [infos[i] for i in active], seeds)
-        texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-        actions = {}
-        for i, prompt, response, text in zip(active, built, responses, texts):
-            action, valid = parse_action(text)
-            actions[i] = action
-            episodes[i].turns.append(Turn(prompt.ids, response, text, observations[i],
-                                          list(infos[i].get("admissible_commands", [])), action, valid, [],
-                                          prompt.truncated, prompt.obs_trimmed))
-        t0 = time.perf_counter()
-        results = pool.step(actions)
-        stats.env_s += time.perf_counter() - t0
-        stats.env_steps += len(actions)
-        still_active = []
-        for i in active:
-            result = results[i]
-            memories[i].observations.append(observations[i])
-            memories[i].actions.append(actions[i])
-            episodes[i].turns[-1].subgoals = list(result.info.get("subgoals", []))
-            observations[i], infos[i] = result.observation, result.info
-            if result.info.get("won"):
-                episodes[i].won = True
-            if result.info.get("truncated") and result.info.get("error"):
-                episodes[i].crashed = True
-            if not result.done:
-                still_active.append(i)
-        active = still_active
-        if on_progress is not None:
-            on_progress(turn + 1, len(active))
-
+    if overlap:
+        waves = num_waves if num_waves is not None else (2 if getattr(pool, "num_workers", 0) else 1)
+        _play_overlapped(play, max(1, waves), on_progress)
+    else:
+        _play_lock_step(play, on_progress)
+    busy = getattr(pool, "busy_seconds", None)
+    stats.env_s = stats.env_s + busy() if busy is not None else stats.env_wait_s  # resets + steps
     stats.rollout_s = time.perf_counter() - start
     stats.generate_s = getattr(policy, "generate_seconds", 0.0) - gen_before
     stats.generated_tokens = getattr(policy, "generated_tokens", 0) - tok_before
-    return episodes, stats
+    return play.episodes, stats
+
+
+class _Play:
+    """The state of a batch of episodes being played: each slot's memory, observation and info."""
+
+    def __init__(self, policy: Policy, pool: Any, tasks: list[Task], traj_ids: list[int], group_ids: list[int],
+                 builder: PromptBuilder, tokenizer: Any, max_turns: int, seed: int, step: int,
+                 stats: RolloutStats, wait_reset: bool = True) -> None:
+        self.policy, self.pool, self.builder, self.tokenizer = policy, pool, builder, tokenizer
+        self.max_turns, self.seed, self.step, self.stats = max_turns, seed, step, stats
+        self.episodes = [Episode(task, t, g) for task, t, g in zip(tasks, traj_ids, group_ids)]
+        self.observations: dict[int, str] = {}
+        self.infos: dict[int, dict[str, Any]] = {}
+        self.memories: dict[int, EpisodeMemory] = {}
+        self.actions: dict[int, str] = {}
+        self.resetting: set[int] = set()  # slots whose first observation has not arrived yet
+        t0 = time.perf_counter()
+        if wait_reset:
+            for slot, first in enumerate(pool.reset(tasks)):
+                self.started(slot, first)
+            # resets overlap nothing here: the pool's busy time does not hold them, the wait is env time
+            stats.env_s += time.perf_counter() - t0
+        else:
+            pool.start_reset(tasks)  # the pool's busy time holds the resets
+            self.resetting = set(range(len(tasks)))
+        stats.env_wait_s += time.perf_counter() - t0
+
+    def started(self, slot: int, first: tuple[str, dict[str, Any]]) -> None:
+        """A slot's first observation and info (from its env's reset)."""
+        self.observations[slot], self.infos[slot] = first
+        self.memories[slot] = EpisodeMemory(task=self.infos[slot].get("goal", ""))
+        self.episodes[slot].goal = self.memories[slot].task
+        self.resetting.discard(slot)
+
+    def act(self, slots: list[int]) -> dict[int, str]:
+        """One generate call for `slots` (each at its own next turn); records the turns, returns the actions."""
+        built = [self.builder.build(self.memories[i], self.observations[i],
+                                    self.infos[i].get("admissible_commands", [])) for i in slots]
+        seeds = [turn_seed(self.seed, self.step, self.episodes[i].traj_id, len(self.episodes[i].turns))
+                 for i in slots]
+        responses = self.policy.act([b.ids for b in built], [self.infos[i] for i in slots], seeds)
+        texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
+        actions = {}
+        for i, prompt, response, text in zip(slots, built, responses, texts):
+            action, valid = parse_action(text)
+            actions[i] = self.actions[i] = action
+            self.episodes[i].turns.append(Turn(prompt.ids, response, text, self.observations[i],
+                                               list(self.infos[i].get("admissible_commands", [])), action,
+                                               valid, [], prompt.truncated, prompt.obs_trimmed))
+        return actions
+
+    def apply(self, slot: int, result: Any) -> bool:
+        """Record a slot's step result; True while its episode goes on (not done, turns left)."""
+        episode, memory = self.episodes[slot], self.memories[slot]
+        memory.observations.append(self.observations[slot])
+        memory.actions.append(self.actions.pop(slot))
+        episode.turns[-1].subgoals = list(result.info.get("subgoals", []))
+        self.observations[slot], self.infos[slot] = result.observation, result.info
+        if result.info.get("won"):
+            episode.won = True
+        if result.info.get("truncated") and result.info.get("error"):
+            episode.crashed = True
+        self.stats.env_steps += 1
+        return not result.done and len(episode.turns) < self.max_turns
+
+
+def _play_lock_step(play: _Play, on_progress: Callable[[int, int], None] | None) -> None:
+    active = list(range(len(play.episodes)))
+    for turn in range(play.max_turns):
+        if not active:
+            break
+        actions = play.act(active)
+        t0 = time.perf_counter()
+        results = play.pool.step(actions)
+        play.stats.env_wait_s += time.perf_counter() - t0
+        active = [i for i in active if play.apply(i, results[i])]
+        if on_progress is not None:
+            on_progress(turn + 1, len(active))
+
+
+def _play_overlapped(play: _Play, num_waves: int, on_progress: Callable[[int, int], None] | None) -> None:
+    """Generate for the envs that have answered while the others step in the pool's workers.
+
+    The live envs are worked in about `num_waves` parts: the first generate call takes 1/num_waves of them
+    (so the workers have something to step while the policy generates for the rest); afterwards the
+    policy generates as soon as a part's worth of envs has answered (or nothing else is in flight), for
+    all that have. Batch composition then depends on timing, the episodes do not (run_episodes).
+    """
+    waiting = [i for i in range(len(play.episodes)) if i not in play.resetting]  # observed, no action yet
+    in_flight: set[int] = set(play.resetting)
+    live = len(play.episodes)
+    if play.max_turns <= 0:  # no turn to play: only the resets to wait for
+        waiting, live = [], 0
+    while waiting or in_flight:
+        part = -(-live // num_waves)  # ceil
+        if waiting and (not in_flight or len(waiting) >= part):
+            batch = sorted(waiting)[:part] if not in_flight else sorted(waiting)
+            waiting = [i for i in waiting if i not in batch]
+            actions = play.act(batch)
+            t0 = time.perf_counter()
+            play.pool.submit(actions)
+            play.stats.env_wait_s += time.perf_counter() - t0
+            in_flight.update(actions)
+            continue
+        t0 = time.perf_counter()
+        results = play.pool.collect(sorted(in_flight), wait_all=False)
+        play.stats.env_wait_s += time.perf_counter() - t0
+        for slot in sorted(results):
+            in_flight.discard(slot)
+            if slot in play.resetting:
+                play.started(slot, results[slot])
+                if play.max_turns > 0:
+                    waiting.append(slot)
+            elif play.apply(slot, results[slot]):
+                waiting.append(slot)
+            else:
+                live -= 1
+        if on_progress is not None:
+            on_progress(max(len(ep.turns) for ep in play.episodes), live)
 
 
 def episodes_to_batch(

@@ -203,7 +203,7 @@ class Trainer:
 
     def _model_policy(self, temperature: float) -> ModelPolicy:
         return ModelPolicy(self.policy.module, self.tokenizer, self._sampling(temperature), self.vocab_limit,
-                           self.cfg.rollout.generation_batch_size)
+                           self.cfg.rollout.generation_batch_size, self.cfg.rollout.shared_prefill)
 
     def _my_share(self, items: list[Any]) -> list[Any]:
         """This rank's contiguous share of `items` (for evaluation episodes)."""
@@ -306,7 +306,7 @@ class Trainer:
         policy = self._model_policy(cfg.rollout.temperature)
         episodes, rstats = run_episodes(policy, self.pool, my_tasks, traj_ids, group_ids, self.builder,
                                         self.tokenizer, self.curriculum.max_turns(step, total), seed=cfg.seed,
-                                        step=step)
+                                        step=step, overlap=cfg.rollout.overlap)
         batch = episodes_to_batch(episodes, algo.reward_scale, algo.invalid_action_penalty,
                                   self.curriculum.subgoal_coef(step, total))
         return episodes, batch, rstats
@@ -391,6 +391,8 @@ class Trainer:
             "perf/rollout_s": rstats.rollout_s,
             "perf/generate_s": rstats.generate_s,
             "perf/env_s": rstats.env_s,
+            "perf/env_wait_s": rstats.env_wait_s,
+            "perf/overlap_ratio": rstats.rollout_s / max(rstats.generate_s + rstats.env_s, 1e-9),
             "perf/score_s": score_s,
             "perf/update_s": update_s,
             "perf/gen_tokens_per_s": reduced["perf/generated_tokens"] / max(rstats.generate_s, 1e-9),
@@ -609,7 +611,8 @@ class Trainer:
         metrics, episodes = evaluate_split(self._model_policy(temperature), self.pool, self.builder,
                                            self.tokenizer, split, self._my_share(tasks), self._my_share(ids),
                                            cfg.env.max_turns, cfg.seed,
-                                           reduce=lambda sums: _reduce_sums(sums, self.dist.device))
+                                           reduce=lambda sums: _reduce_sums(sums, self.dist.device),
+                                           overlap=cfg.rollout.overlap)
         if save_samples is not None and self.dist.is_main:
             write_samples(save_samples, episodes[: cfg.rollout.num_samples_to_save])
         return metrics, episodes
