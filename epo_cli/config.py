@@ -168,8 +168,12 @@ class AlgoConfig:
     ppo_epochs: int = 1
     #: turn-samples per optimizer step, over all ranks
     mini_batch_size: int = 64
-    #: turn-samples per forward/backward on one rank
+    #: turn-samples per forward/backward on one rank (padded micro-batches)
     micro_batch_size: int = 16
+    #: packed micro-batches: token budget of one pass whose samples are laid end to end in one row (no
+    #: padding; attention kept per sample). null = on when the model's attention supports it (sdpa,
+    #: flash_attention_2/3), with a budget of micro_batch_size x the longest sample; 0 = off (padded)
+    pack_tokens: int | None = None
     # rollout batch
     tasks_per_step: int = 4
     group_size: int = 1
@@ -614,6 +618,13 @@ def _check_consistency(cfg: DictConfig) -> None:
     for key in ("mini_batch_size", "micro_batch_size", "tasks_per_step", "group_size", "ppo_epochs"):
         if algo[key] < 1:
             raise ConfigError(f"algo.{key} must be >= 1 (got {algo[key]}).")
+    if algo.pack_tokens is not None and algo.pack_tokens < 0:
+        raise ConfigError(f"algo.pack_tokens must be >= 0 (got {algo.pack_tokens}): a token budget per packed "
+                          "micro-batch, 0 for padded micro-batches, or null for the automatic choice.")
+    if algo.pack_tokens and cfg.model.attn_implementation not in ("sdpa", "flash_attention_2", "flash_attention_3"):
+        raise ConfigError(f"algo.pack_tokens={algo.pack_tokens} needs an attention that keeps packed samples apart "
+                          f"(model.attn_implementation=sdpa | flash_attention_2 | flash_attention_3, got "
+                          f"'{cfg.model.attn_implementation}'); or set algo.pack_tokens=0 for padded micro-batches.")
     if cfg.trainer.total_steps < 1:
         raise ConfigError(f"trainer.total_steps must be >= 1 (got {cfg.trainer.total_steps}).")
     if "entropy_smoothing" in algo.loss_terms:

@@ -89,6 +89,7 @@ from epo_cli.training.engine import (
     step_was_skipped,
 )
 from epo_cli.training.forward import collate, plan_micro_batches, policy_forward, value_forward
+from epo_cli.training.packing import default_budget, enable_packing, plan_packs
 
 
 @dataclass
@@ -136,6 +137,8 @@ class Trainer:
         self.vocab_limit = len(self.tokenizer)
         dtype = resolve_dtype(cfg.model, self.dist.device)
         policy = load_causal_lm(source, cfg.model, dtype).to(self.dist.device)
+        # packed micro-batches for scoring and update (before the copies below, which inherit the attention)
+        self.packing = enable_packing(policy, algo.pack_tokens)
         self.ref_model = frozen_copy(policy) if "kl" in algo.loss_terms else None
         policy = apply_lora(policy, cfg.model.lora)
         critic = ValueModel(frozen_copy(policy if cfg.model.lora.rank <= 0 else policy.get_base_model())) \
@@ -354,8 +357,8 @@ class Trainer:
         values = torch.zeros(n) if self.critic_engine is not None else None
         lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
         with torch.no_grad():
-            for rows in plan_micro_batches(list(range(n)), lengths, self.cfg.algo.micro_batch_size):
-                mb = collate(batch, rows, pad, device)
+            for rows in self.plan_micro_batches(list(range(n)), lengths):
+                mb = collate(batch, rows, pad, device, packed=self.packing)
                 out = policy_forward(self.policy.module, mb, temperature, self.vocab_limit)
                 ref = (policy_forward(self.ref_model, mb, temperature, self.vocab_limit, with_entropy=False)
                        if self.ref_model is not None else None)
@@ -368,6 +371,15 @@ class Trainer:
                 if values is not None:
                     values[rows] = value_forward(self.critic.module, mb)[:len(rows)].float().cpu()
         batch.old_values = values
+
+    def plan_micro_batches(self, rows: list[int], lengths: list[int]) -> list[list[int]]:
+        """The passes over `rows`: packs up to the token budget (algo.pack_tokens), or padded micro-batches of
+        micro_batch_size samples of similar length."""
+        algo = self.cfg.algo
+        if not self.packing:
+            return plan_micro_batches(rows, lengths, algo.micro_batch_size)
+        budget = algo.pack_tokens or default_budget(lengths, algo.micro_batch_size)
+        return plan_packs(rows, lengths, budget)
 
     # ------------------------------------------------------------------------------------------------------
     def mini_batches(self, batch: TurnBatch, step: int, epoch: int) -> list[list[int]]:
@@ -408,7 +420,7 @@ class Trainer:
         self.engine.train()
         for epoch in range(algo.ppo_epochs if algo.name != "sft" else 1):
             for rows in (self.mini_batches(batch, step, epoch) if algo.name != "sft" else [list(range(len(batch)))]):
-                micro = plan_micro_batches(rows, lengths, algo.micro_batch_size)
+                micro = self.plan_micro_batches(rows, lengths)
                 n_micro = int(all_reduce_max(torch.tensor(len(micro))).item())
                 micro += [[] for _ in range(n_micro - len(micro))]
                 # global denominators of each aggregation mode over this mini-batch (all ranks)
@@ -416,7 +428,7 @@ class Trainer:
                                             .clamp(min=1e-12)) for mode in modes}
                 step_metrics: dict[str, float] = {}
                 for m in micro:
-                    mb = collate(batch, m, pad, device, num_rows=max(len(m), 1))
+                    mb = collate(batch, m, pad, device, num_rows=max(len(m), 1), packed=self.packing)
                     for mode in modes:
                         u, _ = AGGREGATIONS[mode].weights(mb.response_mask, mb.turn_index, mb.num_turns, decay)
                         mb.weights[mode] = (u / denominators[mode]).to(device)
