@@ -174,6 +174,9 @@ class AlgoConfig:
     #: padding; attention kept per sample). null = on when the model's attention supports it (sdpa,
     #: flash_attention_2/3), with a budget of micro_batch_size x the longest sample; 0 = off (padded)
     pack_tokens: int | None = None
+    #: the update's first forward (first mini-batch, first epoch: the rollout's weights) provides its samples'
+    #: old log-probs and entropies instead of a separate scoring pass over them (see Trainer.on_policy_rows)
+    reuse_scoring_forward: bool = True
     # rollout batch
     tasks_per_step: int = 4
     group_size: int = 1
