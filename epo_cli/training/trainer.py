@@ -277,9 +277,9 @@ class Trainer:
         metrics: dict[str, float] = {}
         if self.history.num_steps > 0:  # the smoothing band's centre (global reference) for this update
             metrics["policy/entropy_ref"] = self.history.global_stream.value()
-        stats = None if on_policy else self._entropy_statistics(batch, step, max_turns, metrics)
+        # (decided from the config, the same on every rank: the statistics are collectives)
+        stats = None if self.reuses_scoring() else self._entropy_statistics(batch, step, max_turns, metrics)
 
-        # 5. advantages
         # 5. advantages
         if algo.estimator != "none":
             batch.advantages, batch.returns = ESTIMATORS[algo.estimator](batch, algo, all_reduce_sum)
@@ -363,17 +363,21 @@ class Trainer:
                                 else ""))
         return sums, counts, entropy_now, alert
 
-    def on_policy_rows(self, batch: TurnBatch, step: int) -> set[int]:
-        """This rank's samples whose old log-probs the update's own forward can provide: those of the first
-        mini-batch of the first epoch, which the update reaches before any optimizer step, with the weights
-        that played the rollout. Empty when that is not provable or not wanted:
+    def reuses_scoring(self) -> bool:
+        """Whether the update's first forward scores its own samples (see on_policy_rows); False when that
+        is not provably the rollout's policy or not wanted:
           - algo.reuse_scoring_forward=false;
           - dropout anywhere in the policy (a training-mode forward would differ from the rollout's policy);
           - algo.monitor.action=clamp (this step's coefficients need every entropy before the update)."""
         algo = self.cfg.algo
-        if not algo.reuse_scoring_forward or algo.monitor.action == "clamp" or _has_dropout(self.engine.module):
-            return set()
-        return set(self.mini_batches(batch, step, 0)[0])
+        return bool(algo.reuse_scoring_forward) and algo.monitor.action != "clamp" and not _has_dropout(
+            self.engine.module)
+
+    def on_policy_rows(self, batch: TurnBatch, step: int) -> set[int]:
+        """This rank's samples whose old log-probs the update's own forward can provide: those of the first
+        mini-batch of the first epoch, which the update reaches before any optimizer step, with the weights
+        that played the rollout (empty unless reuses_scoring())."""
+        return set(self.mini_batches(batch, step, 0)[0]) if self.reuses_scoring() else set()
 
     # ------------------------------------------------------------------------------------------------------
     def score(self, batch: TurnBatch, skip_policy: set[int] | None = None) -> None:
