@@ -5,8 +5,9 @@ scoring reuse (the update's first mini-batch scoring its own samples), in one pr
 
 One rollout of the tiny model gives the batch; every variant scores and updates that same batch from the
 same weights (restored before each run), interleaved (A B C D A B C D ...) so machine noise hits all alike.
-Models: `tiny` (model=tiny) and `large`, a random-init Qwen2 shrunk for a CPU (hidden 256, 4 layers, a
-32k-row embedding) that shares the tiny tokenizer, so it updates on the very same token ids.
+Models: `tiny` (model=tiny: hidden 64, 2 layers, 1k vocab) and `large`, a random-init Qwen2 shrunk for a
+CPU (hidden 128, 4 layers, a 16k-row embedding: ~3M parameters) that shares the tiny tokenizer, so it
+updates on the very same token ids.
 Printed per variant: median scoring and update seconds, scoring share of the two, real tokens per second
 (the batch's prompt+response tokens / (scoring + update)), padding efficiency (real / computed tokens),
 and the speed-up against `padded` (the layout before packing, with a separate scoring pass).
@@ -33,8 +34,8 @@ VARIANTS = {  # name -> (packed micro-batches, scoring reuse)
     "padded+reuse": (False, True),
     "packed+reuse": (True, True),
 }
-LARGE = ["model.hidden_size=256", "model.intermediate_size=1024", "model.num_hidden_layers=4",
-         "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.padded_vocab_size=32768"]
+LARGE = ["model.hidden_size=128", "model.intermediate_size=512", "model.num_hidden_layers=4",
+         "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.padded_vocab_size=16384"]
 
 
 def _trainer(overrides: list[str]):
@@ -103,6 +104,7 @@ def main() -> None:
     parser.add_argument("--algo", default="epo")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-large", action="store_true", help="only the tiny model")
+    parser.add_argument("--large-repeats", type=int, default=1, help="repeats for the large model")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
@@ -124,9 +126,11 @@ def main() -> None:
     results = {"samples": len(batch), "tokens": sum(lengths), "models": {}}
     models = {"tiny": tiny} if args.no_large else {"tiny": tiny, "large": [*base, *LARGE]}
     for name, overrides in models.items():
-        results["models"][name] = bench_model(name, overrides, batch, args.repeats)
+        repeats = args.repeats if name == "tiny" else args.large_repeats
+        results["models"][name] = bench_model(name, overrides, batch, repeats)
 
-    table = Table(title=f"bench_update ({args.algo}, {len(batch)} samples, median of {args.repeats})")
+    table = Table(title=f"bench_update ({args.algo}, {len(batch)} samples, median of {args.repeats} (tiny) / "
+                        f"{args.large_repeats} (large) runs)")
     for col in ("model", "variant", "scoring s", "update s", "scoring share", "tokens/s", "padding eff.",
                 "reused", "vs padded"):
         table.add_column(col, justify="left" if col in ("model", "variant") else "right")
