@@ -168,3 +168,15 @@ def test_unsupported_attention_is_a_config_error(tiny_folder) -> None:
     assert enable_packing(model, 0) is False
     with pytest.raises(ConfigError, match="algo.pack_tokens=0"):
         enable_packing(model, 512)
+
+
+def test_exported_model_does_not_need_epo(tiny_folder, tmp_path) -> None:
+    """The packing attention is a runtime choice: a saved policy loads anywhere, with its plain attention."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_folder, attn_implementation="sdpa")
+    enable_packing(model, None)
+    model.save_pretrained(tmp_path / "final")
+    assert PACKED_SDPA not in (tmp_path / "final" / "config.json").read_text()
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    assert again.config._attn_implementation != PACKED_SDPA
