@@ -106,6 +106,7 @@ def main() -> None:
     parser.add_argument("--algo", default="epo")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-large", action="store_true", help="only the tiny model")
+    parser.add_argument("--no-tiny", action="store_true", help="only the large model")
     parser.add_argument("--large-repeats", type=int, default=1, help="repeats for the large model")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("overrides", nargs="*")
@@ -126,7 +127,10 @@ def main() -> None:
     print(f"batch: {len(batch)} turn-samples, {sum(lengths)} tokens, lengths {min(lengths)}-{max(lengths)}")
 
     results = {"samples": len(batch), "tokens": sum(lengths), "models": {}}
-    models = {"tiny": tiny} if args.no_large else {"tiny": tiny, "large": [*base, *LARGE]}
+    models = {"tiny": tiny, "large": [*base, *LARGE]}
+    for name, skip in (("tiny", args.no_tiny), ("large", args.no_large)):
+        if skip:
+            models.pop(name)
     for name, overrides in models.items():
         repeats = args.repeats if name == "tiny" else args.large_repeats
         results["models"][name] = bench_model(name, overrides, batch, repeats)
