@@ -180,3 +180,16 @@ def test_exported_model_does_not_need_epo(tiny_folder, tmp_path) -> None:
     assert PACKED_SDPA not in (tmp_path / "final" / "config.json").read_text()
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
     assert again.config._attn_implementation != PACKED_SDPA
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["algo.pack_tokens=-1"], "algo.pack_tokens must be >= 0"),
+    (["algo.pack_tokens=512", "model.attn_implementation=eager"], "model.attn_implementation=sdpa"),
+])
+def test_bad_packing_config_is_a_config_error(overrides: list[str], message: str) -> None:
+    from epo_cli.config import compose
+    from epo_cli.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        compose(overrides)
+    compose(["algo.pack_tokens=0", "model.attn_implementation=eager"])  # padded: any attention is fine
