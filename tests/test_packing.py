@@ -193,3 +193,30 @@ def test_bad_packing_config_is_a_config_error(overrides: list[str], message: str
     with pytest.raises(ConfigError, match=message):
         compose(overrides)
     compose(["algo.pack_tokens=0", "model.attn_implementation=eager"])  # padded: any attention is fine
+
+
+@pytest.mark.slow
+def test_cli_packed_and_reused_equals_padded(warm_start, tmp_path) -> None:
+    """Through `epo train`: packed micro-batches + scoring reuse (the defaults) against padded micro-batches
+    with a separate scoring pass give the same iteration (same rollout, same losses), and the packed run
+    computes no padding."""
+    import json
+
+    from conftest import only_run_dir, run_cli
+
+    common = ["algo=epo", f"model.path={warm_start / 'final'}", "trainer.total_steps=1",
+              "env.level=tiny_open_pick_place", "env.prompt_template=compact", "env.max_turns=8",
+              "algo.tasks_per_step=2", "algo.group_size=4", "trainer.eval_every=0", "env.eval_splits=[]",
+              "logger.tensorboard=false"]
+    rows = {}
+    for name, extra in (("packed", []), ("padded", ["algo.pack_tokens=0", "algo.reuse_scoring_forward=false"])):
+        out = tmp_path / name
+        out.mkdir()
+        run_cli(["train", *common, *extra, f"output_dir={out}", f"name={name}"], cwd=out)
+        rows[name] = json.loads((only_run_dir(out) / "metrics.jsonl").read_text().splitlines()[0])
+    packed, padded = rows["packed"], rows["padded"]
+    assert packed["perf/padding_efficiency"] == 1.0 and padded["perf/padding_efficiency"] < 0.99
+    assert packed["perf/scoring_reused"] > 0 and padded["perf/scoring_reused"] == 0.0
+    assert packed["rollout/samples"] == padded["rollout/samples"]
+    for key in ("loss/policy_clip", "loss/kl", "loss/entropy", "policy/entropy", "policy/clipfrac"):
+        assert packed[key] == pytest.approx(padded[key], rel=1e-4, abs=1e-6), key
