@@ -236,8 +236,15 @@ class AlgoConfig:
     ppo_epochs: int = num(1, ge=1)
     #: turn-samples per optimizer step, over all ranks
     mini_batch_size: int = num(64, ge=1)
-    #: turn-samples per forward/backward on one rank
+    #: turn-samples per forward/backward on one rank (padded micro-batches)
     micro_batch_size: int = num(16, ge=1)
+    #: packed micro-batches: token budget of one pass whose samples are laid end to end in one row (no
+    #: padding; attention kept per sample). null = on when the model's attention supports it (sdpa,
+    #: flash_attention_2/3), with a budget of micro_batch_size x the longest sample; 0 = off (padded)
+    pack_tokens: int | None = num(None, ge=0)
+    #: the update's first forward (first mini-batch, first epoch: the rollout's weights) provides its samples'
+    #: old log-probs and entropies instead of a separate scoring pass over them (see Trainer.on_policy_rows)
+    reuse_scoring_forward: bool = True
     # rollout batch
     tasks_per_step: int = num(4, ge=1)
     group_size: int = num(1, ge=1)
@@ -759,6 +766,10 @@ def _check_consistency(cfg: DictConfig) -> None:
     if algo.dynamic_sampling and algo.group_size < 2:
         raise ConfigError("algo.dynamic_sampling=true drops groups whose rollouts all scored the same and needs "
                           f"algo.group_size >= 2 (got {algo.group_size}); use it with grpo, rloo or gigpo.")
+    if algo.pack_tokens and cfg.model.attn_implementation not in ("sdpa", "flash_attention_2", "flash_attention_3"):
+        raise ConfigError(f"algo.pack_tokens={algo.pack_tokens} needs an attention that keeps packed samples apart "
+                          f"(model.attn_implementation=sdpa | flash_attention_2 | flash_attention_3, got "
+                          f"'{cfg.model.attn_implementation}'); or set algo.pack_tokens=0 for padded micro-batches.")
     if "entropy_smoothing" in algo.loss_terms:
         _check_smoothing_weight(algo)
     if cfg.entropy.min_coef > cfg.entropy.max_coef:

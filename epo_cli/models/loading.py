@@ -137,12 +137,16 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.head.bias)
         self.config = causal_lm.config
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                position_ids: torch.Tensor, value_index: torch.Tensor | None = None,
+                **kwargs: Any) -> torch.Tensor:
         # input_ids/attention_mask/position_ids: [B, P] (left-padded prompts) -> values [B]
+        # packed (epo_cli/training/packing.py): [1, L] and value_index [B], the states' positions in the row;
+        # kwargs: the packed layout's cu_seq_lens for the attention
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                               position_ids=position_ids).last_hidden_state
-        return self.head(hidden[:, -1].to(self.head.weight.dtype)).squeeze(-1).float()
+                               position_ids=position_ids, **kwargs).last_hidden_state
+        state = hidden[:, -1] if value_index is None else hidden[0, value_index]  # [B, H]
+        return self.head(state.to(self.head.weight.dtype)).squeeze(-1).float()
 
 
 def frozen_copy(model: nn.Module) -> nn.Module:

@@ -9,6 +9,10 @@ tensors of length N (number of turn-samples); token-level data are lists of 1-D 
      <---------- P columns ----> <-------- R columns -------->
 prompts are left-padded to P columns and responses right-padded to R columns, so the logits that predict
 response token r sit at column P - 1 + r for every row (this is also the layout `generate` produces).
+
+A packed MicroBatch (algo.pack_tokens, epo_cli/training/packing.py) also carries a `PackedLayout`: the
+model then runs on one row holding its samples end to end, and its outputs are scattered back into the
+same [B, R] response layout, so loss terms never see the difference.
 """
 
 from __future__ import annotations
@@ -93,6 +97,21 @@ class TurnBatch:
 
 
 @dataclass
+class PackedLayout:
+    """The model-side layout of a packed micro-batch of S samples and L = sum of their lengths tokens."""
+
+    input_ids: Tensor  # [1, L] long, sample s at [cu[s], cu[s+1]): its prompt then its response
+    position_ids: Tensor  # [1, L] long, restart at 0 for every sample
+    cu_seq_lens: Tensor  # [S+1] int32, cumulative sample lengths (flash-attention varlen convention)
+    max_length: int  # longest sample
+    #: positions whose logits predict a response token, sample by sample in token order, so they line up
+    #: with MicroBatch.response_mask[response_mask] (row-major)
+    logits_index: Tensor  # [M] long, M = number of real response tokens
+    #: position of each MicroBatch row's last prompt token (the critic's state); 0 for padding rows
+    value_index: Tensor  # [B] long
+
+
+@dataclass
 class MicroBatch:
     """Padded tensors for one forward/backward (B rows, P prompt columns, R response columns)."""
 
@@ -118,3 +137,5 @@ class MicroBatch:
     weights: dict[str, Tensor] = field(default_factory=dict)  # mode -> [B, R]
     #: rows that are real samples; the rest are padding added so every rank runs the same number of passes
     num_real: int = 0
+    #: set for packed micro-batches: the model runs on this layout instead of input_ids/attention_mask
+    packed: PackedLayout | None = None

@@ -92,6 +92,7 @@ from epo_cli.training.engine import (
     step_was_skipped,
 )
 from epo_cli.training.forward import collate, plan_micro_batches, policy_forward, value_forward
+from epo_cli.training.packing import default_budget, enable_packing, plan_packs
 from epo_cli.training.stop import STOP, signal_name
 
 
@@ -140,6 +141,8 @@ class Trainer:
         self.vocab_limit = len(self.tokenizer)
         dtype = resolve_dtype(cfg.model, self.dist.device)
         policy = load_causal_lm(source, cfg.model, dtype).to(self.dist.device)
+        # packed micro-batches for scoring and update (before the copies below, which inherit the attention)
+        self.packing = enable_packing(policy, algo.pack_tokens)
         self.ref_model = frozen_copy(policy) if "kl" in algo.loss_terms else None
         policy = apply_lora(policy, cfg.model.lora)
         critic = ValueModel(frozen_copy(policy if cfg.model.lora.rank <= 0 else policy.get_base_model())) \
@@ -312,31 +315,26 @@ class Trainer:
         return episodes, batch, rstats
 
     def rl_step(self, step: int, total: int) -> dict[str, float]:
-        cfg, algo = self.cfg, self.cfg.algo
+        algo = self.cfg.algo
         episodes, batch, rstats = self.rollout(step, total)  # steps 1-2
         max_turns, subgoal_coef = self.curriculum.max_turns(step, total), self.curriculum.subgoal_coef(step, total)
 
-        # 3. scoring forward (no grad): old log-probs, entropy, reference log-probs, values
+        # 3. scoring forward (no grad): old log-probs, entropy, reference log-probs, values. The samples of
+        #    the first mini-batch skip the policy's part: the update's first forward, made with the very
+        #    weights that played the rollout, scores them (`on_policy`, algo.reuse_scoring_forward)
         t0 = time.perf_counter()
-        self.score(batch)
+        on_policy = self.on_policy_rows(batch, step)
+        self.score(batch, skip_policy=on_policy)
         score_s = time.perf_counter() - t0
 
-        # 4. entropy statistics of the rollout -> history (EPO reference), fluctuation monitor
-        sums, counts = step_statistics(batch.entropy, batch.turn_index, max(cfg.env.max_turns, max_turns))
-        sums, counts = all_reduce_sum(sums.double()), all_reduce_sum(counts.double())
-        entropy_now = float(sums.sum() / counts.sum().clamp(min=1))
+        # 4. entropy statistics of the rollout -> history (EPO reference), fluctuation monitor; after the
+        #    update when it scores samples itself (only a monitor that clamps needs them before)
         reference_history = self.history  # refs for this update use steps 0..k-1 only (paper: Href(k))
-        metrics = {"policy/entropy": entropy_now}
+        metrics: dict[str, float] = {}
         if self.history.num_steps > 0:  # the smoothing band's centre (global reference) for this update
             metrics["policy/entropy_ref"] = self.history.global_stream.value()
-        for t in torch.nonzero(counts).flatten().tolist():
-            metrics[f"policy/entropy_turn/{t}"] = float(sums[t] / counts[t])
-        metrics.update(self.monitor.update(entropy_now))
-        alert = self.monitor.alert
-        if alert:
-            self.logger.warn(f"entropy fluctuation above algo.monitor.threshold at step {step + 1} "
-                             f"(sigma={metrics['policy/entropy_fluctuation']:.4f})"
-                             + (": entropy terms clamped for this step" if algo.monitor.action == "clamp" else ""))
+        # (decided from the config, the same on every rank: the statistics are collectives)
+        stats = None if self.reuses_scoring() else self._entropy_statistics(batch, step, max_turns, metrics)
 
         # 5. advantages
         if algo.estimator != "none":
@@ -346,7 +344,7 @@ class Trainer:
         lam = self.entropy_schedule(step, total)
         beta = self.phase_schedule(step, total)
         kl_weight = kl_coefficient(step, total, algo.kl, algo.phase)
-        clamp = algo.monitor.clamp_scale if alert and algo.monitor.action == "clamp" else 1.0
+        clamp = algo.monitor.clamp_scale if stats and stats[3] and algo.monitor.action == "clamp" else 1.0
         coefs = loss_coefficients(algo, lam, beta, kl_weight, entropy_scale=clamp)
         if step == 0:
             self.logger.info(self.loss_stack.formula(coefs))
@@ -355,8 +353,9 @@ class Trainer:
 
         # 7. update
         t0 = time.perf_counter()
-        metrics.update(self.update(batch, coefs, step, reference_history))
+        metrics.update(self.update(batch, coefs, step, reference_history, on_policy=on_policy))
         update_s = time.perf_counter() - t0
+        sums, counts, entropy_now, _ = stats or self._entropy_statistics(batch, step, max_turns, metrics)
         self.history.update(sums, counts)
         self.entropy_schedule.observe(entropy_now)
         self.policy.refresh()
@@ -394,6 +393,8 @@ class Trainer:
             "perf/env_wait_s": rstats.env_wait_s,
             "perf/overlap_ratio": rstats.rollout_s / max(rstats.generate_s + rstats.env_s, 1e-9),
             "perf/score_s": score_s,
+            "perf/scoring_reused": float(all_reduce_sum(torch.tensor(float(len(on_policy))))) / max(
+                float(all_reduce_sum(torch.tensor(float(len(batch))))), 1.0),
             "perf/update_s": update_s,
             "perf/gen_tokens_per_s": reduced["perf/generated_tokens"] / max(rstats.generate_s, 1e-9),
             "perf/env_steps_per_s": reduced["perf/env_steps"] / max(rstats.env_s, 1e-9),
@@ -402,31 +403,82 @@ class Trainer:
         })
         return metrics
 
+    def _entropy_statistics(self, batch: TurnBatch, step: int, max_turns: int,
+                            metrics: dict[str, float]) -> tuple[torch.Tensor, torch.Tensor, float, bool]:
+        """Per-turn sums/counts of the rollout's token entropies (all ranks), their mean, and the fluctuation
+        monitor's verdict; the entropy metrics go into `metrics`."""
+        sums, counts = step_statistics(batch.entropy, batch.turn_index, max(self.cfg.env.max_turns, max_turns))
+        sums, counts = all_reduce_sum(sums.double()), all_reduce_sum(counts.double())
+        entropy_now = float(sums.sum() / counts.sum().clamp(min=1))
+        metrics["policy/entropy"] = entropy_now
+        for t in torch.nonzero(counts).flatten().tolist():
+            metrics[f"policy/entropy_turn/{t}"] = float(sums[t] / counts[t])
+        metrics.update(self.monitor.update(entropy_now))
+        alert = self.monitor.alert
+        if alert:
+            self.logger.warn(f"entropy fluctuation above algo.monitor.threshold at step {step + 1} "
+                             f"(sigma={metrics['policy/entropy_fluctuation']:.4f})"
+                             + (": entropy terms clamped for this step" if self.cfg.algo.monitor.action == "clamp"
+                                else ""))
+        return sums, counts, entropy_now, alert
+
+    def reuses_scoring(self) -> bool:
+        """Whether the update's first forward scores its own samples (see on_policy_rows); False when that
+        is not provably the rollout's policy or not wanted:
+          - algo.reuse_scoring_forward=false;
+          - dropout anywhere in the policy (a training-mode forward would differ from the rollout's policy);
+          - algo.monitor.action=clamp (this step's coefficients need every entropy before the update)."""
+        algo = self.cfg.algo
+        return bool(algo.reuse_scoring_forward) and algo.monitor.action != "clamp" and not _has_dropout(
+            self.engine.module)
+
+    def on_policy_rows(self, batch: TurnBatch, step: int) -> set[int]:
+        """This rank's samples whose old log-probs the update's own forward can provide: those of the first
+        mini-batch of the first epoch, which the update reaches before any optimizer step, with the weights
+        that played the rollout (empty unless reuses_scoring())."""
+        return set(self.mini_batches(batch, step, 0)[0]) if self.reuses_scoring() else set()
+
     # ------------------------------------------------------------------------------------------------------
-    def score(self, batch: TurnBatch) -> None:
-        """Old-policy log-probs and entropy (+ reference log-probs, critic values), no grad."""
+    def score(self, batch: TurnBatch, skip_policy: set[int] | None = None) -> None:
+        """Old-policy log-probs and entropy (+ reference log-probs, critic values), no grad. Rows in
+        `skip_policy` get only the reference and critic passes (the update fills in their old log-probs)."""
         device, pad = self.dist.device, self.tokenizer.pad_token_id
         temperature = self.cfg.rollout.temperature
         n = len(batch)
+        skip_policy = skip_policy or set()
         batch.old_logprobs, batch.entropy = [torch.empty(0)] * n, [torch.empty(0)] * n
         batch.ref_logprobs = [torch.empty(0)] * n if self.ref_model is not None else []
         values = torch.zeros(n) if self.critic_engine is not None else None
         lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
+        scored = [r for r in range(n) if r not in skip_policy]
+        passes = [(rows, True) for rows in self.plan_micro_batches(scored, lengths)]
+        if self.ref_model is not None or values is not None:
+            passes += [(rows, False) for rows in self.plan_micro_batches(sorted(skip_policy), lengths)]
         with torch.no_grad():
-            for rows in plan_micro_batches(list(range(n)), lengths, self.cfg.algo.micro_batch_size):
-                mb = collate(batch, rows, pad, device)
-                out = policy_forward(self.policy.module, mb, temperature, self.vocab_limit)
+            for rows, with_policy in passes:
+                mb = collate(batch, rows, pad, device, packed=self.packing)
+                out = policy_forward(self.policy.module, mb, temperature, self.vocab_limit) if with_policy else None
                 ref = (policy_forward(self.ref_model, mb, temperature, self.vocab_limit, with_entropy=False)
                        if self.ref_model is not None else None)
                 for i, r in enumerate(rows):
                     k = len(batch.response_ids[r])
-                    batch.old_logprobs[r] = out.logprobs[i, :k].float().cpu()
-                    batch.entropy[r] = out.entropy[i, :k].float().cpu()
+                    if out is not None:
+                        batch.old_logprobs[r] = out.logprobs[i, :k].float().cpu()
+                        batch.entropy[r] = out.entropy[i, :k].float().cpu()
                     if ref is not None:
                         batch.ref_logprobs[r] = ref.logprobs[i, :k].float().cpu()
                 if values is not None:
                     values[rows] = value_forward(self.critic.module, mb)[:len(rows)].float().cpu()
         batch.old_values = values
+
+    def plan_micro_batches(self, rows: list[int], lengths: list[int]) -> list[list[int]]:
+        """The passes over `rows`: packs up to the token budget (algo.pack_tokens), or padded micro-batches of
+        micro_batch_size samples of similar length."""
+        algo = self.cfg.algo
+        if not self.packing:
+            return plan_micro_batches(rows, lengths, algo.micro_batch_size)
+        budget = algo.pack_tokens or default_budget(lengths, algo.micro_batch_size)
+        return plan_packs(rows, lengths, budget)
 
     # ------------------------------------------------------------------------------------------------------
     def mini_batches(self, batch: TurnBatch, step: int, epoch: int) -> list[list[int]]:
@@ -450,8 +502,12 @@ class Trainer:
         return modes
 
     def update(self, batch: TurnBatch, coefs: dict[str, float], step: int,
-               history: EntropyHistory | None = None) -> dict[str, float]:
-        """ppo_epochs x mini-batches x micro-batches; one engine.step() per mini-batch."""
+               history: EntropyHistory | None = None, on_policy: set[int] | None = None) -> dict[str, float]:
+        """ppo_epochs x mini-batches x micro-batches; one engine.step() per mini-batch.
+
+        `on_policy` (see on_policy_rows): rows of the first mini-batch that scoring skipped; their old
+        log-probs and entropies are this forward's own, detached (ratio exactly 1), and are written back to
+        `batch` for later epochs and the entropy statistics."""
         algo, device = self.cfg.algo, self.dist.device
         world = self.dist.world_size
         pad = self.tokenizer.pad_token_id
@@ -465,10 +521,11 @@ class Trainer:
         n_updates, real_tokens, padded_tokens, skipped = 0, 0, 0, 0
         norms: list[float] = []
         self.engine.train()
+        on_policy = on_policy or set()
         for epoch in range(algo.ppo_epochs if algo.name != "sft" else 1):
             for mini, rows in enumerate(self.mini_batches(batch, step, epoch) if algo.name != "sft"
                                         else [list(range(len(batch)))]):
-                micro = plan_micro_batches(rows, lengths, algo.micro_batch_size)
+                micro = self.plan_micro_batches(rows, lengths)
                 n_micro = int(all_reduce_max(torch.tensor(len(micro))).item())
                 micro += [[] for _ in range(n_micro - len(micro))]
                 # global denominators of each aggregation mode over this mini-batch (all ranks)
@@ -476,7 +533,7 @@ class Trainer:
                                             .clamp(min=1e-12)) for mode in modes}
                 step_metrics: dict[str, float] = {}
                 for micro_index, m in enumerate(micro):
-                    mb = collate(batch, m, pad, device, num_rows=max(len(m), 1))
+                    mb = collate(batch, m, pad, device, num_rows=max(len(m), 1), packed=self.packing)
                     # random token choices (Clip-Cov) are a function of the run's seed and position only
                     # (a tuple of ints hashes the same in every process)
                     position = (self.cfg.seed, step, epoch, mini, micro_index, self.dist.rank)
@@ -486,8 +543,16 @@ class Trainer:
                         mb.weights[mode] = (u / denominators[mode]).to(device)
                     if history is not None and "entropy_smoothing" in algo.loss_terms:
                         mb.entropy_ref = history.reference(mb.turn_index.cpu()).to(device)
+                    reuse = bool(m) and m[0] in on_policy and n_updates == 0
                     out = policy_forward(self.engine, mb, self.cfg.rollout.temperature, self.vocab_limit,
-                                         with_entropy=self._needs_entropy())
+                                         with_entropy=self._needs_entropy() or reuse)
+                    if reuse:  # this forward is the old policy's: score these samples with it
+                        mb.old_logprobs = out.logprobs.detach()
+                        mb.rollout_entropy = out.entropy.detach()
+                        for i, r in enumerate(m):
+                            k = len(batch.response_ids[r])
+                            batch.old_logprobs[r] = mb.old_logprobs[i, :k].float().cpu()
+                            batch.entropy[r] = mb.rollout_entropy[i, :k].float().cpu()
                     loss, term_metrics = self.loss_stack(mb, out, coefs)
                     # DeepSpeed averages gradients over ranks; the weights already normalise globally
                     self.engine.backward(loss * world, scale_wrt_gas=False)
@@ -707,6 +772,14 @@ class Trainer:
             write_status(self.run, "stopped", step=self.state.step, **extra,
                          checkpoint=checkpoint.latest_tag(self.run),
                          resume=f"epo train trainer.resume={self.run}")
+
+
+def _has_dropout(model: torch.nn.Module) -> bool:
+    """Whether a training-mode forward of `model` is random (dropout layers, attention dropout)."""
+    config = getattr(model, "config", None)
+    if float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
+        return True
+    return any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
 
 
 def _row_denominators(batch: TurnBatch, modes: list[str], decay: float) -> dict[str, torch.Tensor]:

@@ -1,0 +1,156 @@
+"""Scoring + update time of one household batch: padded vs packed micro-batches, with and without the
+scoring reuse (the update's first mini-batch scoring its own samples), in one process.
+
+    python scripts/bench_update.py [--model PATH] [--algo epo] [--repeats 3] [--no-large] [--out F.json] [OVERRIDES]
+
+One rollout of the tiny model gives the batch; every variant scores and updates that same batch from the
+same weights (restored before each run), interleaved (A B C D A B C D ...) so machine noise hits all alike.
+Models: `tiny` (model=tiny: hidden 64, 2 layers, 1k vocab) and `large`, a random-init Qwen2 shrunk for a
+CPU (hidden 128, 4 layers, a 16k-row embedding: ~3M parameters) that shares the tiny tokenizer, so it
+updates on the very same token ids.
+Printed per variant: median scoring and update CPU seconds of this process (one torch thread: the work done,
+which other processes on a shared machine disturb far less than wall time; wall times are in the JSON and
+the last column), scoring share of the two, real tokens per CPU second (the batch's prompt+response tokens /
+(scoring + update)), padding efficiency (real / computed tokens), and the speed-up against `padded` (the
+layout before packing, with a separate scoring pass).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+VARIANTS = {  # name -> (packed micro-batches, scoring reuse)
+    "padded": (False, False),
+    "packed": (True, False),
+    "padded+reuse": (False, True),
+    "packed+reuse": (True, True),
+}
+LARGE = ["model.hidden_size=128", "model.intermediate_size=512", "model.num_hidden_layers=4",
+         "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.padded_vocab_size=16384"]
+
+
+def _trainer(overrides: list[str]):
+    from epo_cli.config import compose
+    from epo_cli.training.trainer import Trainer
+
+    cfg = compose(overrides)
+    run = Path(tempfile.mkdtemp(prefix="bench_update_"))
+    cfg.run_dir = str(run)
+    return Trainer(cfg, run)
+
+
+def _measure(trainer, batch, variant: str) -> dict[str, float]:
+    """Score and update a fresh copy of `batch` as rl_step does; seconds and padding efficiency."""
+    from epo_cli.algos.advantages import ESTIMATORS
+    from epo_cli.algos.losses import loss_coefficients
+
+    packed, reuse = VARIANTS[variant]
+    trainer.packing = packed
+    trainer.cfg.algo.reuse_scoring_forward = reuse
+    algo = trainer.cfg.algo
+    b = batch.select(list(range(len(batch))))
+    t0, c0 = time.perf_counter(), time.process_time()
+    on_policy = trainer.on_policy_rows(b, 0)
+    trainer.score(b, skip_policy=on_policy)
+    score_s, score_cpu = time.perf_counter() - t0, time.process_time() - c0
+    b.advantages, b.returns = ESTIMATORS[algo.estimator](b, algo)
+    coefs = loss_coefficients(algo, 0.001, 2.0, algo.kl.coef)
+    t0, c0 = time.perf_counter(), time.process_time()
+    metrics = trainer.update(b, coefs, 0, on_policy=on_policy)
+    update_s, update_cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {"score_s": score_s, "update_s": update_s, "score_cpu_s": score_cpu, "update_cpu_s": update_cpu,
+            "padding_efficiency": metrics["perf/padding_efficiency"], "reused_share": len(on_policy) / len(b)}
+
+
+def bench_model(name: str, overrides: list[str], batch, repeats: int) -> dict[str, dict[str, float]]:
+    trainer = _trainer(overrides)
+    modules = [trainer.engine.module] + ([trainer.critic_engine.module] if trainer.critic_engine else [])
+    initial = [copy.deepcopy(m.state_dict()) for m in modules]
+    runs: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
+    for r in range(repeats):
+        for variant in VARIANTS:
+            for m, state in zip(modules, initial):
+                m.load_state_dict(state)
+            runs[variant].append(_measure(trainer, batch, variant))
+            print(f"{name} repeat {r} {variant}: " + ", ".join(f"{k} {v:.3f}" for k, v in runs[variant][-1].items()))
+    trainer.pool.close()
+    tokens = sum(len(p) + len(q) for p, q in zip(batch.prompt_ids, batch.response_ids))
+    out = {}
+    for variant, rs in runs.items():
+        med = {k: statistics.median(x[k] for x in rs) for k in ("score_s", "update_s", "score_cpu_s", "update_cpu_s")}
+        cpu = med["score_cpu_s"] + med["update_cpu_s"]
+        out[variant] = {**med, "total_s": med["score_s"] + med["update_s"], "total_cpu_s": cpu,
+                        "scoring_share": med["score_cpu_s"] / cpu, "tokens_per_cpu_s": tokens / cpu,
+                        "padding_efficiency": rs[0]["padding_efficiency"], "reused_share": rs[0]["reused_share"]}
+    for v in out.values():
+        v["speedup_vs_padded"] = out["padded"]["total_cpu_s"] / v["total_cpu_s"]
+        v["wall_speedup_vs_padded"] = out["padded"]["total_s"] / v["total_s"]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="HF folder of a warm-started tiny policy: plays the rollout and is the "
+                                            "tiny model (default: the tiny random model)")
+    parser.add_argument("--algo", default="epo")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-large", action="store_true", help="only the tiny model")
+    parser.add_argument("--no-tiny", action="store_true", help="only the large model")
+    parser.add_argument("--large-repeats", type=int, default=1, help="repeats for the large model")
+    parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    base = [f"algo={args.algo}", "env.level=small_pick_and_light", "env.prompt_template=compact",
+            "algo.tasks_per_step=4", "algo.group_size=4", "env.max_turns=15", "env.eval_splits=[]",
+            "logger.console=false", "logger.tensorboard=false", "trainer.total_steps=100", *args.overrides]
+    tiny = [*base, f"model.path={args.model}"] if args.model else base
+    roller = _trainer(tiny)
+    _, batch, _ = roller.rollout(0, roller.cfg.trainer.total_steps)  # the training loop's own rollout
+    roller.pool.close()
+    lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
+    print(f"batch: {len(batch)} turn-samples, {sum(lengths)} tokens, lengths {min(lengths)}-{max(lengths)}")
+
+    results = {"samples": len(batch), "tokens": sum(lengths), "models": {}}
+    models = {"tiny": tiny, "large": [*base, *LARGE]}
+    for name, skip in (("tiny", args.no_tiny), ("large", args.no_large)):
+        if skip:
+            models.pop(name)
+    for name, overrides in models.items():
+        repeats = args.repeats if name == "tiny" else args.large_repeats
+        results["models"][name] = bench_model(name, overrides, batch, repeats)
+
+    table = Table(title=f"bench_update ({args.algo}, {len(batch)} samples, median of {args.repeats} (tiny) / "
+                        f"{args.large_repeats} (large) runs)")
+    for col in ("model", "variant", "scoring CPU s", "update CPU s", "scoring share", "tokens/CPU s",
+                "padding eff.", "reused", "vs padded (CPU)", "vs padded (wall)"):
+        table.add_column(col, justify="left" if col in ("model", "variant") else "right")
+    for name, variants in results["models"].items():
+        for variant, v in variants.items():
+            table.add_row(name, variant, f"{v['score_cpu_s']:.2f}", f"{v['update_cpu_s']:.2f}",
+                          f"{v['scoring_share']:.2f}", f"{v['tokens_per_cpu_s']:.0f}", f"{v['padding_efficiency']:.3f}",
+                          f"{v['reused_share']:.2f}", f"{v['speedup_vs_padded']:.2f}x",
+                          f"{v['wall_speedup_vs_padded']:.2f}x")
+    Console().print(table)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
