@@ -183,7 +183,7 @@ def test_exported_model_does_not_need_epo(tiny_folder, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["algo.pack_tokens=-1"], "algo.pack_tokens must be >= 0"),
+    (["algo.pack_tokens=-1"], "'algo.pack_tokens': -1 is out of range; allowed: 0 <= value"),
     (["algo.pack_tokens=512", "model.attn_implementation=eager"], "model.attn_implementation=sdpa"),
 ])
 def test_bad_packing_config_is_a_config_error(overrides: list[str], message: str) -> None:

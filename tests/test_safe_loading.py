@@ -146,6 +146,11 @@ def _run_dir_trusting_remote_code(tmp_path: Path) -> Path:
     run.mkdir()
     cfg = compose(["model.trust_remote_code=true"])
     (run / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    # a complete checkpoint to resume from (resuming a run without one is an error of its own)
+    step = run / "checkpoints" / "step_1"
+    step.mkdir(parents=True)
+    (step / "COMPLETE").write_text("")
+    (run / "checkpoints" / "latest").write_text("step_1")
     return run
 
 
