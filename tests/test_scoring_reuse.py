@@ -16,7 +16,7 @@ import torch
 
 ARGS = ["algo=epo_ppo", "env.level=tiny_open_pick_place", "env.prompt_template=compact", "env.max_turns=6",
         "algo.tasks_per_step=2", "algo.group_size=2", "algo.micro_batch_size=4", "env.eval_splits=[]",
-        "logger.console=false", "logger.tensorboard=false", "trainer.total_steps=4", "trainer.deterministic=true"]
+        "logger.console=false", "logger.tensorboard=false", "trainer.total_steps=4"]
 
 
 def _iteration(tmp_path: Path, name: str, overrides: list[str]) -> tuple[dict[str, float], list[torch.Tensor]]:
