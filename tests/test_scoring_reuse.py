@@ -16,7 +16,7 @@ import torch
 
 ARGS = ["algo=epo_ppo", "env.level=tiny_open_pick_place", "env.prompt_template=compact", "env.max_turns=6",
         "algo.tasks_per_step=2", "algo.group_size=2", "algo.micro_batch_size=4", "env.eval_splits=[]",
-        "logger.console=false", "logger.tensorboard=false", "trainer.total_steps=4", "trainer.deterministic=true"]
+        "logger.console=false", "logger.tensorboard=false", "trainer.total_steps=4"]
 
 
 def _iteration(tmp_path: Path, name: str, overrides: list[str]) -> tuple[dict[str, float], list[torch.Tensor]]:
@@ -45,8 +45,28 @@ def _iteration(tmp_path: Path, name: str, overrides: list[str]) -> tuple[dict[st
     return metrics, grads
 
 
+#: set by init_distributed for a world of one; they must not leak into later tests' subprocesses (which
+#: would take them for a launcher's and join this process's store on its port)
+DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(scope="module")
+def in_process_world():
+    """The trainers of this module share one in-process world of one (DeepSpeed cannot be initialised
+    again after its group is destroyed); its environment variables are removed when the module ends."""
+    import os
+
+    saved = {key: os.environ.pop(key, None) for key in DIST_ENV}
+    yield
+    for key, value in saved.items():
+        os.environ.pop(key, None)
+        if value is not None:
+            os.environ[key] = value
+
+
 @pytest.mark.parametrize("mini_batch,epochs", [(8, 2), (512, 1)])
-def test_reused_scoring_equals_separate_pass(epo_cache: Path, tmp_path: Path, mini_batch: int, epochs: int) -> None:
+def test_reused_scoring_equals_separate_pass(epo_cache: Path, tmp_path: Path, in_process_world: None,
+                                             mini_batch: int, epochs: int) -> None:
     common = [f"algo.mini_batch_size={mini_batch}", f"algo.ppo_epochs={epochs}"]
     fused, fused_grads = _iteration(tmp_path, "reuse", [*common, "algo.reuse_scoring_forward=true"])
     plain, plain_grads = _iteration(tmp_path, "separate", [*common, "algo.reuse_scoring_forward=false"])
@@ -71,3 +91,4 @@ def test_reused_scoring_equals_separate_pass(epo_cache: Path, tmp_path: Path, mi
 
     if mini_batch >= samples:  # one mini-batch, scored by its own forward: the ratio is exactly 1
         assert fused["policy/approx_kl"] == 0.0 and fused["policy/clipfrac"] == 0.0
+
