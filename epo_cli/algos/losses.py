@@ -86,7 +86,9 @@ class PolicyClipLoss(LossTerm):
         self.clip_low, self.clip_high, self.dual_clip = clip_low, clip_high, dual_clip
         self.aggregation = aggregation
 
-    def forward(self, mb: MicroBatch, out: PolicyOutputs) -> tuple[Tensor, dict[str, Tensor]]:
+    def surrogate(self, mb: MicroBatch, out: PolicyOutputs) -> tuple[Tensor, Tensor, Tensor, dict[str, Tensor]]:
+        """Per-token clipped surrogate [B, R], which tokens any clip bounds [B, R] bool, the token
+        weights [B, R] and the detached diagnostics (without the loss value)."""
         w = _weights(mb, self.aggregation)  # [B, R]
         old_logp = _require(mb.old_logprobs, "old_logprobs", self.name)  # [B, R]
         adv = _require(mb.advantages, "advantages", self.name)[:, None]  # [B, 1]
@@ -100,16 +102,19 @@ class PolicyClipLoss(LossTerm):
             pg3 = -adv * self.dual_clip  # [B, 1]
             dual_active = (adv < 0) & (pg > pg3)
             pg = torch.where(dual_active, pg3.expand_as(pg), pg)
-        loss = weighted_sum(w, pg)
         with torch.no_grad():
             metrics = {
-                "loss/policy_clip": loss.detach(),
                 "policy/clipfrac": weighted_sum(w, (pg2 > pg1).float()),
                 "policy/dual_clipfrac": weighted_sum(w, dual_active.float()),
                 # k3 estimator of KL(old || new) (Schulman's blog; cleanrl's approx_kl)
                 "policy/approx_kl": weighted_sum(w, (ratio - 1.0) - log_ratio),
             }
-        return loss, metrics
+        return pg, (pg2 > pg1) | dual_active, w, metrics
+
+    def forward(self, mb: MicroBatch, out: PolicyOutputs) -> tuple[Tensor, dict[str, Tensor]]:
+        pg, _, w, metrics = self.surrogate(mb, out)  # [B, R], _, [B, R]
+        loss = weighted_sum(w, pg)
+        return loss, {"loss/policy_clip": loss.detach(), **metrics}
 
 
 def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
@@ -178,31 +183,13 @@ class ClipCovLoss(PolicyClipLoss):
         return selected
 
     def forward(self, mb: MicroBatch, out: PolicyOutputs) -> tuple[Tensor, dict[str, Tensor]]:
-        w = _weights(mb, self.aggregation)  # [B, R]
-        old_logp = _require(mb.old_logprobs, "old_logprobs", self.name)  # [B, R]
-        adv = _require(mb.advantages, "advantages", self.name)[:, None]  # [B, 1]
-        log_ratio = out.logprobs - old_logp  # [B, R]
-        ratio = torch.exp(log_ratio)  # [B, R]
-        pg1 = -adv * ratio  # [B, R]
-        pg2 = -adv * torch.clamp(ratio, 1.0 - self.clip_low, 1.0 + self.clip_high)  # [B, R]
-        pg = torch.maximum(pg1, pg2)  # [B, R]
-        dual_active = torch.zeros_like(pg, dtype=torch.bool)  # [B, R]
-        if self.dual_clip is not None:
-            pg3 = -adv * self.dual_clip  # [B, 1]
-            dual_active = (adv < 0) & (pg > pg3)
-            pg = torch.where(dual_active, pg3.expand_as(pg), pg)
-        selected = self.select(mb, out, (pg2 > pg1) | dual_active)  # [B, R]
+        pg, ppo_clipped, w, metrics = self.surrogate(mb, out)  # [B, R], [B, R] bool, [B, R]
+        selected = self.select(mb, out, ppo_clipped)  # [B, R]
         pg = torch.where(selected, pg.detach(), pg)  # [B, R]
         loss = weighted_sum(w, pg)
         with torch.no_grad():
-            metrics = {
-                "loss/policy_clip": loss.detach(),
-                "policy/clipfrac": weighted_sum(w, (pg2 > pg1).float()),
-                "policy/dual_clipfrac": weighted_sum(w, dual_active.float()),
-                "policy/approx_kl": weighted_sum(w, (ratio - 1.0) - log_ratio),
-                "policy/cov_clipfrac": weighted_sum(w, selected.float()),
-            }
-        return loss, metrics
+            metrics["policy/cov_clipfrac"] = weighted_sum(w, selected.float())
+        return loss, {"loss/policy_clip": loss.detach(), **metrics}
 
 
 class KLCovLoss(LossTerm):
