@@ -239,7 +239,7 @@ def test_over_long_names_and_values_are_exit_2(tmp_path: Path, args: list[str], 
 @pytest.mark.parametrize("args, message", [
     (["algo=grpo,nosuch"], "Unknown option 'nosuch' for config group 'algo'"),
     (["algo=grpo", "seed=0,x"], "Wrong type for config key 'seed'"),
-    (["algo=grpo", "trainer.total_steps=2,0"], "trainer.total_steps must be >= 1"),
+    (["algo=grpo", "trainer.total_steps=2,0"], "'trainer.total_steps': 0 is out of range; allowed: 1 <= value"),
     (["algo=grpo", "hydra/launcher=nosuch"], "Unknown option 'nosuch' for 'hydra/launcher'"),
 ])
 def test_bad_sweep_options_exit_2_and_leave_no_sweep_directory(tmp_path: Path, args: list[str],
