@@ -11,8 +11,9 @@ records its prompts (decoded); TRL then trains on exactly those prompts in the s
 
 Each side runs in its own child process (one torch thread each, same environment), one after the other
 in this command; the first iteration of each warms up and is not timed. Printed: median seconds per
-iteration, generated tokens per iteration (epo stops at </action>, TRL only at EOS or the token limit,
-so the per-token time is shown too) and the ratio epo / TRL. Target (issue 12): <= 0.8.
+iteration, generated tokens per iteration and the per-token time, and the ratios epo / TRL. Both stop
+only at EOS or the token limit (TRL cannot stop at a string; `--epo-stop` keeps epo's </action> stop).
+Target (issue 12): <= 0.8.
 
 TRL is an optional dependency: `pip install 'epo[bench]'` (make install includes it).
 """
@@ -47,6 +48,8 @@ def epo_overrides(args: argparse.Namespace) -> list[str]:
         f"algo.mini_batch_size={batch}", f"algo.micro_batch_size={batch}", "algo.ppo_epochs=1",
         f"algo.kl.coef={KL_BETA}", f"algo.lr={LR}", "algo.warmup_ratio=0.0", "algo.min_lr_ratio=1.0",
         f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.temperature=1.0",
+        # TRL stops only at EOS or the token limit; epo's </action> stop would make its work smaller
+        *([] if args.epo_stop else ["rollout.stop=''"]),
         f"trainer.total_steps={args.iterations + 1}", "trainer.eval_every=0", "trainer.save_every=0",
         "logger.console=false", "logger.tensorboard=false", f"seed={args.seed}",
         *([f"model.path={args.model}"] if args.model else []),
@@ -154,7 +157,7 @@ def run_trl(args: argparse.Namespace, epo_result: Path, out: Path) -> None:
 def _child(side: str, args: argparse.Namespace, workdir: Path) -> dict:
     cmd = [sys.executable, __file__, "--side", side, "--workdir", str(workdir), "--prompts", str(args.prompts),
            "--group", str(args.group), "--max-new-tokens", str(args.max_new_tokens),
-           "--iterations", str(args.iterations), "--seed", str(args.seed)]
+           "--iterations", str(args.iterations), "--seed", str(args.seed), *(["--epo-stop"] if args.epo_stop else [])]
     if args.model:
         cmd += ["--model", args.model]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -171,6 +174,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--iterations", type=int, default=3, help="timed iterations (after one warm-up)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--epo-stop", action="store_true",
+                        help="keep epo's </action> stop string (less work for epo than for TRL)")
     parser.add_argument("--quick", action="store_true", help="a tiny shape for CI: 2 x 2, 8 tokens, 1 iteration")
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--side", choices=["epo", "trl"], help=argparse.SUPPRESS)
