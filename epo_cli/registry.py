@@ -1,0 +1,69 @@
+"""Named components: a `Registry` maps a name used in conf/ to (settings dataclass, constructor).
+
+A component registers itself where it is defined, so adding one touches that module and its yaml:
+
+    LOSS_TERMS = Registry("loss term")
+
+    @dataclass
+    class ToyConfig:
+        weight: float = num(1.0, ge=0)
+
+    @LOSS_TERMS.register("toy", config=ToyConfig)
+    class ToyLoss(LossTerm): ...
+
+Config validation reads `names()` (an unknown name fails at config time listing the valid ones) and
+`config_class(name)` (the component's own settings, checked by the same field rules as every schema);
+`build(name, settings, ...)` constructs it. This module imports nothing heavy, so the config layer can
+read a registry's names without importing torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from epo_cli.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    config: type | None  # the component's own settings dataclass (None: it takes none)
+    build: Callable[..., Any]
+
+
+class Registry:
+    """One kind of component (estimator, loss term, schedule, curriculum ...), keyed by its conf/ name."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._entries: dict[str, Entry] = {}
+
+    def register(self, name: str, *, config: type | None = None) -> Callable[[Any], Any]:
+        """Decorator: register a class or factory function under `name` (a name may be taken once)."""
+
+        def add(build: Any) -> Any:
+            if name in self._entries and self._entries[name].build is not build:
+                raise ValueError(f"{self.kind} '{name}' is registered twice")
+            self._entries[name] = Entry(name, config, build)
+            return build
+
+        return add
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def entry(self, name: str) -> Entry:
+        if name not in self._entries:
+            raise ConfigError(f"Unknown {self.kind} '{name}'. Valid: {', '.join(self.names())}.")
+        return self._entries[name]
+
+    def config_class(self, name: str) -> type | None:
+        return self.entry(name).config
+
+    def build(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        return self.entry(name).build(*args, **kwargs)
