@@ -15,7 +15,8 @@ from epo_cli.algos.losses import (
     PolicyOutputs,
     build_loss_terms,
 )
-from epo_cli.config import AlgoConfig, compose
+from epo_cli.compose import compose
+from epo_cli.config import AlgoConfig
 from epo_cli.errors import ConfigError
 
 torch.set_num_threads(1)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from epo_cli.algos.advantages import anchor_groups, discounted_step_returns, gigpo, text_similarity
-from epo_cli.config import AlgoConfig, compose
+from epo_cli.compose import compose
+from epo_cli.config import AlgoConfig
 from epo_cli.errors import ConfigError
 from epo_cli.rollout.batch import TurnBatch
 
