@@ -274,8 +274,8 @@ def _check_schedule(where: str, section: Any, schema: type, keys: dict[str, str]
     usable = usable_schedules(section_keys, keys)
     if section.schedule not in usable:
         missing = [k for k in parameter_keys(section.schedule, keys).values() if k not in section_keys]
-        raise ConfigError(f"{where}.schedule={section.schedule} takes {', '.join(missing)}, which the '{where}' section "
-                          f"has no key for. Schedules it can use: {', '.join(usable)}.")
+        raise ConfigError(f"{where}.schedule={section.schedule} takes {', '.join(missing)}, which the '{where}' "
+                          f"section has no key for. Schedules it can use: {', '.join(usable)}.")
 
 
 def _check_consistency(cfg: DictConfig) -> None:

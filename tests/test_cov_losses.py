@@ -136,7 +136,7 @@ def test_kl_cov_top_two_with_a_smaller_coefficient():
 
 
 def test_policy_loss_registry_and_builder():
-    assert set(POLICY_LOSSES) == {"clip", "clip_cov", "kl_cov"}
+    assert POLICY_LOSSES.names() == ["clip", "clip_cov", "kl_cov"]
     algo = AlgoConfig(loss_terms=["policy_clip", "kl"])
     for name, cls in (("clip", PolicyClipLoss), ("clip_cov", ClipCovLoss), ("kl_cov", KLCovLoss)):
         algo.policy_loss = name

@@ -59,7 +59,7 @@ def outputs(logprobs, entropy=None, values=None) -> PolicyOutputs:
 
 
 def test_registries():
-    assert set(LOSS_TERMS) == {"policy_clip", "value", "entropy", "entropy_smoothing", "kl", "nll"}
+    assert set(LOSS_TERMS.names()) == {"policy_clip", "value", "entropy", "entropy_smoothing", "kl", "nll"}
     assert ENTROPY_MODES == {
         "token_mean": "token-mean",
         "trajectory": "trajectory",
