@@ -148,6 +148,8 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
 
 def validate(raw: DictConfig) -> DictConfig:
     """Merge a composed config into the typed schemas and check cross-field consistency."""
+    from epo_cli.algos import registry_names  # the component modules import torch: only when validating
+
     env_name = str(OmegaConf.select(raw, "env.name", default="household"))
     OmegaConf.set_struct(raw, False)
     raw.pop("hydra", None)
@@ -168,8 +170,6 @@ def validate(raw: DictConfig) -> DictConfig:
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None) or "?"
         raise ConfigError(f"Invalid config value at '{key}': {str(err).splitlines()[0]}") from None
-    from epo_cli.algos import registry_names
-
     registries = registry_names()
     check_field_rules(cfg, RunConfig, registries=registries, schemas={"env": env_config_class(env_name)})
     _check_consistency(cfg)
