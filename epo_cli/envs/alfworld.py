@@ -23,9 +23,10 @@ progress (events reached / (events + 1); 1.0 once won), expert_action (alfworld'
 handcoded expert, like its AlfredExpert wrapper: "look" on the first turn and whenever the expert's choice
 is not admissible; None if the expert gave up), expert_thought (None), truncated (max_turns reached).
 
-Subgoal events (for `curriculum.subgoal_rewards`) carry env=household's names and are derived from the
-game's PDDL facts and the task's parameters in traj_data.json (object_target, parent_target, toggle_target),
-the way alfworld's handcoded expert tracks its own subgoals; each is reported once per episode:
+Subgoal events (for `curriculum.subgoal_rewards`) are those of epo_cli/envs/subgoals.py (env=household
+reports the same names). Here they are derived from the game's PDDL facts and the task's parameters in
+traj_data.json (object_target, parent_target, toggle_target), the way alfworld's handcoded expert tracks
+its own subgoals; each is reported once per episode:
     found_target  an object of the target class is in view ("you see ... apple 1")
     picked        the agent holds an object of the target class (holds agent1 'apple 1')
     transformed   clean/heat/cool tasks: the held target object is clean/hot/cool (isclean/ishot/iscool)
@@ -53,7 +54,7 @@ from typing import Any
 
 from epo_cli.config import EnvConfig, num
 from epo_cli.envs.base import Env, EnvSuite, StepResult, Task
-from epo_cli.envs.household import SUBGOALS
+from epo_cli.envs.subgoals import SUBGOALS
 from epo_cli.errors import ConfigError, UserError
 
 #: alfworld's numbering (alfworld.agents.environment.alfred_tw_env.TASK_TYPES) -> (our name, alfworld's name)
