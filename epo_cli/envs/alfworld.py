@@ -16,6 +16,10 @@ names; config accepts the number, the short name or alfworld's own name:
     1 pick_and_place (pick_and_place_simple)       4 pick_heat_then_place (..._in_recep)
     2 look_at_obj_in_light                         5 pick_cool_then_place (..._in_recep)
     3 pick_clean_then_place (..._in_recep)         6 pick_two_obj_and_place
+A curriculum level is one task type in any of these spellings, or several joined by commas
+("pick_clean_then_place,4" is one level); by default a curriculum climbs the configured env.task_types in
+alfworld's order (pick_and_place, look_at_obj_in_light, clean, heat, cool, pick_two), which is also a
+sensible order of difficulty. Tasks leave Task.level unset (the curriculum tags them).
 
 Info keys: goal, admissible_commands (the engine's list less "help"), won, lost (always False: ALFWorld
 has no losing state), task_type, task_id, subgoals (progress events reached at this step, see below),

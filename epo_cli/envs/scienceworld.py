@@ -4,6 +4,9 @@ Splits are ScienceWorld's own variation splits, read from its API: train -> trai
 eval_in_distribution -> dev, eval_out_of_distribution -> test. A task is `<task name>/<variation>`.
 `sample_tasks` cycles through the configured task names in a shuffled order (each task equally often, so
 tasks with hundreds of variations do not crowd out those with ten), then draws a variation of that task.
+A curriculum level is a task name (or id such as 1-1), or several joined by commas; by default a
+curriculum climbs env.tasks in the order given, one task per level, else `STAGES` (all 30 tasks in four
+groups of rising horizon). Tasks leave Task.level unset (the curriculum tags them).
 
 Each env owns a JVM (~0.7 GB, ~4 s to start), started on its first reset; `close()` shuts it down. When its
 process dies instead, the JVM exits by itself (py4j's die-on-broken-pipe watches its stdin). The JVM gets
