@@ -104,6 +104,8 @@ class CurriculumSettings:
 
 @dataclass(frozen=True)
 class StagedSettings(CurriculumSettings):
+    """curriculum=staged: promotion window and thresholds, and the replay share of earlier levels."""
+
     window: int
     promote_at: float
     demote_at: float | None
@@ -123,6 +125,8 @@ class StagedSettings(CurriculumSettings):
 
 @dataclass(frozen=True)
 class AdaptiveSettings(CurriculumSettings):
+    """curriculum=adaptive: the score's window and signal, and the uniform exploration floor."""
+
     window: int
     adaptive_signal: str
     exploration_floor: float
