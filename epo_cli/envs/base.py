@@ -68,7 +68,9 @@ class EnvSuite(ABC):
 
     Subclasses set `name` and `config_class` (a dataclass extending `EnvConfig` in epo_cli.config)
     and are registered in `epo_cli.envs.ENV_SUITES`. Constructing a suite must be cheap and must not
-    import heavy optional packages; `check()` does the expensive validation.
+    import heavy optional packages; `check()` does the expensive validation. What curricula need to know
+    about an env (its default levels, whether and when it reports subgoal events) comes from the suite
+    too (`curriculum_levels()`, `reports_subgoals`, `check_subgoal_rewards()`), never from env names.
     """
 
     name: str = ""
