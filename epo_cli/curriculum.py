@@ -20,20 +20,15 @@ Options (`curriculum=<name>`, conf/curriculum/<name>.yaml):
     subgoal_rewards  sparse task reward plus intermediate rewards (same as `curriculum.subgoal_rewards=true`,
                      which combines with every option above)
 
-What a level means depends on the env suite; the curriculum passes the level string to
-`suite.sample_tasks(split, n, rng, level=...)` and each suite interprets it:
-    household     a level name of HouseholdSuite.levels() (tiny_open_pick_place ... alfworld_size_all_tasks);
-                  default levels: all five, easiest first
-    alfworld      a task type (1-6, our short name or alfworld's name), or several joined by commas
-                  ("pick_clean_then_place,pick_heat_then_place" is one level); default: the configured
-                  env.task_types in alfworld's order (pick_and_place, look_at_obj_in_light, clean, heat, cool,
-                  pick_two), which is also a sensible order of difficulty
-    scienceworld  a task name (or id such as 1-1), or several joined by commas; default: env.tasks in the
-                  order given, one task per level, else SCIENCEWORLD_STAGES below (all 30 tasks in four
-                  groups of rising horizon)
-    other suites  their own `levels()`; `curriculum.levels` must be set when a suite has none
-Suites that leave Task.level unset (alfworld, scienceworld) get it set to the level string here, so that the
-trainer's per-level success (curriculum/level_success/<level>) comes back under the curriculum's names.
+What a level means is the env suite's business: the curriculum passes each level string to
+`suite.sample_tasks(split, n, rng, level=...)`, and with `curriculum.levels` empty staged and adaptive climb
+`suite.curriculum_levels()` (each suite documents its levels there and in its module). Suites that leave
+Task.level unset get it set to the level string here, so that the trainer's per-level success
+(curriculum/level_success/<level>) comes back under the curriculum's names. Subgoal rewards ask the suite
+too (`suite.check_subgoal_rewards()`: an error with the fix, or a warning where the env reports no events).
+
+Each option is registered in `CURRICULA` (epo_cli/registry.py) with its settings dataclass: the fields it
+reads from the flat `curriculum` section (conf/curriculum/none.yaml holds every key with its default).
 
 Metrics (logged after each iteration's `observe`, i.e. the state the next iteration draws from):
 curriculum/level (staged: the stage index; adaptive and mixtures: the expected index under the weights),
@@ -50,31 +45,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-import warnings
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from epo_cli.envs.base import EnvSuite, Task
 from epo_cli.errors import ConfigError, UserError
+from epo_cli.registry import Registry
 
-#: Default ScienceWorld levels when env.tasks is empty: groups of tasks, shortest/simplest first. A heuristic
-#: from the tasks' gold-path lengths and the number of sub-procedures they need (find and identify; use one
-#: instrument or mix; change a state of matter or measure; grow and breed over many steps).
-SCIENCEWORLD_STAGES: tuple[tuple[str, ...], ...] = (
-    ("find-living-thing", "find-non-living-thing", "find-plant", "find-animal", "lifespan-longest-lived",
-     "lifespan-shortest-lived", "lifespan-longest-lived-then-shortest-lived", "identify-life-stages-1",
-     "identify-life-stages-2"),
-    ("use-thermometer", "test-conductivity", "test-conductivity-of-unknown-substances", "power-component",
-     "power-component-renewable-vs-nonrenewable-energy", "chemistry-mix",
-     "chemistry-mix-paint-secondary-color", "chemistry-mix-paint-tertiary-color",
-     "inclined-plane-determine-angle"),
-    ("boil", "melt", "freeze", "change-the-state-of-matter-of", "measure-melting-point-known-substance",
-     "measure-melting-point-unknown-substance", "inclined-plane-friction-named-surfaces",
-     "inclined-plane-friction-unnamed-surfaces"),
-    ("grow-plant", "grow-fruit", "mendelian-genetics-known-plant", "mendelian-genetics-unknown-plant"),
-)
-
-NAMES = ("none", "staged", "adaptive", "horizon", "subgoal_rewards")
+#: `curriculum=<name>` -> (settings dataclass, Curriculum class); config validation reads its names()
+CURRICULA = Registry("curriculum")
 ADAPTIVE_SIGNALS = ("progress", "closeness")
 
 Stats = tuple[float, float]  # (wins, episodes)
@@ -92,29 +72,98 @@ def _in_range(key: str, value: float, low: float, high: float, high_open: bool =
         raise ConfigError(f"curriculum.{key} must be in [{low}, {high}{bracket} (got {value}).")
 
 
+_S = TypeVar("_S", bound="CurriculumSettings")
+
+
+@dataclass(frozen=True)
+class CurriculumSettings:
+    """What every curriculum reads: the growing turn limit and the subgoal rewards, which any option
+    combines with (`curriculum.horizon=true`, `curriculum.subgoal_rewards=true`)."""
+
+    horizon: bool
+    start_turns: int
+    horizon_share: float
+    subgoal_rewards: bool
+    subgoal_coef: float
+    subgoal_decay_share: float | None
+
+    @classmethod
+    def of(cls: type[_S], section: Any) -> _S:
+        """This class's fields, read by name from the flat `curriculum` section (CurriculumConfig or yaml)."""
+        return cls(**{f.name: getattr(section, f.name) for f in dataclasses.fields(cls)})
+
+    def __post_init__(self) -> None:
+        if self.subgoal_coef < 0:
+            raise ConfigError(f"curriculum.subgoal_coef must be >= 0 (got {self.subgoal_coef}).")
+        share = self.subgoal_decay_share
+        if share is not None and share < 0:
+            raise ConfigError(f"curriculum.subgoal_decay_share must be >= 0 or null (got {share}).")
+        if self.horizon:
+            _in_range("horizon_share", self.horizon_share, 0.0, 1.0)
+
+
+@dataclass(frozen=True)
+class StagedSettings(CurriculumSettings):
+    """curriculum=staged: promotion window and thresholds, and the replay share of earlier levels."""
+
+    window: int
+    promote_at: float
+    demote_at: float | None
+    replay_share: float
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.window < 1:
+            raise ConfigError(f"curriculum.window must be >= 1 (got {self.window}).")
+        _in_range("promote_at", self.promote_at, 0.0, 1.0)
+        _in_range("replay_share", self.replay_share, 0.0, 1.0, high_open=True)
+        if self.demote_at is not None and not 0.0 <= self.demote_at < self.promote_at:
+            raise ConfigError(f"curriculum.demote_at must be in [0, promote_at) or null (got "
+                              f"{self.demote_at}, promote_at={self.promote_at}); the gap keeps a level from "
+                              "flapping.")
+
+
+@dataclass(frozen=True)
+class AdaptiveSettings(CurriculumSettings):
+    """curriculum=adaptive: the score's window and signal, and the uniform exploration floor."""
+
+    window: int
+    adaptive_signal: str
+    exploration_floor: float
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.adaptive_signal not in ADAPTIVE_SIGNALS:
+            raise ConfigError(f"Invalid value '{self.adaptive_signal}' for 'curriculum.adaptive_signal'. "
+                              f"Valid values: {', '.join(ADAPTIVE_SIGNALS)}.")
+        if self.window < 1:
+            raise ConfigError(f"curriculum.window must be >= 1 (got {self.window}).")
+        _in_range("exploration_floor", self.exploration_floor, 0.0, 1.0)
+
+
+# `horizon` and `subgoal_rewards` are `none` with a flag turned on by their yaml
+@CURRICULA.register("none", config=CurriculumSettings)
+@CURRICULA.register("horizon", config=CurriculumSettings)
+@CURRICULA.register("subgoal_rewards", config=CurriculumSettings)
 class Curriculum:
     """`curriculum=none` (and the base of the others): tasks of the configured env, fixed turn limit,
     optional subgoal rewards. With `curriculum.levels` set it draws every task from a uniform mix of them."""
 
     name = "none"
+    settings_class: type[CurriculumSettings] = CurriculumSettings
+    #: staged/adaptive need levels: with curriculum.levels empty they take the suite's curriculum_levels()
+    needs_levels = False
 
     def __init__(self, cfg: Any, env_cfg: Any, levels: Sequence[str] = ()) -> None:
-        self.cfg = cfg
+        self.cfg = self.settings_class.of(cfg)
         self.env_cfg = env_cfg
         self.levels = [str(level).strip() for level in levels]
         dupes = sorted({lv for lv in self.levels if self.levels.count(lv) > 1})
         if dupes:
             raise ConfigError(f"curriculum.levels lists {dupes} more than once; each level must appear once.")
-        if cfg.subgoal_coef < 0:
-            raise ConfigError(f"curriculum.subgoal_coef must be >= 0 (got {cfg.subgoal_coef}).")
-        share = cfg.subgoal_decay_share
-        if share is not None and share < 0:
-            raise ConfigError(f"curriculum.subgoal_decay_share must be >= 0 or null (got {share}).")
-        if cfg.horizon:
-            if not 1 <= cfg.start_turns <= env_cfg.max_turns:
-                raise ConfigError(f"curriculum.start_turns must be in [1, env.max_turns={env_cfg.max_turns}] "
-                                  f"(got {cfg.start_turns}).")
-            _in_range("horizon_share", cfg.horizon_share, 0.0, 1.0)
+        if self.cfg.horizon and not 1 <= self.cfg.start_turns <= env_cfg.max_turns:
+            raise ConfigError(f"curriculum.start_turns must be in [1, env.max_turns={env_cfg.max_turns}] "
+                              f"(got {self.cfg.start_turns}).")
         self._levels_checked = False  # checked against the suite on the first draw (not state: cheap to redo)
 
     # -- what the trainer calls ------------------------------------------------------------------------------
@@ -164,7 +213,8 @@ class Curriculum:
             return
         # names compare by the class they build: `horizon` and `subgoal_rewards` are flags on `none` (a
         # checkpoint of a horizon run from before that change says "horizon")
-        same_kind = CURRICULA.get(state.get("name", self.name)) is type(self)
+        saved_name = state.get("name", self.name)
+        same_kind = saved_name in CURRICULA and CURRICULA.entry(saved_name).build is type(self)
         if state.get("levels", self.levels) != self.levels or not same_kind:
             raise UserError(
                 f"The checkpoint's curriculum ({state.get('name')}, levels {state.get('levels')}) differs "
@@ -201,7 +251,8 @@ class Curriculum:
             count = slots.count(i)
             if count:
                 tasks = suite.sample_tasks(self.env_cfg.train_split, count, rng, level=level)
-                # alfworld/scienceworld leave Task.level unset: tag it so per-level success comes back here
+                # suites whose levels are task types leave Task.level unset: tag it so per-level success
+                # comes back under the curriculum's names
                 drawn[i] = [t if t.level is not None else dataclasses.replace(t, level=level) for t in tasks]
         return [drawn[i].pop(0) for i in slots]
 
@@ -221,6 +272,7 @@ class Curriculum:
         self._levels_checked = True
 
 
+@CURRICULA.register("staged", config=StagedSettings)
 class StagedCurriculum(Curriculum):
     """One level at a time, easiest first, with promotion, optional demotion and replay of earlier levels.
 
@@ -232,19 +284,13 @@ class StagedCurriculum(Curriculum):
     """
 
     name = "staged"
+    settings_class = StagedSettings
+    needs_levels = True
 
     def __init__(self, cfg: Any, env_cfg: Any, levels: Sequence[str] = ()) -> None:
         super().__init__(cfg, env_cfg, levels)
         if not self.levels:
             raise ConfigError("curriculum=staged needs at least one level (curriculum.levels).")
-        if cfg.window < 1:
-            raise ConfigError(f"curriculum.window must be >= 1 (got {cfg.window}).")
-        _in_range("promote_at", cfg.promote_at, 0.0, 1.0)
-        _in_range("replay_share", cfg.replay_share, 0.0, 1.0, high_open=True)
-        if cfg.demote_at is not None and not 0.0 <= cfg.demote_at < cfg.promote_at:
-            raise ConfigError(f"curriculum.demote_at must be in [0, promote_at) or null (got "
-                              f"{cfg.demote_at}, promote_at={cfg.promote_at}); the gap keeps a level from "
-                              "flapping.")
         self.stage = 0
         self.window: list[list[float]] = []  # [wins, episodes] of the current level, one entry per iteration
         self.promotions = 0
@@ -312,6 +358,7 @@ class StagedCurriculum(Curriculum):
         self.last_success = {str(k): float(v) for k, v in state.get("last_success", {}).items()}
 
 
+@CURRICULA.register("adaptive", config=AdaptiveSettings)
 class AdaptiveCurriculum(Curriculum):
     """Every level is drawn each iteration with probability
 
@@ -328,17 +375,13 @@ class AdaptiveCurriculum(Curriculum):
     """
 
     name = "adaptive"
+    settings_class = AdaptiveSettings
+    needs_levels = True
 
     def __init__(self, cfg: Any, env_cfg: Any, levels: Sequence[str] = ()) -> None:
         super().__init__(cfg, env_cfg, levels)
         if not self.levels:
             raise ConfigError("curriculum=adaptive needs at least one level (curriculum.levels).")
-        if cfg.adaptive_signal not in ADAPTIVE_SIGNALS:
-            raise ConfigError(f"Invalid value '{cfg.adaptive_signal}' for 'curriculum.adaptive_signal'. "
-                              f"Valid values: {', '.join(ADAPTIVE_SIGNALS)}.")
-        if cfg.window < 1:
-            raise ConfigError(f"curriculum.window must be >= 1 (got {cfg.window}).")
-        _in_range("exploration_floor", cfg.exploration_floor, 0.0, 1.0)
         #: per level: [wins, episodes] of the iterations it was played in, the last 2*window of them
         self.history: dict[str, list[list[float]]] = {lv: [] for lv in self.levels}
         self.weights = self._weights()
@@ -395,48 +438,22 @@ class AdaptiveCurriculum(Curriculum):
         self.weights = [float(w) for w in state["weights"]]
 
 
-CURRICULA: dict[str, type[Curriculum]] = {
-    "none": Curriculum,
-    "subgoal_rewards": Curriculum,  # the yaml turns subgoal_rewards on; tasks and turns as `none`
-    "staged": StagedCurriculum,
-    "adaptive": AdaptiveCurriculum,
-    "horizon": Curriculum,  # the yaml turns horizon on; tasks as `none`
-}
-
-
-def default_levels(env_cfg: Any, suite: EnvSuite) -> list[str]:
-    """The suite's levels, easiest first (see the module docstring for each suite)."""
-    if env_cfg.name == "scienceworld":
-        tasks = list(getattr(env_cfg, "tasks", None) or [])
-        return [str(t) for t in tasks] if tasks else [",".join(group) for group in SCIENCEWORLD_STAGES]
-    return list(suite.levels())
-
-
-def _check_subgoal_source(env_cfg: Any) -> None:
-    """Subgoal rewards need an env that reports progress events in info['subgoals']."""
-    if env_cfg.name == "scienceworld" and getattr(env_cfg, "reward", "dense") != "dense":
-        raise ConfigError("curriculum.subgoal_rewards=true on env=scienceworld needs its progress events, "
-                          "which it reports only with env.reward=dense. Fix: add env.reward=dense.")
-    if env_cfg.name == "textworld":
-        warnings.warn(f"env={env_cfg.name} reports no subgoal events (info['subgoals'] is empty), so "
-                      "curriculum.subgoal_rewards=true adds no reward there.", stacklevel=3)
-
-
 def build_curriculum(cfg: Any, suite: EnvSuite | None = None) -> Curriculum:
-    """The curriculum named by cfg.curriculum.name; `suite` supplies default levels (built if not given)."""
+    """The curriculum named by cfg.curriculum.name; `suite` supplies default levels and checks subgoal
+    rewards (built from cfg.env if not given: cheap, suites do their expensive work in check())."""
     ccfg, env_cfg = cfg.curriculum, cfg.env
-    if ccfg.name not in CURRICULA:
-        raise ConfigError(f"Unknown curriculum '{ccfg.name}'. Valid curricula: {', '.join(CURRICULA)}.")
+    entry = CURRICULA.entry(ccfg.name)
     levels = list(ccfg.levels or [])
-    if not levels and ccfg.name in ("staged", "adaptive"):
-        if suite is None:
-            from epo_cli.envs import make_suite
+    needs_levels = not levels and entry.build.needs_levels
+    if suite is None and (needs_levels or ccfg.subgoal_rewards):
+        from epo_cli.envs import make_suite
 
-            suite = make_suite(env_cfg)  # cheap: suites do their expensive work in check()
-        levels = default_levels(env_cfg, suite)
+        suite = make_suite(env_cfg)
+    if needs_levels:
+        levels = list(suite.curriculum_levels())
         if not levels:
             raise ConfigError(f"curriculum={ccfg.name} needs levels and env={env_cfg.name} defines none. "
                               "Fix: set curriculum.levels=[...] (easiest first).")
     if ccfg.subgoal_rewards:
-        _check_subgoal_source(env_cfg)
-    return CURRICULA[ccfg.name](ccfg, env_cfg, levels)
+        suite.check_subgoal_rewards()
+    return entry.build(ccfg, env_cfg, levels)

@@ -12,14 +12,15 @@ import random
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 
 from epo_cli.envs.alfworld import TASK_TYPES, AlfworldConfig, AlfworldSuite
 from epo_cli.envs.base import Task
-from epo_cli.envs.household import SUBGOALS
 from epo_cli.envs.pool import EnvPool
+from epo_cli.envs.subgoals import SUBGOALS
 from epo_cli.errors import ConfigError, UserError
 
 from conftest import REPO, only_run_dir, run_cli, shared_dir
@@ -45,6 +46,17 @@ def test_task_type_numbering_is_alfworlds() -> None:
     assert chosen.task_types() == ["look_at_obj_in_light", "pick_heat_then_place", "pick_two_obj_and_place"]
     with pytest.raises(ConfigError, match="Valid task types: 1=pick_and_place"):
         suite(task_types=["7"]).task_types()
+
+
+def test_suite_interface_for_curricula_and_subgoal_rewards() -> None:
+    # a curriculum climbs the configured task types in alfworld's order, whatever order the config lists
+    chosen = suite(task_types=["pick_two_obj_and_place", "2", "pick_heat_then_place_in_recep"])
+    assert chosen.curriculum_levels() == ["look_at_obj_in_light", "pick_heat_then_place", "pick_two_obj_and_place"]
+    assert suite().curriculum_levels() == [short for short, _ in TASK_TYPES.values()]
+    assert chosen.reports_subgoals and set(SUBGOALS) == {short for short, _ in TASK_TYPES.values()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        chosen.check_subgoal_rewards()  # events come from the PDDL facts: nothing to fix, nothing to warn
 
 
 def test_lists_solvable_games_per_split_and_task_type() -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import random
 import warnings
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
@@ -17,13 +17,15 @@ from omegaconf import OmegaConf
 from epo_cli.compose import compose
 from epo_cli.config import CurriculumConfig
 from epo_cli.curriculum import (
+    CURRICULA,
     AdaptiveCurriculum,
+    AdaptiveSettings,
     Curriculum,
+    CurriculumSettings,
     StagedCurriculum,
     build_curriculum,
-    default_levels,
 )
-from epo_cli.envs.base import Task
+from epo_cli.envs.base import EnvSuite, Task
 from epo_cli.envs.household import HouseholdConfig, HouseholdSuite
 from epo_cli.errors import ConfigError
 
@@ -340,18 +342,57 @@ def test_build_from_composed_config():
     assert build_curriculum(compose([])).subgoal_coef(0, 10) == 0.0
 
 
-def test_default_levels_per_suite():
-    alf = OmegaConf.create({"name": "alfworld", "task_types": ["pick_heat_then_place", "1"]})
+class LadderSuite(EnvSuite):
+    """A suite whose default curriculum ladder differs from its named levels, as ScienceWorld's does."""
 
-    class FakeAlfworld:
-        def levels(self):  # what AlfworldSuite.levels() returns: configured task types, alfworld's order
-            return ["pick_and_place", "pick_heat_then_place"]
+    name = "ladder"
 
-    assert default_levels(alf, FakeAlfworld()) == ["pick_and_place", "pick_heat_then_place"]
-    sw = OmegaConf.create({"name": "scienceworld", "tasks": ["find-animal", "boil"]})
-    assert default_levels(sw, None) == ["find-animal", "boil"]  # configured order, one task per level
-    sw_all = default_levels(OmegaConf.create({"name": "scienceworld", "tasks": []}), None)
-    assert len(sw_all) == 4 and sum(len(g.split(",")) for g in sw_all) == 30
+    def make_env(self):
+        raise NotImplementedError
+
+    def sample_tasks(self, split, n, rng, level=None):
+        return [Task(f"{level}/{rng.randrange(100)}", "any", 0, split) for _ in range(n)]
+
+    def levels(self):
+        return ["named"]
+
+    def curriculum_levels(self):
+        return ["easy", "easy,hard"]
+
+
+def test_default_levels_come_from_the_suite():
+    cfg = compose(["curriculum=adaptive"])
+    assert build_curriculum(cfg, LadderSuite(cfg.env)).levels == ["easy", "easy,hard"]
+    # configured levels win over the suite's; a suite without a ladder needs them configured
+    listed = compose(["curriculum=staged", "curriculum.levels=[hard]"])
+    assert build_curriculum(listed, LadderSuite(listed.env)).levels == ["hard"]
+
+    class NoLadder(LadderSuite):
+        def curriculum_levels(self):
+            return []
+
+    with pytest.raises(ConfigError, match="env=household defines none"):
+        build_curriculum(compose(["curriculum=staged"]), NoLadder(cfg.env))
+    assert build_curriculum(compose(["curriculum=none"]), NoLadder(cfg.env)).levels == []  # none needs none
+
+
+def test_every_curriculum_is_registered_with_the_settings_it_reads():
+    assert CURRICULA.names() == ["adaptive", "horizon", "none", "staged", "subgoal_rewards"]
+    for name in CURRICULA.names():
+        entry = CURRICULA.entry(name)
+        assert entry.config is entry.build.settings_class
+        # every setting is a key of the flat curriculum section (conf/curriculum/none.yaml, CurriculumConfig)
+        assert {f.name for f in fields(entry.config)} <= {f.name for f in fields(CurriculumConfig)}
+    with pytest.raises(ConfigError, match="Unknown curriculum 'spiral'. Valid: adaptive, horizon, none"):
+        build_curriculum(OmegaConf.create({"curriculum": {"name": "spiral", "levels": []}, "env": {}}))
+    # each curriculum keeps only its own settings, read by name from the flat section
+    section = replace(CurriculumConfig(), window=5, exploration_floor=0.3, promote_at=0.9)
+    settings = AdaptiveSettings.of(section)
+    assert (settings.window, settings.exploration_floor, settings.horizon) == (5, 0.3, False)
+    assert not hasattr(settings, "promote_at")
+    assert not hasattr(CurriculumSettings.of(section), "window")
+    with pytest.raises(ConfigError, match="exploration_floor must be in"):
+        AdaptiveSettings.of(replace(section, exploration_floor=1.5))
 
 
 def test_unknown_household_level_fails_at_the_first_draw():

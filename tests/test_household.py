@@ -12,6 +12,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import fields
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from epo_cli.envs.household import (
     generate,
     make_world,
 )
+from epo_cli.envs.subgoals import SUBGOALS
 from epo_cli.errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -390,6 +392,30 @@ def test_games_do_not_depend_on_the_hash_seed():
                        env={"PYTHONHASHSEED": str(seed), "PATH": ""}).stdout
         for seed in (1, 2)}
     assert len(digests) == 1 and len(digests.pop().strip()) == 64
+
+
+def test_suite_interface_for_curricula_and_subgoal_rewards():
+    suite = HouseholdSuite()
+    # a curriculum climbs the five levels, easiest first, and each is a level sample_tasks accepts
+    assert suite.curriculum_levels() == [lvl.name for lvl in LEVELS] == suite.levels()
+    for level in suite.curriculum_levels():
+        assert suite.sample_tasks("train", 1, random.Random(0), level=level)[0].level == level
+    assert suite.reports_subgoals
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        suite.check_subgoal_rewards()  # nothing to fix, nothing to warn about
+    # the events the expert passes through come from the shared ALFWorld vocabulary of the task type
+    assert set(SUBGOALS) == set(TASK_TYPES)
+    env = HouseholdEnv()
+    for task_type in TASK_TYPES:
+        typed = HouseholdSuite(HouseholdConfig(level="large_all_tasks", task_types=[task_type]))
+        for task in typed.sample_tasks("train", 5, random.Random(task_type)):
+            _, info = env.reset(task)
+            reached = []
+            while not info["won"]:
+                info = env.step(info["expert_action"]).info
+                reached += info["subgoals"]
+            assert set(reached) <= set(SUBGOALS[task_type]) and {"found_target", "picked"} <= set(reached)
 
 
 def test_levels_turn_their_knobs():

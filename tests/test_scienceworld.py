@@ -12,7 +12,7 @@ import pytest
 
 from epo_cli.envs.base import Task
 from epo_cli.envs.pool import EnvPool, descendant_pids
-from epo_cli.envs.scienceworld import ScienceWorldConfig, ScienceWorldSuite, java_problem
+from epo_cli.envs.scienceworld import STAGES, ScienceWorldConfig, ScienceWorldSuite, java_problem
 from epo_cli.errors import ConfigError, UserError
 
 pytest.importorskip("scienceworld", reason="scienceworld is not installed (pip install 'epo[envs]')")
@@ -41,6 +41,24 @@ def test_config_is_validated() -> None:
         _suite(reward="shaped").check()
     assert ScienceWorldSuite(ScienceWorldConfig(tasks=["1-1"])).task_names() == ["boil"]
     assert len(ScienceWorldSuite(ScienceWorldConfig()).task_names()) == 30
+
+
+def test_suite_interface_for_curricula_and_subgoal_rewards() -> None:
+    # configured tasks: one level each, in the order given and as written
+    assert ScienceWorldSuite(ScienceWorldConfig(tasks=["find-animal", "1-1"])).curriculum_levels() == \
+        ["find-animal", "1-1"]
+    # all tasks: the four stages, which name every ScienceWorld task exactly once
+    everything = ScienceWorldSuite(ScienceWorldConfig())
+    stages = everything.curriculum_levels()
+    assert stages == [",".join(group) for group in STAGES] and len(stages) == 4
+    names = [name for level in stages for name in level.split(",")]
+    assert sorted(names) == sorted(everything.task_names()) and len(names) == 30
+    assert everything.levels() == []  # no named levels: the stages are only a curriculum's default ladder
+    # progress events need the dense reward; with it there is nothing to fix
+    assert everything.reports_subgoals
+    with pytest.raises(ConfigError, match="env.reward=dense"):
+        everything.check_subgoal_rewards()
+    _suite(reward="dense").check_subgoal_rewards()
 
 
 @pytest.mark.realenv

@@ -57,6 +57,14 @@ def test_games_dir_problems_are_user_errors(tmp_path: Path) -> None:
         TextWorldSuite(TextWorldConfig(games_dir=str(tmp_path / "missing"))).games("train")
 
 
+def test_suite_interface_for_curricula_and_subgoal_rewards() -> None:
+    suite = TextWorldSuite(TextWorldConfig())
+    assert suite.curriculum_levels() == []  # no levels: a staged or adaptive curriculum must list them
+    assert not suite.reports_subgoals
+    with pytest.warns(UserWarning, match="env=textworld reports no subgoal events"):
+        suite.check_subgoal_rewards()
+
+
 def test_banner_and_status_line_are_dropped() -> None:
     raw = ("\n\n   ________  __\n  |  \\$$$$$$$$|\n\nWelcome to the attic.\n\n\n\nYou see a box.\n"
            ">                                       -= Attic =-0/1")

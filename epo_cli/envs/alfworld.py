@@ -16,6 +16,10 @@ names; config accepts the number, the short name or alfworld's own name:
     1 pick_and_place (pick_and_place_simple)       4 pick_heat_then_place (..._in_recep)
     2 look_at_obj_in_light                         5 pick_cool_then_place (..._in_recep)
     3 pick_clean_then_place (..._in_recep)         6 pick_two_obj_and_place
+A curriculum level is one task type in any of these spellings, or several joined by commas
+("pick_clean_then_place,4" is one level); by default a curriculum climbs the configured env.task_types in
+alfworld's order (pick_and_place, look_at_obj_in_light, clean, heat, cool, pick_two), which is also a
+sensible order of difficulty. Tasks leave Task.level unset (the curriculum tags them).
 
 Info keys: goal, admissible_commands (the engine's list less "help"), won, lost (always False: ALFWorld
 has no losing state), task_type, task_id, subgoals (progress events reached at this step, see below),
@@ -23,9 +27,10 @@ progress (events reached / (events + 1); 1.0 once won), expert_action (alfworld'
 handcoded expert, like its AlfredExpert wrapper: "look" on the first turn and whenever the expert's choice
 is not admissible; None if the expert gave up), expert_thought (None), truncated (max_turns reached).
 
-Subgoal events (for `curriculum.subgoal_rewards`) carry env=household's names and are derived from the
-game's PDDL facts and the task's parameters in traj_data.json (object_target, parent_target, toggle_target),
-the way alfworld's handcoded expert tracks its own subgoals; each is reported once per episode:
+Subgoal events (for `curriculum.subgoal_rewards`) are those of epo_cli/envs/subgoals.py (env=household
+reports the same names). Here they are derived from the game's PDDL facts and the task's parameters in
+traj_data.json (object_target, parent_target, toggle_target), the way alfworld's handcoded expert tracks
+its own subgoals; each is reported once per episode:
     found_target  an object of the target class is in view ("you see ... apple 1")
     picked        the agent holds an object of the target class (holds agent1 'apple 1')
     transformed   clean/heat/cool tasks: the held target object is clean/hot/cool (isclean/ishot/iscool)
@@ -53,7 +58,7 @@ from typing import Any
 
 from epo_cli.config import EnvConfig, num
 from epo_cli.envs.base import Env, EnvSuite, StepResult, Task
-from epo_cli.envs.household import SUBGOALS
+from epo_cli.envs.subgoals import SUBGOALS
 from epo_cli.errors import ConfigError, UserError
 
 #: alfworld's numbering (alfworld.agents.environment.alfred_tw_env.TASK_TYPES) -> (our name, alfworld's name)

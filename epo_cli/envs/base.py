@@ -21,6 +21,7 @@ Info keys every env fills (others may add more):
 from __future__ import annotations
 
 import random
+import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,7 +68,9 @@ class EnvSuite(ABC):
 
     Subclasses set `name` and `config_class` (a dataclass extending `EnvConfig` in epo_cli.config)
     and are registered in `epo_cli.envs.ENV_SUITES`. Constructing a suite must be cheap and must not
-    import heavy optional packages; `check()` does the expensive validation.
+    import heavy optional packages; `check()` does the expensive validation. What curricula need to know
+    about an env (its default levels, whether and when it reports subgoal events) comes from the suite
+    too (`curriculum_levels()`, `reports_subgoals`, `check_subgoal_rewards()`), never from env names.
     """
 
     name: str = ""
@@ -76,6 +79,8 @@ class EnvSuite(ABC):
     splits: tuple[str, ...] = ("train", "eval_in_distribution", "eval_out_of_distribution")
     #: expert episodes played to train the tiny model's tokenizer on this env's text (slow envs: few)
     tokenizer_episodes: int = 8
+    #: whether the envs report progress events in info["subgoals"] (curriculum.subgoal_rewards reads them)
+    reports_subgoals: bool = True
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
@@ -94,8 +99,22 @@ class EnvSuite(ABC):
         so the draw is reproducible. For evaluation splits callers pass a fixed-seed rng."""
 
     def levels(self) -> list[str]:
-        """Curriculum levels from easiest to hardest (empty if the suite has none)."""
+        """The suite's named levels from easiest to hardest (empty if the suite has none)."""
         return []
+
+    def curriculum_levels(self) -> list[str]:
+        """The levels a staged or adaptive curriculum climbs when `curriculum.levels` is empty, easiest
+        first; each is a string `sample_tasks(..., level=...)` accepts. Empty: the suite has no sensible
+        default, and the user must list them. Default: `levels()`."""
+        return self.levels()
+
+    def check_subgoal_rewards(self) -> None:
+        """Called when `curriculum.subgoal_rewards` is on. Raise `epo_cli.errors.ConfigError` with the fix
+        if this configuration hides events the env could report (e.g. a sparse reward setting); warn if the
+        env reports none at all (`reports_subgoals` false), since the option then adds no reward."""
+        if not self.reports_subgoals:
+            warnings.warn(f"env={self.name} reports no subgoal events (info['subgoals'] is empty), so "
+                          "curriculum.subgoal_rewards=true adds no reward there.", stacklevel=3)
 
     def versions(self) -> dict[str, str]:
         """Versions of the packages this env depends on, recorded in each run's config.yaml."""

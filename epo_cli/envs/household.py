@@ -40,6 +40,7 @@ from typing import Any
 
 from epo_cli.config import EnvConfig, num, one_of
 from epo_cli.envs.base import Env, EnvSuite, StepResult, Task
+from epo_cli.envs.subgoals import SUBGOALS
 from epo_cli.errors import ConfigError
 
 #: bumped whenever the same Task would generate a different game (recorded in each run's config.yaml)
@@ -363,17 +364,6 @@ HELP = (
     "  cool (object) with (receptacle):  cool an object using a receptacle\n"
     "  slice (object) with (object):     slice an object using a sharp object\n"
 )
-#: subgoal events per task type, each reported once per episode (progress counts them, winning is the last)
-SUBGOALS = {
-    "pick_and_place": ("found_target", "picked"),
-    "look_at_obj_in_light": ("found_target", "picked", "found_lamp"),
-    "pick_clean_then_place": ("found_target", "picked", "transformed"),
-    "pick_heat_then_place": ("found_target", "picked", "transformed"),
-    "pick_cool_then_place": ("found_target", "picked", "transformed"),
-    "pick_two_obj_and_place": ("found_target", "picked", "placed_first"),
-}
-
-
 class HouseholdEnv(Env):
     """One household game at a time: reset(task), then step(command) until done."""
 

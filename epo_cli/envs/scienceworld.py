@@ -4,6 +4,9 @@ Splits are ScienceWorld's own variation splits, read from its API: train -> trai
 eval_in_distribution -> dev, eval_out_of_distribution -> test. A task is `<task name>/<variation>`.
 `sample_tasks` cycles through the configured task names in a shuffled order (each task equally often, so
 tasks with hundreds of variations do not crowd out those with ten), then draws a variation of that task.
+A curriculum level is a task name (or id such as 1-1), or several joined by commas; by default a
+curriculum climbs env.tasks in the order given, one task per level, else `STAGES` (all 30 tasks in four
+groups of rising horizon). Tasks leave Task.level unset (the curriculum tags them).
 
 Each env owns a JVM (~0.7 GB, ~4 s to start), started on its first reset; `close()` shuts it down. When its
 process dies instead, the JVM exits by itself (py4j's die-on-broken-pipe watches its stdin). The JVM gets
@@ -56,6 +59,22 @@ SPLITS = {"train": "train", "eval_in_distribution": "dev", "eval_out_of_distribu
 ALWAYS_ADMISSIBLE = ("look around", "inventory")
 _REFUSED = {"reset task"}
 _UNKNOWN_ACTION = "No known action matches that input."
+#: Default curriculum levels when env.tasks is empty: groups of tasks, shortest/simplest first. A heuristic
+#: from the tasks' gold-path lengths and the number of sub-procedures they need (find and identify; use one
+#: instrument or mix; change a state of matter or measure; grow and breed over many steps).
+STAGES: tuple[tuple[str, ...], ...] = (
+    ("find-living-thing", "find-non-living-thing", "find-plant", "find-animal", "lifespan-longest-lived",
+     "lifespan-shortest-lived", "lifespan-longest-lived-then-shortest-lived", "identify-life-stages-1",
+     "identify-life-stages-2"),
+    ("use-thermometer", "test-conductivity", "test-conductivity-of-unknown-substances", "power-component",
+     "power-component-renewable-vs-nonrenewable-energy", "chemistry-mix",
+     "chemistry-mix-paint-secondary-color", "chemistry-mix-paint-tertiary-color",
+     "inclined-plane-determine-angle"),
+    ("boil", "melt", "freeze", "change-the-state-of-matter-of", "measure-melting-point-known-substance",
+     "measure-melting-point-unknown-substance", "inclined-plane-friction-named-surfaces",
+     "inclined-plane-friction-unnamed-surfaces"),
+    ("grow-plant", "grow-fruit", "mendelian-genetics-known-plant", "mendelian-genetics-unknown-plant"),
+)
 
 
 @dataclass
@@ -142,6 +161,19 @@ class ScienceWorldSuite(EnvSuite):
         if self.cfg.max_admissible < 0:
             raise ConfigError("env.max_admissible must be >= 0 (0 = no cap).")
         self.task_names()  # validates the names
+
+    def curriculum_levels(self) -> list[str]:
+        """env.tasks in the order given, one task per level; with env.tasks empty, `STAGES` (all 30 tasks in
+        four groups of rising horizon; a level of several tasks joins them with commas)."""
+        if self.cfg.tasks:
+            return [str(t) for t in self.cfg.tasks]
+        return [",".join(group) for group in STAGES]
+
+    def check_subgoal_rewards(self) -> None:
+        """Progress events come only with env.reward=dense."""
+        if self.cfg.reward != "dense":
+            raise ConfigError("curriculum.subgoal_rewards=true on env=scienceworld needs its progress events, "
+                              "which it reports only with env.reward=dense. Fix: add env.reward=dense.")
 
     def variations(self) -> dict[str, dict[str, list[int]]]:
         """Variation ids per task and split, from ScienceWorld's API (starts one JVM the first time)."""

@@ -83,6 +83,7 @@ def _clean(text: str) -> str:
 class TextWorldSuite(EnvSuite):
     name = "textworld"
     config_class = TextWorldConfig
+    reports_subgoals = False  # info["subgoals"] is always empty (TextWorld reports only the score)
 
     def __init__(self, cfg: Any) -> None:
         super().__init__(cfg)
