@@ -4,12 +4,14 @@
 dataclass schemas (the env section into the schema of env.name). Any unknown key, unknown group option or
 wrong type fails here, before any work starts, with one `ConfigError` that names the key and the valid
 choices. `check_field_rules` then checks each field's declared range and valid values, with the names of
-the component registries (epo_cli.algos.registry_names); `_check_components` checks the settings of the
-selected components (algo.components.<name>, a schedule's parameters); `_check_consistency` checks the
-rules that span keys and warns (one line) about settings the run would not read.
+the component registries (epo_cli.algos.registry_names, epo_cli.curriculum.CURRICULA);
+`_check_components` checks the settings of the selected components (algo.components.<name>, a schedule's
+parameters); `_check_consistency` checks the rules that span keys and warns (one line) about settings the
+run would not read.
 
-This module sits above config.py, the component packages (algos, envs) and their registries, so none of
-them imports it: config -> errors; algos, envs -> config; compose -> config, algos, envs.
+This module sits above config.py, the component packages (algos, envs, curriculum) and their registries,
+so none of them imports it: config -> errors; algos, envs -> config; compose -> config, algos, envs,
+curriculum.
 """
 
 from __future__ import annotations
@@ -149,6 +151,7 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
 def validate(raw: DictConfig) -> DictConfig:
     """Merge a composed config into the typed schemas and check cross-field consistency."""
     from epo_cli.algos import registry_names  # the component modules import torch: only when validating
+    from epo_cli.curriculum import CURRICULA
 
     env_name = str(OmegaConf.select(raw, "env.name", default="household"))
     OmegaConf.set_struct(raw, False)
@@ -170,7 +173,7 @@ def validate(raw: DictConfig) -> DictConfig:
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None) or "?"
         raise ConfigError(f"Invalid config value at '{key}': {str(err).splitlines()[0]}") from None
-    registries = registry_names()
+    registries = {**registry_names(), "curricula": CURRICULA.names()}
     check_field_rules(cfg, RunConfig, registries=registries, schemas={"env": env_config_class(env_name)})
     _check_consistency(cfg)
     _check_components(cfg, registries)
