@@ -1,11 +1,11 @@
-"""Typed schemas for every config group, and composition + validation of a run's config.
+"""Typed schemas for every config group, and the field rules they declare. Schemas only: this module
+imports nothing of epo_cli but errors, so components (algos, envs, curricula) can import their settings
+classes and field rules from it, and `import epo_cli.config` stays free of torch.
 
-`compose(overrides)` runs Hydra's compose API over conf/, then merges the result into the dataclass
-schemas below. Any unknown key, unknown group option or wrong type fails here, before any work starts,
-with one `ConfigError` that names the key and the valid choices. Each numeric field declares its range
-next to it (`num(default, ge=0, le=1)`) and each enum field its values (`one_of(default, (...))` or an
-algos registry); `check_field_rules` walks the schema and checks them all, then `_check_consistency`
-checks the rules that span keys and warns (one line) about settings the run would not read.
+Each numeric field declares its range next to it (`num(default, ge=0, le=1)`) and each enum field its
+values (`one_of(default, (...))`, or `one_of(default, registry=...)`: the names of a component registry,
+which the caller passes in); `check_field_rules` walks a schema and checks them all. Composing conf/ with
+Hydra, merging into these schemas and the rules that span keys live one layer up, in epo_cli/compose.py.
 
 Groups (conf/<group>/<option>.yaml) and their schemas:
     algo        AlgoConfig        sft | ppo | grpo | gigpo | epo | epo_ppo
@@ -24,14 +24,12 @@ Groups (conf/<group>/<option>.yaml) and their schemas:
 from __future__ import annotations
 
 import difflib
-import re
-import warnings
+from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from epo_cli.errors import ConfigError
 
@@ -48,8 +46,8 @@ def num(default: Any, *, ge: float | None = None, gt: float | None = None, le: f
 
 def one_of(default: Any = None, valid: tuple[Any, ...] = (), *, registry: str | None = None,
            extra: tuple[Any, ...] = (), default_factory: Any = None) -> Any:
-    """A field whose value (each item, for a list) is one of `valid`, or a name in the algos registry
-    `registry` (epo_cli.algos.registry_names) plus `extra`."""
+    """A field whose value (each item, for a list) is one of `valid`, or a name in the component registry
+    `registry` (the keys of epo_cli.algos.registry_names()) plus `extra`."""
     meta = {"choices": tuple(valid) + tuple(extra), "registry": registry}
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=meta)
@@ -146,8 +144,9 @@ class SmoothingConfig:
 class PhaseConfig:
     """Phase weight beta_k multiplying the smoothing term."""
 
-    #: paper (1 + exp(-gamma k / floor(K/2))) | constant | two_phase
-    schedule: str = one_of("paper", registry="phase_schedules")
+    #: a schedule of epo_cli/algos/schedules.py whose parameters this section has: paper
+    #: (1 + exp(-gamma k / floor(K/2))) | constant (value) | two_phase (beta_start/peak/end) | ...
+    schedule: str = one_of("paper", registry="schedules")
     gamma: float = num(3.0, ge=0)
     value: float = num(1.0, ge=0)
     #: two_phase: share of training in the exploration phase, and the beta/KL values at its ends
@@ -165,8 +164,8 @@ class KLConfig:
     #: k1 | k2 | k3 (= low_var_kl, clamped)
     estimator: str = one_of("low_var_kl", registry="kl_estimators")
     aggregation: str = one_of("token-mean", registry="aggregations")
-    #: constant, or two_phase (weight taken from algo.phase's KL ramp)
-    schedule: str = one_of("constant", ("constant", "two_phase"))
+    #: constant (coef), or two_phase (weight taken from algo.phase's KL ramp: 0, then kl_start -> kl_end)
+    schedule: str = one_of("constant", registry="kl_schedules")
 
 
 @dataclass
@@ -274,6 +273,11 @@ class AlgoConfig:
     gigpo: GiGPOConfig = field(default_factory=GiGPOConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     nll_aggregation: str = one_of("token-mean", registry="aggregations")
+    #: settings of components the sections above do not cover (a loss term or estimator registered outside
+    #: the built-ins): algo.components.<name>.<key>, checked at compose time against the component's own
+    #: settings dataclass (its registry entry's `config`) with the same field rules; a loss term's
+    #: coefficient is its `coef`
+    components: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -316,8 +320,9 @@ class ModelConfig:
 class EntropyConfig:
     """The entropy coefficient lambda over training (multiplies L_H and, with beta_k, L_smooth)."""
 
-    #: constant | linear | cosine | exp_anneal | two_phase | adaptive_target
-    schedule: str = one_of("constant", registry="entropy_schedules")
+    #: a schedule of epo_cli/algos/schedules.py whose parameters this section has: constant (coef) | linear |
+    #: cosine | exp_anneal | two_phase | adaptive_target | ...
+    schedule: str = one_of("constant", registry="schedules")
     coef: float = num(0.001, ge=0)
     start: float = num(0.001, ge=0)
     end: float = num(0.0, ge=0)
@@ -335,8 +340,8 @@ class EntropyConfig:
 
 @dataclass
 class CurriculumConfig:
-    #: none | staged | adaptive | horizon | subgoal_rewards
-    name: str = one_of("none", ("none", "staged", "adaptive", "horizon", "subgoal_rewards"))
+    #: a curriculum registered in epo_cli/curriculum.py: none | staged | adaptive | horizon | subgoal_rewards
+    name: str = one_of("none", registry="curricula")
     #: staged / adaptive: ordered levels (household levels, ALFWorld task types, ScienceWorld task lists)
     levels: list[str] = field(default_factory=list)
     window: int = num(3, ge=1)
@@ -490,7 +495,7 @@ class RunConfig:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Composition
+# Groups and field-rule checks (composition and the rules that span keys live in epo_cli/compose.py)
 # ----------------------------------------------------------------------------------------------------
 
 #: config groups a user selects with `group=option`
@@ -514,180 +519,6 @@ def group_options(group: str) -> list[str]:
     return sorted(p.stem for p in (config_dir() / group).glob("*.yaml"))
 
 
-def _schema_for(cfg: DictConfig) -> DictConfig:
-    """The structured schema for this composition: the env schema depends on `env.name`."""
-    from epo_cli.envs import env_config_class
-
-    schema = OmegaConf.structured(RunConfig)
-    env_name = OmegaConf.select(cfg, "env.name", default="household")
-    schema.env = OmegaConf.structured(env_config_class(env_name))
-    return schema
-
-
-def _dataclass_at(key_path: str, env_name: str) -> type | None:
-    """The schema dataclass that owns the node at `key_path` (e.g. 'trainer' or 'algo.kl')."""
-    from epo_cli.envs import env_config_class
-
-    node: Any = RunConfig
-    for part in [p for p in key_path.split(".") if p]:
-        if not is_dataclass(node):
-            return None
-        if node is RunConfig and part == "env":
-            node = env_config_class(env_name)
-            continue
-        match = {f.name: f for f in fields(node)}.get(part)
-        if match is None:
-            return None
-        node = match.default_factory() if match.default_factory is not None else None  # type: ignore[misc]
-        node = type(node) if is_dataclass(node) else None
-    return node
-
-
-def _unknown_key_message(full_key: str, env_name: str) -> str:
-    parent, _, leaf = full_key.rpartition(".")
-    owner = _dataclass_at(parent, env_name)
-    valid = [f.name for f in fields(owner)] if owner is not None else []
-    where = f"'{parent}'" if parent else "the top level"
-    msg = f"Unknown config key '{full_key}'."
-    close = difflib.get_close_matches(leaf, valid, n=1)
-    if close:
-        msg += f" Did you mean '{(parent + '.') if parent else ''}{close[0]}'?"
-    if valid:
-        msg += f"\nValid keys in {where}: {', '.join(valid)}."
-    if parent in GROUPS or parent == "":
-        msg += "\nFix the override, or run `epo config show` to see every key and its value."
-    return msg
-
-
-def _translate_hydra_error(err: Exception) -> ConfigError:
-    text = str(err)
-    m = re.search(r"Could not find '([\w\-/.]+)/([\w\-.]+)'", text)
-    if m:
-        group, option = m.group(1), m.group(2)
-        options = group_options(group) if (config_dir() / group).is_dir() else []
-        close = difflib.get_close_matches(option, options, n=1)
-        hint = f" Did you mean '{group}={close[0]}'?" if close else ""
-        return ConfigError(
-            f"Unknown option '{option}' for config group '{group}'.{hint}\n"
-            f"Valid options for {group}: {', '.join(options)}."
-        )
-    m = re.search(r"Could not override '([\w.\-]+)'", text)
-    if m:
-        return ConfigError(_unknown_key_message(m.group(1), "household"))
-    m = re.search(r"Could not append to config\. An item is already at '([\w.\-]+)'", text)
-    if m:
-        return ConfigError(f"'{m.group(1)}' already exists: override it without the leading '+'.")
-    first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
-    return ConfigError(
-        f"Invalid override: {first}\nOverrides look like `group=option` or `section.key=value`, "
-        "e.g. `algo=epo trainer.total_steps=20`."
-    )
-
-
-def hydra_overrides(overrides: list[str] | tuple[str, ...]) -> list[str]:
-    """Value overrides become `++key=value` so that every key of the typed schemas can be set, also when
-    the selected yaml does not spell it out (e.g. algo.entropy_smoothing.alpha under algo=grpo); unknown
-    keys are then reported by the schema merge, with the valid keys. Group selections stay as they are."""
-    out = []
-    for o in overrides:
-        key = o.split("=", 1)[0]
-        is_group = key in GROUPS or "/" in key or key.startswith("hydra")
-        out.append(o if ("=" not in o or o.startswith(("+", "~")) or is_group) else f"++{o}")
-    return out
-
-
-def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
-    """Compose conf/ with `overrides` and validate it against the schemas. Raises ConfigError."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    overrides = hydra_overrides(overrides)
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-            raw = hydra_compose(config_name="config", overrides=overrides)
-    except OmegaConfBaseException as err:  # e.g. interpolation errors while composing
-        raise _translate_hydra_error(err) from None
-    except Exception as err:  # hydra's own exceptions (missing option, bad override grammar)
-        if type(err).__module__.startswith("hydra"):
-            raise _translate_hydra_error(err) from None
-        raise
-    finally:
-        GlobalHydra.instance().clear()
-    return validate(raw)
-
-
-def validate(raw: DictConfig) -> DictConfig:
-    """Merge a composed config into the typed schemas and check cross-field consistency."""
-    env_name = str(OmegaConf.select(raw, "env.name", default="household"))
-    OmegaConf.set_struct(raw, False)
-    raw.pop("hydra", None)
-    try:
-        schema = _schema_for(raw)
-        cfg = OmegaConf.merge(schema, raw)
-        OmegaConf.resolve(cfg)
-    except ConfigError:
-        raise
-    except ConfigKeyError as err:
-        raise ConfigError(_unknown_key_message(err.full_key, env_name)) from None
-    except ValidationError as err:
-        expected = _expected_type(err)
-        raise ConfigError(
-            f"Wrong type for config key '{err.full_key}': {str(err).splitlines()[0]}."
-            + (f" Expected {expected}." if expected else "")
-        ) from None
-    except OmegaConfBaseException as err:
-        key = getattr(err, "full_key", None) or "?"
-        raise ConfigError(f"Invalid config value at '{key}': {str(err).splitlines()[0]}") from None
-    check_field_rules(cfg, RunConfig)
-    _check_consistency(cfg)
-    OmegaConf.set_readonly(cfg, False)
-    return cfg
-
-
-def _expected_type(err: ValidationError) -> str | None:
-    try:
-        parent, _, leaf = err.full_key.rpartition(".")
-        owner = _dataclass_at(parent, "household")
-        if owner is None:
-            return None
-        hint = {f.name: f.type for f in fields(owner)}.get(leaf)
-        return str(hint) if hint else None
-    except Exception:
-        return None
-
-
-def _check_smoothing_weight(algo: Any) -> None:
-    """Warn when alpha * max(beta_k) >= 1. Above the band the objective's gradient in H is
-    lambda * (1 - beta_k * alpha): below 1 the smoothing only damps the entropy bonus there (the regime EPO's
-    analysis assumes); at or above 1 it outweighs the bonus and pushes entropy down."""
-    phase = algo.phase
-    beta_max = {"paper": 2.0, "constant": phase.value,
-                "two_phase": max(phase.beta_start, phase.beta_peak, phase.beta_end)}.get(phase.schedule)
-    alpha = algo.entropy_smoothing.alpha
-    if beta_max is not None and alpha * beta_max >= 1.0:
-        warnings.warn(f"algo.entropy_smoothing.alpha * max beta_k = {alpha} * {beta_max:g} >= 1: above the band "
-                      "the smoothing penalty outweighs the entropy bonus and drives entropy down (EPO's analysis "
-                      "assumes alpha * beta_max < 1; the paper uses alpha = 0.1).", stacklevel=2)
-
-
-def _check_policy_loss(algo: Any) -> None:
-    """Rules of the clip_cov / kl_cov policy losses that span keys (their ranges sit on the fields)."""
-    if algo.policy_loss == "clip":
-        return
-    if "policy_clip" not in algo.loss_terms:
-        raise ConfigError(f"algo.policy_loss={algo.policy_loss} replaces the policy_clip term, which is not in "
-                          f"algo.loss_terms {list(algo.loss_terms)}; add it or leave algo.policy_loss=clip.")
-    pc = algo.policy_clip
-    if algo.policy_loss == "clip_cov" and pc.clip_cov_lb >= pc.clip_cov_ub:
-        raise ConfigError(f"algo.policy_clip.clip_cov_lb ({pc.clip_cov_lb}) must be < clip_cov_ub ({pc.clip_cov_ub}).")
-    if algo.policy_loss == "kl_cov":
-        warnings.warn("algo.policy_loss=kl_cov has no ratio clip (its KL penalty on the high-covariance tokens "
-                      "takes the clip's place): algo.policy_clip.clip_low, clip_high and dual_clip are not used.",
-                      stacklevel=2)
-
-
 def _choice(key: str, value: Any, valid: list[Any] | tuple[Any, ...]) -> None:
     if value not in valid:
         close = difflib.get_close_matches(str(value), [str(v) for v in valid], n=1)
@@ -704,19 +535,21 @@ def _nested_schema(f: Any) -> type | None:
 
 
 def check_field_rules(node: DictConfig, schema: type, prefix: str = "",
-                      registries: dict[str, list[str]] | None = None) -> None:
+                      registries: Mapping[str, list[str]] | None = None,
+                      schemas: Mapping[str, type] | None = None) -> None:
     """Walk `schema` and `node` together and check every field's declared range (`num`) and valid values
-    (`one_of`): one ConfigError naming the key, the value and what is allowed."""
-    from epo_cli.algos import registry_names
-    from epo_cli.envs import env_config_class
+    (`one_of`): one ConfigError naming the key, the value and what is allowed.
 
-    registries = registries if registries is not None else registry_names()
+    `registries` maps the registry names `one_of(registry=...)` refers to onto their component names (the
+    caller reads them from the registries: this module imports no component); `schemas` maps a dotted key
+    onto the schema checked there instead of the declared one (the env section's schema depends on env.name).
+    """
+    registries, schemas = registries or {}, schemas or {}
     for f in fields(schema):
         key, value = f"{prefix}{f.name}", node[f.name]
-        nested = env_config_class(str(node.env.name)) if schema is RunConfig and f.name == "env" \
-            else _nested_schema(f)
+        nested = schemas.get(key) or _nested_schema(f)
         if nested is not None:
-            check_field_rules(value, nested, key + ".", registries)
+            check_field_rules(value, nested, key + ".", registries, schemas)
             continue
         if value is None:
             continue
@@ -729,118 +562,10 @@ def check_field_rules(node: DictConfig, schema: type, prefix: str = "",
         if "choices" in f.metadata:
             valid = list(f.metadata["choices"])
             if f.metadata.get("registry"):
-                valid = registries[f.metadata["registry"]] + [v for v in valid if v not in registries]
+                names = list(registries[f.metadata["registry"]])
+                valid = names + [v for v in valid if v not in names]
             for v in values:
                 _choice(key, v, valid)
-
-
-def _check_consistency(cfg: DictConfig) -> None:
-    """Rules that span keys (each field's own range is declared next to it and checked before this)."""
-    algo = cfg.algo
-    if algo.estimator == "auto":
-        algo.estimator = {"ppo": "gae", "grpo": "grpo", "gigpo": "gigpo", "none": "none"}[algo.base]
-    _check_policy_loss(algo)
-    if algo.name != "sft" and algo.estimator == "none":
-        raise ConfigError(f"algo={algo.name} needs an advantage estimator; set algo.estimator.")
-    if algo.estimator in ("grpo", "rloo", "gigpo") and algo.group_size < 2:
-        raise ConfigError(
-            f"algo.estimator={algo.estimator} compares rollouts of the same task and needs "
-            f"algo.group_size >= 2 (got {algo.group_size})."
-        )
-    # loss terms the estimator cannot feed would be silently skipped or see no advantages
-    if "value" in algo.loss_terms and algo.estimator != "gae":
-        raise ConfigError(f"algo.loss_terms has 'value' but algo.estimator={algo.estimator} trains no critic "
-                          "(only gae does): remove 'value' from algo.loss_terms or set algo.estimator=gae.")
-    if "policy_clip" in algo.loss_terms and algo.estimator == "none":
-        raise ConfigError("algo.loss_terms has 'policy_clip' but algo.estimator=none computes no advantages: "
-                          "set algo.estimator (gae, grpo, ...) or remove 'policy_clip'.")
-    if algo.mini_batch_size % algo.micro_batch_size:
-        raise ConfigError(
-            f"algo.mini_batch_size={algo.mini_batch_size} must be divisible by algo.micro_batch_size="
-            f"{algo.micro_batch_size} (each optimizer step is a whole number of micro-batches on every rank); "
-            f"e.g. algo.mini_batch_size={-(-algo.mini_batch_size // algo.micro_batch_size) * algo.micro_batch_size}.")
-    sm = algo.entropy_smoothing
-    if sm.kappa_low >= sm.kappa_high:
-        raise ConfigError(f"The smoothing band needs algo.entropy_smoothing.kappa_low < kappa_high (got "
-                          f"{sm.kappa_low:g} and {sm.kappa_high:g}); the paper uses 0.0 and 2.0.")
-    if algo.dynamic_sampling and algo.group_size < 2:
-        raise ConfigError("algo.dynamic_sampling=true drops groups whose rollouts all scored the same and needs "
-                          f"algo.group_size >= 2 (got {algo.group_size}); use it with grpo, rloo or gigpo.")
-    if algo.pack_tokens and cfg.model.attn_implementation not in ("sdpa", "flash_attention_2", "flash_attention_3"):
-        raise ConfigError(f"algo.pack_tokens={algo.pack_tokens} needs an attention that keeps packed samples apart "
-                          f"(model.attn_implementation=sdpa | flash_attention_2 | flash_attention_3, got "
-                          f"'{cfg.model.attn_implementation}'); or set algo.pack_tokens=0 for padded micro-batches.")
-    if "entropy_smoothing" in algo.loss_terms:
-        _check_smoothing_weight(algo)
-    if cfg.entropy.min_coef > cfg.entropy.max_coef:
-        raise ConfigError(f"entropy.min_coef={cfg.entropy.min_coef:g} must be <= entropy.max_coef="
-                          f"{cfg.entropy.max_coef:g}.")
-    cur = cfg.curriculum
-    if cur.demote_at is not None and cur.demote_at >= cur.promote_at:
-        raise ConfigError(f"curriculum.demote_at={cur.demote_at:g} must be below curriculum.promote_at="
-                          f"{cur.promote_at:g} (else a level is promoted and demoted at once).")
-    if (cur.horizon or cur.name == "horizon") and cur.start_turns > cfg.env.max_turns:
-        raise ConfigError(f"curriculum.start_turns={cur.start_turns} is above env.max_turns="
-                          f"{cfg.env.max_turns}: the horizon would shrink, not grow. Lower start_turns.")
-    model = cfg.model
-    if model.hidden_size % model.num_attention_heads or model.num_attention_heads % model.num_key_value_heads:
-        raise ConfigError(f"model.hidden_size={model.hidden_size} must be divisible by model.num_attention_heads="
-                          f"{model.num_attention_heads}, and that by model.num_key_value_heads="
-                          f"{model.num_key_value_heads}.")
-    if model.padded_vocab_size is not None and model.padded_vocab_size < model.vocab_size:
-        raise ConfigError(f"model.padded_vocab_size={model.padded_vocab_size} is below model.vocab_size="
-                          f"{model.vocab_size}: the embedding needs a row per token. Raise it or set null.")
-    if model.path:
-        changed = [f.name for f in fields(ModelConfig) if f.name in TINY_SIZE_KEYS and model[f.name] != f.default]
-        if changed:
-            warnings.warn(f"model.path is set, so the tiny-model sizes {', '.join('model.' + k for k in changed)} "
-                          "are ignored (the model's own config.json defines its shape).", stacklevel=2)
-    ds = cfg.deepspeed
-    if ds.offload_param and ds.zero_stage != 3:
-        raise ConfigError(f"deepspeed.offload_param=true needs deepspeed.zero_stage=3 (got {ds.zero_stage}): "
-                          "only ZeRO-3 partitions the parameters it would offload.")
-    if ds.offload_optimizer and ds.zero_stage == 0:
-        raise ConfigError("deepspeed.offload_optimizer=true needs deepspeed.zero_stage >= 1 (ZeRO-0 keeps the "
-                          "optimizer on the device).")
-    _warn_unused_settings(cfg)
-    tr = cfg.trainer
-    if tr.stop_after is not None and tr.stop_after >= tr.total_steps:
-        warnings.warn(f"trainer.stop_after={tr.stop_after} >= trainer.total_steps={tr.total_steps}: the run "
-                      "ends at total_steps first, so stop_after has no effect.", stacklevel=2)
-    from epo_cli.rollout.prompts import get_template
-
-    get_template(cfg.env.prompt_template)  # ConfigError listing the template names
-
-
-def _warn_unused_settings(cfg: DictConfig) -> None:
-    """One warning when a setting was changed from its default but nothing in this run reads it (e.g.
-    algo.entropy_smoothing.alpha under algo=grpo, whose loss has no smoothing term)."""
-    algo = cfg.algo
-    terms = list(algo.loss_terms)
-    checks = [  # (section, its schema, the keys only that part reads (None: all), is it used, why not)
-        ("algo.entropy_smoothing", SmoothingConfig, ("alpha", "kappa_low", "kappa_high", "aggregation"),
-         "entropy_smoothing" in terms, "'entropy_smoothing' is not in algo.loss_terms"),
-        ("algo.policy_clip", PolicyClipConfig, None, "policy_clip" in terms, "'policy_clip' is not in algo.loss_terms"),
-        ("algo.kl", KLConfig, ("coef", "estimator", "aggregation"), "kl" in terms, "'kl' is not in algo.loss_terms"),
-        ("algo.value", ValueConfig, None, algo.estimator == "gae", f"algo.estimator={algo.estimator} has no critic"),
-        ("algo.gae", GAEConfig, None, algo.estimator == "gae", f"algo.estimator={algo.estimator} is not gae"),
-        ("algo", AlgoConfig, ("demos", "demo_episodes", "demo_level"), algo.name == "sft",
-         f"algo={algo.name} does not behaviour-clone"),
-        ("model.lora", LoraConfig, ("alpha", "dropout", "target_modules"), cfg.model.lora.rank > 0,
-         "model.lora.rank=0 fine-tunes all weights"),
-        ("launcher", LauncherConfig, ("num_gpus", "num_nodes", "num_procs", "hostfile"), cfg.launcher.name != "local",
-         "launcher=local runs one process; start ranks with launcher=deepspeed or launcher=slurm"),
-        ("launcher", LauncherConfig, ("partition", "time_min", "cpus_per_task", "account"),
-         cfg.launcher.name == "slurm", "these configure launcher=slurm"),
-    ]
-    for section, schema, names, used, why in checks:
-        if used:
-            continue
-        node, defaults = OmegaConf.select(cfg, section), schema()
-        changed = [n for n in (names or [f.name for f in fields(schema)]) if node[n] != getattr(defaults, n)]
-        if changed:
-            warnings.warn(f"{', '.join(f'{section}.{n}={node[n]}' for n in changed)}: no effect in this run "
-                          f"({why}).", stacklevel=3)
 
 
 #: ModelConfig keys that only shape the locally built tiny model (ignored when model.path is set)

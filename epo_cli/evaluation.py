@@ -251,7 +251,8 @@ def parse_eval_args(args: list[str]) -> tuple[EvalArgs, list[str]]:
 def eval_config(opts: EvalArgs, overrides: list[str]) -> DictConfig:
     """The run's saved config with the overrides on top (group overrides such as env=... swap the whole
     group for that option's defaults), or a freshly composed config when no run is given."""
-    from epo_cli.config import GROUPS, compose, validate
+    from epo_cli.compose import compose, validate
+    from epo_cli.config import GROUPS
     from epo_cli.run_dir import load_run_config
 
     if opts.run is None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from epo_cli.config import compose, validate
+from epo_cli.compose import compose, validate
 from epo_cli.errors import ConfigError, Stopped, UserError
 from epo_cli.run_dir import load_run_config, new_run_dir, write_config, write_status
 

@@ -99,7 +99,7 @@ def load_run_config(run: Path, command_line: dict[str, Any] | None = None) -> Di
     COMMAND_LINE_ONLY keys reset to their safe values (one warning each) or set to what `command_line`
     (this invocation's own values for them, e.g. from a launcher's flags) says; overrides of this
     invocation applied on top can set them too."""
-    from epo_cli.config import validate
+    from epo_cli.compose import validate
 
     path = Path(run) / "config.yaml"
     if not path.exists():

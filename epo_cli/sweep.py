@@ -87,7 +87,7 @@ class SweepJob:
 
         hc = HydraConfig.get()
         run = Path(hc.runtime.output_dir)
-        # `epo train` turns key=value into ++key=value itself (epo_cli.config.hydra_overrides)
+        # `epo train` turns key=value into ++key=value itself (epo_cli.compose.hydra_overrides)
         overrides = [o[2:] if o.startswith("++") else o for o in map(str, hc.overrides.task)]
         cmd = [self.python, "-m", "epo_cli", "train", *overrides, f"run_dir={_quote(str(run))}"]
         record: dict[str, Any] = {"job": int(hc.job.num), "overrides": overrides, "command": cmd,
@@ -191,7 +191,8 @@ def check_first_job(parsed: list[Any]) -> None:
     key's value against the schema), so `algo=grpo,nosuch` fails here, once, with exit 2 like `epo train`."""
     from omegaconf import OmegaConf
 
-    from epo_cli.config import GROUPS, compose, config_dir, group_options, validate
+    from epo_cli.compose import compose, validate
+    from epo_cli.config import GROUPS, config_dir, group_options
 
     first, swept = [], []
     for o in parsed:
@@ -287,7 +288,8 @@ def run_sweep(args: list[str]) -> Path:
     from hydra import version
     from hydra._internal.utils import _run_hydra, get_args_parser
 
-    from epo_cli.config import config_dir, hydra_overrides
+    from epo_cli.compose import hydra_overrides
+    from epo_cli.config import config_dir
 
     options, overrides = split_sweep_options(args)
     if any(o.split("=", 1)[0] == "run_dir" for o in overrides):

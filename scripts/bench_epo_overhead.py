@@ -31,10 +31,10 @@ def main() -> None:
 
     import torch
 
-    from epo_cli.algos.advantages import ESTIMATORS
+    from epo_cli.algos.advantages import compute_advantages
     from epo_cli.algos.entropy import step_statistics
     from epo_cli.algos.losses import LossStack, build_loss_terms, loss_coefficients
-    from epo_cli.config import compose
+    from epo_cli.compose import compose
     from epo_cli.training.trainer import Trainer
 
     overrides = ["experiment=epo_household", "logger.console=false", "logger.tensorboard=false"]
@@ -48,7 +48,7 @@ def main() -> None:
 
     _, batch, _ = trainer.rollout(0, cfg.trainer.total_steps)
     trainer.score(batch)
-    batch.advantages, batch.returns = ESTIMATORS[algo.estimator](batch, algo)
+    batch.advantages, batch.returns = compute_advantages(batch, algo)
     # a non-empty history, so the smoothing term does its full work
     sums, counts = step_statistics(batch.entropy, batch.turn_index, cfg.env.max_turns)
     trainer.history.update(sums, counts)

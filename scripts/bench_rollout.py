@@ -78,7 +78,7 @@ def env_overrides(env: str, args: argparse.Namespace) -> list[str]:
 
 def compare_modes(env: str, args: argparse.Namespace) -> list[tuple[str, dict[str, float], bool]]:
     """Each mode's mean rollout figures on `env`, and whether it played the same episodes as lock-step."""
-    from epo_cli.config import compose
+    from epo_cli.compose import compose
     from epo_cli.training.trainer import Trainer
 
     overrides = [f"algo={args.algo}", *env_overrides(env, args), f"algo.tasks_per_step={args.tasks}",
@@ -197,8 +197,8 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from epo_cli.algos.advantages import ESTIMATORS
-    from epo_cli.config import compose
+    from epo_cli.algos.advantages import compute_advantages
+    from epo_cli.compose import compose
     from epo_cli.training.forward import collate, plan_micro_batches
     from epo_cli.training.trainer import Trainer
 
@@ -218,7 +218,7 @@ def main() -> None:
         _, batch, stats = trainer.rollout(it, cfg.trainer.total_steps)  # the training loop's own rollout
         rollout_ratio.append(stats.rollout_s / (stats.generate_s + stats.env_s))
         trainer.score(batch)
-        batch.advantages, batch.returns = ESTIMATORS[algo.estimator](batch, algo)
+        batch.advantages, batch.returns = compute_advantages(batch, algo)
         coefs = {name: 1.0 for name in algo.loss_terms}
 
         t0 = time.perf_counter()

@@ -26,7 +26,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def household_steps_per_second(seconds: float = 3.0) -> float:
-    from epo_cli.config import compose
+    from epo_cli.compose import compose
     from epo_cli.envs import make_suite
 
     suite = make_suite(compose([]).env)

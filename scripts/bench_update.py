@@ -41,7 +41,7 @@ LARGE = ["model.hidden_size=128", "model.intermediate_size=512", "model.num_hidd
 
 
 def _trainer(overrides: list[str]):
-    from epo_cli.config import compose
+    from epo_cli.compose import compose
     from epo_cli.training.trainer import Trainer
 
     cfg = compose(overrides)
@@ -52,7 +52,7 @@ def _trainer(overrides: list[str]):
 
 def _measure(trainer, batch, variant: str) -> dict[str, float]:
     """Score and update a fresh copy of `batch` as rl_step does; seconds and padding efficiency."""
-    from epo_cli.algos.advantages import ESTIMATORS
+    from epo_cli.algos.advantages import compute_advantages
     from epo_cli.algos.losses import loss_coefficients
 
     packed, reuse = VARIANTS[variant]
@@ -64,7 +64,7 @@ def _measure(trainer, batch, variant: str) -> dict[str, float]:
     on_policy = trainer.on_policy_rows(b, 0)
     trainer.score(b, skip_policy=on_policy)
     score_s, score_cpu = time.perf_counter() - t0, time.process_time() - c0
-    b.advantages, b.returns = ESTIMATORS[algo.estimator](b, algo)
+    b.advantages, b.returns = compute_advantages(b, algo)
     coefs = loss_coefficients(algo, 0.001, 2.0, algo.kl.coef)
     t0, c0 = time.perf_counter(), time.process_time()
     metrics = trainer.update(b, coefs, 0, on_policy=on_policy)

@@ -62,7 +62,7 @@ def run_epo(args: argparse.Namespace, out: Path) -> None:
 
     import torch
 
-    from epo_cli.config import compose
+    from epo_cli.compose import compose
     from epo_cli.models.loading import model_source
     from epo_cli.training.trainer import Trainer
 
@@ -99,7 +99,7 @@ def run_trl(args: argparse.Namespace, epo_result: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from epo_cli.config import compose
+    from epo_cli.compose import compose
     from epo_cli.envs import make_suite
     from epo_cli.envs.base import Task
     from epo_cli.rollout.actions import parse_action

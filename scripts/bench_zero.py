@@ -145,7 +145,7 @@ def child(args: argparse.Namespace) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from epo_cli.config import compose
+    from epo_cli.compose import compose
     from epo_cli.training.engine import build_engine, init_distributed
 
     torch.set_num_threads(1)

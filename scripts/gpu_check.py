@@ -56,7 +56,7 @@ def _sync(device) -> None:
 
 def load_model(overrides: list[str], device, attn: str):
     """The policy as the trainer loads it (model config group, local build, packing attention)."""
-    from epo_cli.config import compose
+    from epo_cli.compose import compose
     from epo_cli.envs import make_suite
     from epo_cli.models.loading import load_causal_lm, load_tokenizer, model_source, resolve_dtype
     from epo_cli.training.packing import enable_packing

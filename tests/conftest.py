@@ -103,7 +103,7 @@ def warm_start(epo_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 @pytest.fixture(scope="session")
 def tiny_folder(epo_cache: Path) -> Path:
     """The default tiny model + tokenizer for household, built once (HF folder)."""
-    from epo_cli.config import compose
+    from epo_cli.compose import compose
     from epo_cli.envs import make_suite
     from epo_cli.models.tiny import build_tiny
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from epo_cli.algos.advantages import ESTIMATORS, compute_advantages, gae, grpo, rloo, whiten
-from epo_cli.config import AlgoConfig
+from epo_cli.config import AlgoConfig, GAEConfig, GRPOConfig
+from epo_cli.errors import ConfigError
 from epo_cli.rollout.batch import TurnBatch
 
 torch.set_num_threads(1)
@@ -45,20 +46,12 @@ def make_batch(trajs, values=None, order=None) -> TurnBatch:
     )
 
 
-def algo_with(**kw) -> AlgoConfig:
-    algo = AlgoConfig()
-    for section, values in kw.items():
-        for k, v in values.items():
-            setattr(getattr(algo, section), k, v)
-    return algo
-
-
 def close(x, expected, atol=1e-5):
     assert torch.allclose(x.double(), torch.tensor(expected, dtype=torch.float64), atol=atol), (x, expected)
 
 
 def test_registry_names():
-    assert set(ESTIMATORS) == {"gae", "grpo", "rloo", "gigpo"}
+    assert ESTIMATORS.names() == ["gae", "gigpo", "grpo", "rloo"]
 
 
 # ------------------------------------------------------------------------------------------------ gae
@@ -80,8 +73,7 @@ def test_gae_three_turns_gamma09_lam08_and_a_one_turn_trajectory():
         values=[[1.0, 2.0, 4.0], [0.5]],
         order=[2, 3, 0, 1],
     )
-    algo = algo_with(gae={"gamma": 0.9, "lam": 0.8, "whiten": False})
-    adv, ret = gae(batch, algo)
+    adv, ret = gae(batch, GAEConfig(gamma=0.9, lam=0.8, whiten=False))
     close(adv, [6.0, -0.6, 4.9904, 5.82])
     close(ret, [10.0, -0.1, 5.9904, 7.82])
 
@@ -91,7 +83,7 @@ def test_gae_gamma_lam_one_is_return_to_go_minus_value():
     #   returns-to-go: t0: 0 - 0.1 + 10 = 9.9, t1: -0.1 + 10 = 9.9, t2: 10
     #   A = [9.9 - 1, 9.9 - 2, 10 - 4] = [8.9, 7.9, 6.0]
     batch = make_batch([(0, 0, 10.0, [0.0, -0.1, 0.0])], values=[[1.0, 2.0, 4.0]])
-    adv, ret = gae(batch, algo_with(gae={"gamma": 1.0, "lam": 1.0, "whiten": False}))
+    adv, ret = gae(batch, GAEConfig(gamma=1.0, lam=1.0, whiten=False))
     close(adv, [8.9, 7.9, 6.0])
     close(ret, [9.9, 9.9, 10.0])
 
@@ -100,7 +92,7 @@ def test_gae_whitened_returns_unwhitened():
     # A = [8.9, 7.9, 6.0]: mean = 22.8/3 = 7.6, deviations [1.3, 0.3, -1.6],
     # squares 1.69 + 0.09 + 2.56 = 4.34, unbiased var = 4.34/2 = 2.17, std = sqrt(2.17)
     batch = make_batch([(0, 0, 10.0, [0.0, -0.1, 0.0])], values=[[1.0, 2.0, 4.0]])
-    adv, ret = gae(batch, algo_with(gae={"gamma": 1.0, "lam": 1.0, "whiten": True}))
+    adv, ret = gae(batch, GAEConfig(gamma=1.0, lam=1.0, whiten=True))
     s = math.sqrt(2.17)
     close(adv, [1.3 / s, 0.3 / s, -1.6 / s])
     close(ret, [9.9, 9.9, 10.0])  # critic targets are A + V before whitening
@@ -110,10 +102,10 @@ def test_gae_needs_values_and_whole_trajectories():
     batch = make_batch([(0, 0, 1.0, [0.0, 0.0])])
     batch.old_values = None
     with pytest.raises(ValueError, match="old_values"):
-        gae(batch, AlgoConfig())
+        gae(batch, GAEConfig())
     partial = make_batch([(0, 0, 1.0, [0.0, 0.0, 0.0])]).select([0, 2])  # turn 1 missing
     with pytest.raises(ValueError, match="0..T-1"):
-        gae(partial, AlgoConfig())
+        gae(partial, GAEConfig())
 
 
 # --------------------------------------------------------------------------------------------- whiten
@@ -146,10 +138,10 @@ def test_grpo_turns_mode_uneven_lengths():
     # turn scores [2, 0, 0, 0]: mean 0.5; deviations [1.5, -0.5, -0.5, -0.5];
     # unbiased var = (2.25 + 3*0.25)/3 = 1, std = 1  ->  A = [1.5, -0.5, -0.5, -0.5] / (1 + 1e-6)
     batch = make_batch(UNEVEN)
-    adv, ret = grpo(batch, algo_with(grpo={"mean_over": "turns", "norm_by_std": True}))
+    adv, ret = grpo(batch, GRPOConfig(mean_over="turns", norm_by_std=True))
     close(adv, [1.5, -0.5, -0.5, -0.5])
     close(ret, [2.0, 0.0, 0.0, 0.0])
-    adv, _ = grpo(batch, algo_with(grpo={"mean_over": "turns", "norm_by_std": False}))
+    adv, _ = grpo(batch, GRPOConfig(mean_over="turns", norm_by_std=False))
     close(adv, [1.5, -0.5, -0.5, -0.5])  # std is 1 here: same numbers, now exactly score - mean
 
 
@@ -158,11 +150,11 @@ def test_grpo_trajectories_mode_uneven_lengths():
     # A gets 1/sqrt(2) on its one turn; B gets -1/sqrt(2) on all three turns (the long episode does
     # not outweigh the short one, unlike turns mode where the mean was 0.5)
     batch = make_batch(UNEVEN)
-    adv, ret = grpo(batch, algo_with(grpo={"mean_over": "trajectories", "norm_by_std": True}))
+    adv, ret = grpo(batch, GRPOConfig(mean_over="trajectories", norm_by_std=True))
     r = 1 / math.sqrt(2)
     close(adv, [r, -r, -r, -r])
     close(ret, [2.0, 0.0, 0.0, 0.0])
-    adv, _ = grpo(batch, algo_with(grpo={"mean_over": "trajectories", "norm_by_std": False}))
+    adv, _ = grpo(batch, GRPOConfig(mean_over="trajectories", norm_by_std=False))
     close(adv, [1.0, -1.0, -1.0, -1.0])  # 2 - 1, 0 - 1
 
 
@@ -170,14 +162,14 @@ def test_grpo_two_groups_and_single_element_groups():
     # group 0 as above; group 1: traj C: 2 turns, outcome 1, rewards [0, 0]; traj D: 1 turn, outcome 0;
     # group 2: a lone 1-turn trajectory (outcome 5)
     batch = make_batch(UNEVEN + [(2, 1, 1.0, [0.0, 0.0]), (3, 1, 0.0, [0.0]), (4, 2, 5.0, [0.0])])
-    adv, _ = grpo(batch, algo_with(grpo={"mean_over": "turns", "norm_by_std": True}))
+    adv, _ = grpo(batch, GRPOConfig(mean_over="turns", norm_by_std=True))
     # group 1 turn scores [1, 1, 0]: mean 2/3; deviations [1/3, 1/3, -2/3];
     # unbiased var = (1/9 + 1/9 + 4/9)/2 = 1/3, std = 1/sqrt(3)
     #   C: (1/3)*sqrt(3) = 0.57735;  D: (-2/3)*sqrt(3) = -1.1547
     # group 2: a single sample -> 0 (nothing to compare against)
     s3 = math.sqrt(3)
     close(adv, [1.5, -0.5, -0.5, -0.5, s3 / 3, s3 / 3, -2 * s3 / 3, 0.0], atol=1e-5)
-    adv, _ = grpo(batch, algo_with(grpo={"mean_over": "trajectories", "norm_by_std": False}))
+    adv, _ = grpo(batch, GRPOConfig(mean_over="trajectories", norm_by_std=False))
     # group 0: [1, -1 x3]; group 1 trajectory scores C = 1, D = 0: mean 0.5 -> C +0.5, D -0.5;
     # group 2: one trajectory -> 0
     close(adv, [1.0, -1.0, -1.0, -1.0, 0.5, 0.5, -0.5, 0.0])
@@ -185,7 +177,7 @@ def test_grpo_two_groups_and_single_element_groups():
 
 def test_grpo_single_trajectory_group_is_zero_in_trajectories_mode():
     batch = make_batch([(0, 0, 3.0, [0.0, -0.1])])
-    adv, _ = grpo(batch, algo_with(grpo={"mean_over": "trajectories"}))
+    adv, _ = grpo(batch, GRPOConfig(mean_over="trajectories"))
     close(adv, [0.0, 0.0])
 
 
@@ -195,11 +187,11 @@ def test_grpo_invalid_penalty_is_turn_local_in_turns_mode():
     #   unbiased var = (3*0.000625 + 0.005625)/3 = 0.0025, std = 0.05
     #   A = [0.5, 0.5, -1.5, 0.5]: only the invalid turn is pushed down
     batch = make_batch([(0, 0, 10.0, [0.0, 0.0]), (1, 0, 10.0, [-0.1, 0.0])])
-    adv, _ = grpo(batch, algo_with(grpo={"mean_over": "turns", "eps": 0.0}))
+    adv, _ = grpo(batch, GRPOConfig(mean_over="turns", eps=0.0))
     close(adv, [0.5, 0.5, -1.5, 0.5], atol=1e-3)  # float32 scores around 10: ~1e-4 relative error
     # trajectories: returns E 10, F 9.9: mean 9.95, std = sqrt(2 * 0.05^2) = 0.0707
     #   A_E = 0.05/0.0707 = 1/sqrt(2) on both turns, A_F = -1/sqrt(2) on both turns
-    adv, _ = grpo(batch, algo_with(grpo={"mean_over": "trajectories", "eps": 0.0}))
+    adv, _ = grpo(batch, GRPOConfig(mean_over="trajectories", eps=0.0))
     r = 1 / math.sqrt(2)
     close(adv, [r, r, -r, -r], atol=1e-3)
 
@@ -213,7 +205,7 @@ def test_rloo_by_hand():
     #   A_X = 2 - (0 + 1)/2 = 1.5;  A_Y = 0 - (2 + 1)/2 = -1.5;  A_Z = 1 - (2 + 0)/2 = 0
     # group 1: a lone trajectory -> 0
     batch = make_batch([(0, 0, 2.0, [0.0]), (1, 0, 0.0, [0.0, 0.0]), (2, 0, 1.1, [-0.1]), (3, 1, 4.0, [0.0])])
-    adv, ret = rloo(batch, AlgoConfig())
+    adv, ret = rloo(batch)
     close(adv, [1.5, -1.5, -1.5, 0.0, 0.0])
     close(ret, [2.0, 0.0, 0.0, 1.0, 4.0])
 
@@ -223,5 +215,10 @@ def test_compute_advantages_dispatch():
     algo = AlgoConfig(estimator="rloo")
     adv, _ = compute_advantages(batch, algo)
     close(adv, [2.0, -2.0])
-    with pytest.raises(KeyError, match="valid"):
+    # the estimator gets its own settings section: algo.grpo for grpo (no normalisation by std: 2 - 1, 0 - 1)
+    algo = AlgoConfig(estimator="grpo")
+    algo.grpo.norm_by_std = False
+    adv, _ = compute_advantages(batch, algo)
+    close(adv, [1.0, -1.0])
+    with pytest.raises(ConfigError, match="Valid: gae, gigpo, grpo, rloo"):
         compute_advantages(batch, AlgoConfig(estimator="nope"))

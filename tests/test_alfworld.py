@@ -94,7 +94,7 @@ def test_missing_data_says_how_to_get_it(tmp_path: Path) -> None:
 def test_config_composition_imports_no_simulator() -> None:
     code = (
         "import sys\n"
-        "from epo_cli.config import compose\n"
+        "from epo_cli.compose import compose\n"
         "for env in ('alfworld', 'scienceworld', 'textworld'):\n"
         "    compose([f'env={env}'])\n"
         "print(sorted(m for m in ('alfworld', 'textworld', 'scienceworld') if m in sys.modules))\n"

@@ -6,7 +6,8 @@ import warnings
 
 import pytest
 
-from epo_cli.config import GROUPS, compose, config_dir, group_options
+from epo_cli.compose import compose
+from epo_cli.config import GROUPS, config_dir, group_options
 from epo_cli.errors import ConfigError
 
 from conftest import REPO, run_cli

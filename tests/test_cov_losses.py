@@ -15,7 +15,8 @@ from epo_cli.algos.losses import (
     PolicyOutputs,
     build_loss_terms,
 )
-from epo_cli.config import AlgoConfig, compose
+from epo_cli.compose import compose
+from epo_cli.config import AlgoConfig
 from epo_cli.errors import ConfigError
 
 torch.set_num_threads(1)
@@ -135,7 +136,7 @@ def test_kl_cov_top_two_with_a_smaller_coefficient():
 
 
 def test_policy_loss_registry_and_builder():
-    assert set(POLICY_LOSSES) == {"clip", "clip_cov", "kl_cov"}
+    assert POLICY_LOSSES.names() == ["clip", "clip_cov", "kl_cov"]
     algo = AlgoConfig(loss_terms=["policy_clip", "kl"])
     for name, cls in (("clip", PolicyClipLoss), ("clip_cov", ClipCovLoss), ("kl_cov", KLCovLoss)):
         algo.policy_loss = name

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from epo_cli.config import CurriculumConfig, compose
+from epo_cli.compose import compose
+from epo_cli.config import CurriculumConfig
 from epo_cli.curriculum import (
     CURRICULA,
     AdaptiveCurriculum,

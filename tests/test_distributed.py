@@ -77,7 +77,7 @@ def _harness(spec_file: str) -> None:
     import torch
 
     from epo_cli.cli import quiet_libraries
-    from epo_cli.config import compose
+    from epo_cli.compose import compose
     from epo_cli.launch import prepare_run_dir
     from epo_cli.training.engine import barrier, init_distributed
     from epo_cli.training.trainer import Trainer
@@ -388,7 +388,7 @@ def test_slurm_submission_script(tmp_path: Path) -> None:
 # ---- launcher pieces without ranks -------------------------------------------------------------------
 
 def test_multi_node_command_from_hostfile(tmp_path: Path) -> None:
-    from epo_cli.config import compose
+    from epo_cli.compose import compose
     from epo_cli.distributed_launch import deepspeed_command, layout_for
 
     hosts = tmp_path / "hosts"

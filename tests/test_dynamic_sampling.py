@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from epo_cli.algos.dynamic_sampling import choose_groups, concat_batches, group_has_signal, rows_of_groups
-from epo_cli.config import compose
+from epo_cli.compose import compose
 from epo_cli.errors import ConfigError
 from epo_cli.rollout.batch import TurnBatch
 

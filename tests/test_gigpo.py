@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from epo_cli.algos.advantages import anchor_groups, discounted_step_returns, gigpo, text_similarity
-from epo_cli.config import AlgoConfig, compose
+from epo_cli.compose import compose
+from epo_cli.config import AlgoConfig, GiGPOConfig, GRPOConfig
 from epo_cli.errors import ConfigError
 from epo_cli.rollout.batch import TurnBatch
 
@@ -89,7 +90,7 @@ def test_gigpo_mean_norm_two_groups_by_hand():
     #   group 0, anchor B: t0r1 10, t2r1 -1; mean = 4.5 -> 5.5, -5.5
     #   group 0, anchor C (t1r1) and group 1's A, D, E: alone -> 0
     algo = gigpo_algo(gamma=0.5, step_weight=1.0, mode="mean_norm")
-    adv, ret = gigpo(make_batch(TWO_GROUPS), algo)
+    adv, ret = gigpo(make_batch(TWO_GROUPS), algo.gigpo, algo.grpo)
     expected = [51 / 7 + 3.875, 51 / 7 + 5.5,
                 -19 / 7 - 1.125, -19 / 7, -19 / 7 - 1.125,
                 -19 / 7 - 1.625, -26 / 7 - 5.5,
@@ -102,8 +103,8 @@ def test_gigpo_row_order_does_not_matter():
     # the same batch with rows shuffled: every row keeps its own advantage
     order = [9, 3, 0, 7, 5, 1, 8, 2, 6, 4]
     algo = gigpo_algo(gamma=0.5, mode="mean_norm")
-    straight, _ = gigpo(make_batch(TWO_GROUPS), algo)
-    shuffled, _ = gigpo(make_batch(TWO_GROUPS, order=order), algo)
+    straight, _ = gigpo(make_batch(TWO_GROUPS), algo.gigpo, algo.grpo)
+    shuffled, _ = gigpo(make_batch(TWO_GROUPS, order=order), algo.gigpo, algo.grpo)
     close(shuffled, straight[order].tolist())
 
 
@@ -114,7 +115,7 @@ def test_gigpo_mean_std_norm_and_step_weight():
     # Step: anchor A returns [5, -0.5], anchor B [10, -1]: a pair normalises to +-(d/2) / (|d|/sqrt 2)
     #   = +-1/sqrt(2) (the eps 1e-6 is below the tolerance)
     batch = make_batch([TWO_GROUPS[0], TWO_GROUPS[2]])
-    adv, _ = gigpo(batch, gigpo_algo(gamma=0.5, step_weight=0.5, mode="mean_std_norm"))
+    adv, _ = gigpo(batch, GiGPOConfig(gamma=0.5, step_weight=0.5, mode="mean_std_norm"), GRPOConfig())
     std = math.sqrt(110.75 / 3)
     h = 0.5 / math.sqrt(2)
     close(adv, [5.25 / std + h, 5.25 / std + h, -4.75 / std - h, -5.75 / std - h])
@@ -126,7 +127,7 @@ def test_gigpo_episode_level_over_trajectories():
     # step_weight 0: only the episode level remains
     algo = gigpo_algo(gamma=0.5, step_weight=0.0, mode="mean_norm")
     algo.grpo.mean_over = "trajectories"
-    adv, _ = gigpo(make_batch(TWO_GROUPS), algo)
+    adv, _ = gigpo(make_batch(TWO_GROUPS), algo.gigpo, algo.grpo)
     close(adv, [7, 7, -3, -3, -3, -4, -4, 5, -5, -5])
 
 
@@ -142,7 +143,7 @@ def test_similarity_threshold_merges_near_identical_anchors():
     assert loose[0] == loose[1] != loose[2]
     # with 0.7, A_step (mean_norm, gamma 1) in the {abcd, abce} step group: returns 10, 0 -> +5, -5;
     # wxyz alone -> 0. Episode level: scores 10, 0, 0, mean 10/3 -> 20/3, -10/3, -10/3
-    adv, _ = gigpo(make_batch(trajs), gigpo_algo(gamma=1.0, mode="mean_norm", similarity=0.7))
+    adv, _ = gigpo(make_batch(trajs), GiGPOConfig(gamma=1.0, mode="mean_norm", similarity=0.7), GRPOConfig())
     close(adv, [20 / 3 + 5, -10 / 3 - 5, -10 / 3])
 
 
@@ -157,17 +158,17 @@ def test_admissible_actions_refine_the_anchor():
     assert refined[0] == refined[1] != refined[2]
     # mean_norm, gamma 1: episode 20/3, -10/3, -10/3 (mean 10/3); step: {10, 0} -> +5, -5; alone -> 0
     algo = gigpo_algo(gamma=1.0, mode="mean_norm", anchor="observation_admissible")
-    close(gigpo(batch, algo)[0], [20 / 3 + 5, -10 / 3 - 5, -10 / 3])
+    close(gigpo(batch, algo.gigpo, algo.grpo)[0], [20 / 3 + 5, -10 / 3 - 5, -10 / 3])
     batch.admissible = []
     with pytest.raises(ValueError, match="admissible"):
-        gigpo(batch, algo)
+        gigpo(batch, algo.gigpo, algo.grpo)
 
 
 def test_gigpo_needs_anchor_observations():
     batch = make_batch(TWO_GROUPS)
     batch.anchor_obs = []
     with pytest.raises(ValueError, match="anchor_obs"):
-        gigpo(batch, AlgoConfig())
+        gigpo(batch, GiGPOConfig(), GRPOConfig())
 
 
 def test_select_keeps_anchors():

@@ -64,7 +64,7 @@ def test_non_finite_updates_stop_the_run_with_a_message(tmp_path: Path, epo_cach
     state = torch.load(run / "checkpoints" / "step_1" / "mp_rank_00_model_states.pt", weights_only=True)["module"]
     from transformers import AutoModelForCausalLM
 
-    from epo_cli.config import compose
+    from epo_cli.compose import compose
     from epo_cli.envs import make_suite
     from epo_cli.models.tiny import build_tiny
 

@@ -92,7 +92,7 @@ def test_packed_equals_padded_losses_and_gradients(tiny_folder) -> None:
     and gradients to 1e-5 in fp32. Attention leaking across samples would break this."""
     from transformers import AutoModelForCausalLM
 
-    from epo_cli.config import compose
+    from epo_cli.compose import compose
     from epo_cli.models.loading import ValueModel, frozen_copy
 
     torch.manual_seed(0)
@@ -187,7 +187,7 @@ def test_exported_model_does_not_need_epo(tiny_folder, tmp_path) -> None:
     (["algo.pack_tokens=512", "model.attn_implementation=eager"], "model.attn_implementation=sdpa"),
 ])
 def test_bad_packing_config_is_a_config_error(overrides: list[str], message: str) -> None:
-    from epo_cli.config import compose
+    from epo_cli.compose import compose
     from epo_cli.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message):

@@ -48,7 +48,7 @@ def test_mean_band_over_seeds() -> None:
 
 def _fake_run(path: Path, overrides: list[str], seed: int) -> None:
     """A run folder as training leaves it: config.yaml (really composed) and metrics.jsonl."""
-    from epo_cli.config import compose
+    from epo_cli.compose import compose
 
     path.mkdir(parents=True)
     cfg = OmegaConf.to_container(compose(overrides), resolve=True)

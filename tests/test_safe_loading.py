@@ -140,7 +140,7 @@ def test_a_valid_checkpoint_restores_rng_and_reaches_deepspeed(tmp_path: Path) -
 # ---- trust_remote_code: only from this invocation's command line -------------------------------------------
 
 def _run_dir_trusting_remote_code(tmp_path: Path) -> Path:
-    from epo_cli.config import compose
+    from epo_cli.compose import compose
 
     run = tmp_path / "shared_run"
     run.mkdir()
@@ -174,7 +174,7 @@ def test_a_saved_trust_remote_code_is_not_honoured(tmp_path: Path) -> None:
 
 
 def test_ranks_get_trust_remote_code_from_the_launcher_not_from_config_yaml(tmp_path: Path) -> None:
-    from epo_cli.config import compose
+    from epo_cli.compose import compose
     from epo_cli.distributed_launch import deepspeed_command, layout_for
 
     for trust in (False, True):

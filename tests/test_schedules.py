@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -9,29 +10,42 @@ import pytest
 import torch
 
 from epo_cli.algos.schedules import (
-    ENTROPY_SCHEDULES,
-    PHASE_SCHEDULES,
+    ENTROPY_KEYS,
+    KL_SCHEDULES,
+    PHASE_KEYS,
+    SCHEDULES,
     build_entropy_schedule,
+    build_kl_schedule,
+    build_lr_schedule,
     build_phase_schedule,
-    kl_coefficient,
-    lr_multiplier,
-    two_phase_kl_weight,
+    usable_schedules,
 )
-from epo_cli.config import EntropyConfig, KLConfig, PhaseConfig
+from epo_cli.config import AlgoConfig, EntropyConfig, KLConfig, PhaseConfig
 
 torch.set_num_threads(1)
 
 
+def section_keys(schema: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(schema)]
+
+
 def test_registry_names():
-    assert set(ENTROPY_SCHEDULES) == {
-        "constant",
-        "linear",
-        "cosine",
-        "exp_anneal",
-        "two_phase",
-        "adaptive_target",
-    }
-    assert set(PHASE_SCHEDULES) == {"paper", "constant", "two_phase"}
+    # one registry serves every coefficient
+    assert set(SCHEDULES.names()) == {"constant", "linear", "cosine", "exp_anneal", "two_phase", "adaptive_target",
+                                      "delayed_linear", "paper", "warmup_cosine"}
+    assert set(KL_SCHEDULES) == {"constant", "two_phase"}
+    # a section can use the schedules whose parameters it holds: the entropy group has no gamma (paper) nor
+    # warm-up keys; algo.phase has no decay_rate (exp_anneal) nor adaptive_target's keys
+    assert set(usable_schedules(section_keys(EntropyConfig), ENTROPY_KEYS)) == {
+        "constant", "linear", "cosine", "exp_anneal", "two_phase", "adaptive_target", "delayed_linear"}
+    assert set(usable_schedules(section_keys(PhaseConfig), PHASE_KEYS)) == {
+        "paper", "constant", "two_phase", "linear", "cosine", "delayed_linear"}
+
+
+def test_phase_reads_the_shared_schedules_under_its_own_keys():
+    # linear beta_start 0.1 -> beta_end 0.5: step 5 of 10 -> 0.3
+    beta = build_phase_schedule(PhaseConfig(schedule="linear", beta_start=0.1, beta_end=0.5))
+    assert beta(5, 10) == pytest.approx(0.3)
 
 
 # ------------------------------------------------------------------------------------------- beta_k
@@ -84,12 +98,12 @@ ARTICLE = PhaseConfig(
 )
 def test_two_phase_article_numbers(step, beta, kl):
     assert build_phase_schedule(ARTICLE)(step, 100) == pytest.approx(beta)
-    assert two_phase_kl_weight(step, 100, ARTICLE) == pytest.approx(kl)
-    assert kl_coefficient(step, 100, KLConfig(schedule="two_phase"), ARTICLE) == pytest.approx(kl)
+    kl_weight = build_kl_schedule(AlgoConfig(kl=KLConfig(schedule="two_phase"), phase=ARTICLE))
+    assert kl_weight(step, 100) == pytest.approx(kl)
 
 
 def test_constant_kl_coefficient():
-    assert kl_coefficient(5, 100, KLConfig(coef=0.01), ARTICLE) == 0.01
+    assert build_kl_schedule(AlgoConfig(kl=KLConfig(coef=0.01), phase=ARTICLE))(5, 100) == 0.01
 
 
 # ---------------------------------------------------------------------------------- entropy schedules
@@ -162,6 +176,10 @@ def test_stateless_schedules_share_the_interface():
 
 
 # ---------------------------------------------------------------------------------------------- lr
+
+
+def lr_multiplier(step: int, total: int, warmup_ratio: float, min_lr_ratio: float) -> float:
+    return build_lr_schedule(AlgoConfig(warmup_ratio=warmup_ratio, min_lr_ratio=min_lr_ratio))(step, total)
 
 
 def test_lr_multiplier_by_hand():

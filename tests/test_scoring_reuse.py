@@ -21,7 +21,7 @@ ARGS = ["algo=epo_ppo", "env.level=tiny_open_pick_place", "env.prompt_template=c
 
 def _iteration(tmp_path: Path, name: str, overrides: list[str]) -> tuple[dict[str, float], list[torch.Tensor]]:
     """One rl_step of a fresh trainer: (metrics, flattened policy gradient at each optimizer step)."""
-    from epo_cli.config import compose
+    from epo_cli.compose import compose
     from epo_cli.training.trainer import Trainer
 
     cfg = compose([*ARGS, *overrides])

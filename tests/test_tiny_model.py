@@ -24,7 +24,7 @@ def test_tiny_round_trip_through_auto_classes(tiny_folder) -> None:
 
 
 def test_tiny_is_cached_and_reused(tiny_folder, epo_cache) -> None:
-    from epo_cli.config import compose
+    from epo_cli.compose import compose
     from epo_cli.envs import make_suite
     from epo_cli.models.tiny import build_tiny
 

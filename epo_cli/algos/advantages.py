@@ -1,11 +1,14 @@
 """Advantage estimators: one advantage per turn-sample, broadcast later to every token of the turn.
 
-Each estimator has the signature
+Each estimator is registered in ESTIMATORS under its conf/ name (algo.estimator), with the algo sections
+its settings come from, and has the signature
 
-    fn(batch: TurnBatch, algo: AlgoConfig, all_reduce_sum=None) -> (advantages [N], returns [N])
+    fn(batch: TurnBatch, *settings, all_reduce_sum=None) -> (advantages [N], returns [N])
 
-`all_reduce_sum` sums a tensor over ranks (identity when None). Only statistics that are global in
-meaning use it (GAE's whitening); GRPO/RLOO groups and trajectories are whole on one rank by construction.
+(`settings`: its own config sections, e.g. gae(batch, GAEConfig)); `compute_advantages(batch, algo)` runs
+the one algo.estimator names. `all_reduce_sum` sums a tensor over ranks (identity when None). Only
+statistics that are global in meaning use it (GAE's whitening); GRPO/RLOO groups and trajectories are
+whole on one rank by construction.
 
     gae   PPO with a critic: turn-level GAE per trajectory (Schulman et al. 2016), optionally whitened
     grpo  group-relative: (score - group mean) / (group std + eps) (Shao et al. 2024; verl-agent)
@@ -24,14 +27,19 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 from difflib import SequenceMatcher
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from epo_cli.config import AlgoConfig
+from epo_cli.config import GAEConfig, GiGPOConfig, GRPOConfig
+from epo_cli.registry import Registry
 from epo_cli.rollout.batch import TurnBatch
 
 AllReduce = Callable[[Tensor], Tensor]
+
+#: algo.estimator -> fn(batch, *settings, all_reduce_sum=None) -> (advantages [N], returns [N])
+ESTIMATORS = Registry("advantage estimator")
 
 
 def whiten(x: Tensor, all_reduce_sum: AllReduce | None = None, eps: float = 1e-8) -> Tensor:
@@ -70,7 +78,8 @@ def _trajectories(batch: TurnBatch) -> dict[int, list[int]]:
     return rows
 
 
-def gae(batch: TurnBatch, algo: AlgoConfig, all_reduce_sum: AllReduce | None = None) -> tuple[Tensor, Tensor]:
+@ESTIMATORS.register("gae", config=GAEConfig, sections=("gae",))
+def gae(batch: TurnBatch, settings: GAEConfig, all_reduce_sum: AllReduce | None = None) -> tuple[Tensor, Tensor]:
     """Turn-level GAE. One "time step" is one turn; V_t = critic value of turn t's prompt.
 
         r_t     = reward_t + (outcome if t is the last turn else 0)
@@ -83,7 +92,7 @@ def gae(batch: TurnBatch, algo: AlgoConfig, all_reduce_sum: AllReduce | None = N
     """
     if batch.old_values is None:
         raise ValueError("gae needs batch.old_values (the critic's values of each turn's prompt)")
-    gamma, lam = algo.gae.gamma, algo.gae.lam
+    gamma, lam = settings.gamma, settings.lam
     reward, outcome, values = batch.reward.tolist(), batch.outcome.tolist(), batch.old_values.tolist()
     adv = [0.0] * len(batch)
     for idx in _trajectories(batch).values():
@@ -96,7 +105,7 @@ def gae(batch: TurnBatch, algo: AlgoConfig, all_reduce_sum: AllReduce | None = N
             adv[i] = next_adv
     advantages = torch.tensor(adv, dtype=batch.old_values.dtype)  # [N]
     returns = advantages + batch.old_values  # [N]
-    if algo.gae.whiten:
+    if settings.whiten:
         advantages = whiten(advantages, all_reduce_sum)
     return advantages, returns
 
@@ -132,8 +141,9 @@ def _trajectory_scores(batch: TurnBatch) -> tuple[Tensor, Tensor, Tensor]:
     return row_traj, outcome + turn_sum, group
 
 
+@ESTIMATORS.register("grpo", config=GRPOConfig, sections=("grpo",))
 def grpo(
-    batch: TurnBatch, algo: AlgoConfig, all_reduce_sum: AllReduce | None = None
+    batch: TurnBatch, settings: GRPOConfig, all_reduce_sum: AllReduce | None = None
 ) -> tuple[Tensor, Tensor]:
     """Group-relative advantages; returns = the scores that were normalised.
 
@@ -142,7 +152,7 @@ def grpo(
     mean_over="trajectories": score = trajectory return; mean/std over the group's trajectories; every
         turn of a trajectory gets that trajectory's advantage (returns: its return, broadcast).
     """
-    cfg = algo.grpo
+    cfg = settings
     if cfg.mean_over == "turns":
         scores = batch.outcome + batch.reward  # [N]
         adv = _normalize_in_groups(scores, batch.group_id, cfg.norm_by_std, cfg.eps)
@@ -154,9 +164,8 @@ def grpo(
     raise ValueError(f"unknown algo.grpo.mean_over '{cfg.mean_over}' (turns | trajectories)")
 
 
-def rloo(
-    batch: TurnBatch, algo: AlgoConfig, all_reduce_sum: AllReduce | None = None
-) -> tuple[Tensor, Tensor]:
+@ESTIMATORS.register("rloo", sections=())
+def rloo(batch: TurnBatch, all_reduce_sum: AllReduce | None = None) -> tuple[Tensor, Tensor]:
     """A_j = score_j - mean of the OTHER trajectories' scores in j's group (0 for a lone trajectory).
 
     score_j = trajectory return; broadcast to every turn of j. returns = score_j.
@@ -242,13 +251,14 @@ def anchor_groups(batch: TurnBatch, similarity: float = 1.0, anchor: str = "obse
     return torch.tensor(ids, dtype=torch.long)
 
 
+@ESTIMATORS.register("gigpo", config=GiGPOConfig, sections=("gigpo", "grpo"))
 def gigpo(
-    batch: TurnBatch, algo: AlgoConfig, all_reduce_sum: AllReduce | None = None
+    batch: TurnBatch, settings: GiGPOConfig, episode: GRPOConfig, all_reduce_sum: AllReduce | None = None
 ) -> tuple[Tensor, Tensor]:
     """GiGPO (Feng et al. 2025, arXiv 2505.10978), following verl-agent's core_gigpo:
 
         A_episode = GRPO normalisation of the episode scores in the group (Eq. 3; over turn-samples or
-                    trajectories as algo.grpo.mean_over says, like grpo)
+                    trajectories as episode.mean_over (algo.grpo.mean_over) says, like grpo)
         R_t       = discounted return from turn t, gamma = algo.gigpo.gamma (Eq. 5)
         A_step    = R_t normalised among the turns of the group with the same anchor observation (Eq. 6-7);
                     a step group of one turn gets 0
@@ -257,11 +267,11 @@ def gigpo(
     mode mean_std_norm: (x - mean) / (std + eps) at both levels (std unbiased); mean_norm: x - mean.
     returns = A (as verl-agent; there is no critic).
     """
-    cfg = algo.gigpo
+    cfg = settings
     if cfg.mode not in ("mean_norm", "mean_std_norm"):
         raise ValueError(f"unknown algo.gigpo.mode '{cfg.mode}' (mean_norm | mean_std_norm)")
     by_std = cfg.mode == "mean_std_norm"
-    if algo.grpo.mean_over == "turns":
+    if episode.mean_over == "turns":
         episode_adv = _normalize_in_groups(batch.outcome + batch.reward, batch.group_id, by_std, cfg.eps)  # [N]
     else:
         row_traj, traj_score, traj_group = _trajectory_scores(batch)
@@ -273,15 +283,7 @@ def gigpo(
     return adv, adv
 
 
-ESTIMATORS: dict[str, Callable[..., tuple[Tensor, Tensor]]] = {
-    "gae": gae, "grpo": grpo, "rloo": rloo, "gigpo": gigpo,
-}
-
-
-def compute_advantages(
-    batch: TurnBatch, algo: AlgoConfig, all_reduce_sum: AllReduce | None = None
-) -> tuple[Tensor, Tensor]:
-    """Run the estimator algo.estimator names."""
-    if algo.estimator not in ESTIMATORS:
-        raise KeyError(f"unknown estimator '{algo.estimator}'; valid: {', '.join(ESTIMATORS)}")
-    return ESTIMATORS[algo.estimator](batch, algo, all_reduce_sum)
+def compute_advantages(batch: TurnBatch, algo: Any, all_reduce_sum: AllReduce | None = None) -> tuple[Tensor, Tensor]:
+    """Run the estimator algo.estimator names on `batch`, with its own settings read from `algo`."""
+    entry = ESTIMATORS.entry(algo.estimator)
+    return entry.build(batch, *entry.settings(algo), all_reduce_sum=all_reduce_sum)

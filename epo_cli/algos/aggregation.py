@@ -107,12 +107,17 @@ def normalized_weights(
     num_turns: Tensor,
     decay: float = 0.9,
     all_reduce_sum: AllReduce | None = None,
+    denominator: float | None = None,
 ) -> Tensor:
-    """w = u / D [B, R] for a mini-batch that is a single micro-batch (D = sum(d), summed over ranks).
+    """w = u / D [B, R]: a micro-batch's token weights, MicroBatch.weights[mode].
 
-    With several micro-batches, compute d for all of them first, sum, and divide each u by that total.
+    D is the mini-batch's denominator: `denominator` when given (the training loop sums d over all the
+    mini-batch's micro-batches and ranks first), else this micro-batch's own sum(d), summed over ranks by
+    `all_reduce_sum` (a mini-batch that is a single micro-batch).
     """
     u, d = get_aggregation(mode).weights(response_mask, turn_index, num_turns, decay)
+    if denominator is not None:
+        return u / denominator
     D = d.sum()
     if all_reduce_sum is not None:
         D = all_reduce_sum(D)

@@ -17,18 +17,36 @@ way, and are detached.
 EPO objective (arXiv 2509.22576):  L = L_RL - lambda * (L_H - beta_k * L_smooth) + kl_coef * KL,
 i.e. coefficients policy_clip 1, entropy -lambda, entropy_smoothing +lambda*beta_k, kl kl_coef
 (`loss_coefficients`).
+
+Every term is registered in LOSS_TERMS under its conf/ name (algo.loss_terms) with its own settings and
+the algo keys they are read from (`build_loss_term` looks it up: no list of names to keep in step). A new
+term registers itself the same way with its own settings dataclass; its settings are then
+algo.components.<name> and its coefficient is their `coef` (tests/test_registry.py shows one).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from epo_cli.algos.aggregation import weighted_sum
-from epo_cli.config import AlgoConfig
+from epo_cli.config import (
+    EntropyTermConfig,
+    KLConfig,
+    PolicyClipConfig,
+    SmoothingConfig,
+    ValueConfig,
+)
+from epo_cli.registry import Registry
 from epo_cli.rollout.batch import MicroBatch
+
+#: algo.loss_terms -> fn(*its settings) -> LossTerm
+LOSS_TERMS = Registry("loss term")
+#: algo.policy_loss -> fn(PolicyClipConfig) -> the module in the `policy_clip` slot of the loss stack
+POLICY_LOSSES = Registry("policy loss")
 
 
 @dataclass
@@ -244,8 +262,26 @@ class KLCovLoss(LossTerm):
         return loss, metrics
 
 
-#: algo.policy_loss -> the module in the `policy_clip` slot of the loss stack
-POLICY_LOSSES: dict[str, type[LossTerm]] = {"clip": PolicyClipLoss, "clip_cov": ClipCovLoss, "kl_cov": KLCovLoss}
+@POLICY_LOSSES.register("clip", config=PolicyClipConfig)
+def _clip(pc: PolicyClipConfig) -> LossTerm:
+    return PolicyClipLoss(pc.clip_low, pc.clip_high, pc.dual_clip, pc.aggregation)
+
+
+@POLICY_LOSSES.register("clip_cov", config=PolicyClipConfig)
+def _clip_cov(pc: PolicyClipConfig) -> LossTerm:
+    return ClipCovLoss(pc.clip_low, pc.clip_high, pc.dual_clip, pc.aggregation, pc.clip_cov_ratio, pc.clip_cov_lb,
+                       pc.clip_cov_ub)
+
+
+@POLICY_LOSSES.register("kl_cov", config=PolicyClipConfig)
+def _kl_cov(pc: PolicyClipConfig) -> LossTerm:
+    return KLCovLoss(pc.aggregation, pc.kl_cov_ratio, pc.ppo_kl_coef)
+
+
+@LOSS_TERMS.register("policy_clip", config=PolicyClipConfig, sections=("policy_clip", "policy_loss"))
+def _policy_clip(pc: PolicyClipConfig, policy_loss: str) -> LossTerm:
+    """The policy-gradient slot: the policy loss algo.policy_loss names, with algo.policy_clip's settings."""
+    return POLICY_LOSSES.build(policy_loss, pc)
 
 
 class ValueLoss(LossTerm):
@@ -411,44 +447,45 @@ class NLLLoss(LossTerm):
         return loss, {"loss/nll": loss.detach()}
 
 
-LOSS_TERMS: dict[str, type[LossTerm]] = {
-    cls.name: cls for cls in (PolicyClipLoss, ValueLoss, EntropyLoss, EntropySmoothingLoss, KLLoss, NLLLoss)
-}
+# the built-in terms read the algo sections they always have (their yaml keys predate the registry)
+@LOSS_TERMS.register("value", config=ValueConfig, sections=("value",))
+def _value(v: ValueConfig) -> LossTerm:
+    return ValueLoss(v.clip)
 
 
-def build_loss_term(name: str, algo: AlgoConfig) -> LossTerm:
-    """One term, configured from algo."""
-    if name == "policy_clip":
-        pc = algo.policy_clip
-        if algo.policy_loss == "clip_cov":
-            return ClipCovLoss(pc.clip_low, pc.clip_high, pc.dual_clip, pc.aggregation, pc.clip_cov_ratio,
-                               pc.clip_cov_lb, pc.clip_cov_ub)
-        if algo.policy_loss == "kl_cov":
-            return KLCovLoss(pc.aggregation, pc.kl_cov_ratio, pc.ppo_kl_coef)
-        if algo.policy_loss != "clip":
-            raise KeyError(f"unknown policy loss '{algo.policy_loss}'; valid: {', '.join(POLICY_LOSSES)}")
-        return PolicyClipLoss(pc.clip_low, pc.clip_high, pc.dual_clip, pc.aggregation)
-    if name == "value":
-        return ValueLoss(algo.value.clip)
-    if name == "entropy":
-        return EntropyLoss(algo.entropy.mode)
-    if name == "entropy_smoothing":
-        sm = algo.entropy_smoothing
-        return EntropySmoothingLoss(sm.alpha, sm.kappa_low, sm.kappa_high, sm.aggregation)
-    if name == "kl":
-        return KLLoss(algo.kl.estimator, algo.kl.aggregation)
-    if name == "nll":
-        return NLLLoss(algo.nll_aggregation)
-    raise KeyError(f"unknown loss term '{name}'; valid: {', '.join(LOSS_TERMS)}")
+@LOSS_TERMS.register("entropy", config=EntropyTermConfig, sections=("entropy",))
+def _entropy(e: EntropyTermConfig) -> LossTerm:
+    return EntropyLoss(e.mode)
 
 
-def build_loss_terms(algo: AlgoConfig) -> nn.ModuleDict:
+@LOSS_TERMS.register("entropy_smoothing", config=SmoothingConfig, sections=("entropy_smoothing",))
+def _entropy_smoothing(sm: SmoothingConfig) -> LossTerm:
+    return EntropySmoothingLoss(sm.alpha, sm.kappa_low, sm.kappa_high, sm.aggregation)
+
+
+@LOSS_TERMS.register("kl", config=KLConfig, sections=("kl",))
+def _kl(kl: KLConfig) -> LossTerm:
+    return KLLoss(kl.estimator, kl.aggregation)
+
+
+@LOSS_TERMS.register("nll", sections=("nll_aggregation",))
+def _nll(aggregation: str) -> LossTerm:
+    return NLLLoss(aggregation)
+
+
+def build_loss_term(name: str, algo: Any) -> LossTerm:
+    """The term registered as `name`, built from its own settings in `algo`."""
+    entry = LOSS_TERMS.entry(name)
+    return entry.build(*entry.settings(algo))
+
+
+def build_loss_terms(algo: Any) -> nn.ModuleDict:
     """The policy's terms in the order of algo.loss_terms; `value` is skipped (it trains the critic)."""
     return nn.ModuleDict({name: build_loss_term(name, algo) for name in algo.loss_terms if name != "value"})
 
 
-def build_value_term(algo: AlgoConfig) -> ValueLoss:
-    return ValueLoss(algo.value.clip)
+def build_value_term(algo: Any) -> LossTerm:
+    return build_loss_term("value", algo)
 
 
 def required_aggregations(terms: nn.ModuleDict | list[LossTerm]) -> list[str]:
@@ -495,13 +532,14 @@ class LossStack(nn.Module):
 
 
 def loss_coefficients(
-    algo: AlgoConfig, entropy_coef: float, phase_beta: float, kl_weight: float, entropy_scale: float = 1.0
+    algo: Any, entropy_coef: float, phase_beta: float, kl_weight: float, entropy_scale: float = 1.0
 ) -> dict[str, float]:
     """Coefficients of L = L_RL - lambda * (L_H - beta_k * L_smooth) + kl_weight * KL for algo.loss_terms.
 
     entropy_coef = lambda (entropy schedule), phase_beta = beta_k (phase schedule), kl_weight = the KL
     coefficient at this step. entropy_scale multiplies both entropy-driven terms (the fluctuation
-    monitor's `clamp` action passes monitor.clamp_scale while it alerts; 1 otherwise).
+    monitor's `clamp` action passes monitor.clamp_scale while it alerts; 1 otherwise). A term outside the
+    EPO objective (registered elsewhere) is weighted by its own `coef` setting.
     """
     lam = entropy_coef * entropy_scale
     table = {
@@ -512,4 +550,12 @@ def loss_coefficients(
         "entropy_smoothing": lam * phase_beta,
         "value": algo.value.coef,
     }
-    return {name: table[name] for name in algo.loss_terms}
+    return {name: table[name] if name in table else _own_coef(name, algo) for name in algo.loss_terms}
+
+
+def _own_coef(name: str, algo: Any) -> float:
+    settings = LOSS_TERMS.entry(name).settings(algo)
+    if not settings or not hasattr(settings[0], "coef"):
+        raise ValueError(f"loss term '{name}' is not part of the EPO objective, so its settings class needs a "
+                         "`coef` field (its coefficient in the loss)")
+    return float(settings[0].coef)

@@ -1,12 +1,19 @@
-"""Schedules: coefficient = schedule(step, total_steps).
+"""Schedules: coefficient = schedule(step, total_steps), one registry for every coefficient.
 
 progress p = step / total_steps, clamped to [0, 1]; `total_steps` is always the run's own total
 (trainer.total_steps), never a hard-coded number (the public EPO code hard-coded 150).
 
-    entropy coefficient lambda (EntropyConfig)   ENTROPY_SCHEDULES, build_entropy_schedule
-    EPO phase weight beta_k (PhaseConfig)        PHASE_SCHEDULES, build_phase_schedule
-    KL weight                                    kl_coefficient, two_phase_kl_weight
-    learning rate                                lr_multiplier
+Every schedule is a dataclass of its parameters registered in SCHEDULES; its fields are its settings. A
+coefficient's config section names the schedule (`schedule: ...`) and holds its parameters, under the
+schedule's field names or the section's own names for them (the `*_KEYS` maps below):
+
+    entropy coefficient lambda   entropy group (EntropyConfig)     build_entropy_schedule   ENTROPY_KEYS
+    EPO phase weight beta_k      algo.phase (PhaseConfig)          build_phase_schedule     PHASE_KEYS
+    KL weight                    algo.kl.schedule (KL_SCHEDULES)   build_kl_schedule
+    learning-rate multiplier     algo.warmup_ratio, min_lr_ratio   build_lr_schedule        (warmup_cosine)
+
+A section can use every schedule whose parameters it has (`usable_schedules`); config validation checks
+that, so a new schedule is one registered dataclass here.
 
 Every schedule has observe(entropy) and state_dict()/load_state_dict() (JSON-serialisable); they are
 no-ops except for the stateful adaptive_target, so the training loop can treat all of them alike.
@@ -15,10 +22,13 @@ no-ops except for the stateful adaptive_target, so the training loop can treat a
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from dataclasses import dataclass, fields
 from typing import Any
 
-from epo_cli.config import EntropyConfig, KLConfig, PhaseConfig
+from epo_cli.registry import Registry
+
+#: schedule name -> its dataclass (fields = parameters)
+SCHEDULES = Registry("schedule")
 
 
 def progress(step: int, total_steps: int) -> float:
@@ -50,57 +60,97 @@ class Schedule:
         pass
 
 
+def _register(name: str) -> Any:
+    """Register a schedule dataclass under `name`; its fields are its parameters."""
+
+    def add(cls: type) -> type:
+        cls = dataclass(cls)
+        return SCHEDULES.register(name, config=cls)(cls)
+
+    return add
+
+
+@_register("constant")
 class Constant(Schedule):
-    def __init__(self, value: float) -> None:
-        self.value = value
+    value: float
 
     def __call__(self, step: int, total_steps: int) -> float:
         return self.value
 
 
+@_register("linear")
 class Linear(Schedule):
     """start + (end - start) * p."""
 
-    def __init__(self, start: float, end: float) -> None:
-        self.start, self.end = start, end
+    start: float
+    end: float
 
     def __call__(self, step: int, total_steps: int) -> float:
         return self.start + (self.end - self.start) * progress(step, total_steps)
 
 
+@_register("cosine")
 class Cosine(Schedule):
     """Half cosine: end + (start - end) * (1 + cos(pi p)) / 2."""
 
-    def __init__(self, start: float, end: float) -> None:
-        self.start, self.end = start, end
+    start: float
+    end: float
 
     def __call__(self, step: int, total_steps: int) -> float:
         p = progress(step, total_steps)
         return self.end + (self.start - self.end) * 0.5 * (1.0 + math.cos(math.pi * p))
 
 
+@_register("exp_anneal")
 class ExpAnneal(Schedule):
     """max(start * decay_rate ** p, end): exponential annealing with a floor."""
 
-    def __init__(self, start: float, decay_rate: float, end: float) -> None:
-        self.start, self.decay_rate, self.end = start, decay_rate, end
+    start: float
+    decay_rate: float
+    end: float
 
     def __call__(self, step: int, total_steps: int) -> float:
         return max(self.start * self.decay_rate ** progress(step, total_steps), self.end)
 
 
+@_register("two_phase")
 class TwoPhase(Schedule):
-    """Source article: start -> peak over the first `share` of training (exploration), then peak -> end."""
+    """Source article: start -> peak over the first `exploration_share` of training, then peak -> end."""
 
-    def __init__(self, start: float, peak: float, end: float, share: float) -> None:
-        if not 0.0 <= share <= 1.0:
-            raise ValueError(f"exploration_share must be in [0, 1] (got {share})")
-        self.start, self.peak, self.end, self.share = start, peak, end, share
+    start: float
+    peak: float
+    end: float
+    exploration_share: float
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.exploration_share <= 1.0:
+            raise ValueError(f"exploration_share must be in [0, 1] (got {self.exploration_share})")
 
     def __call__(self, step: int, total_steps: int) -> float:
-        return _two_phase(progress(step, total_steps), self.share, self.start, self.peak, self.end)
+        return _two_phase(progress(step, total_steps), self.exploration_share, self.start, self.peak, self.end)
 
 
+@_register("delayed_linear")
+class DelayedLinear(Schedule):
+    """Source article's KL weight: 0 while p < exploration_share, then start -> end linearly.
+
+    At p = exploration_share exactly the second phase has begun (weight `start`).
+    """
+
+    start: float
+    end: float
+    exploration_share: float
+
+    def __call__(self, step: int, total_steps: int) -> float:
+        p, share = progress(step, total_steps), self.exploration_share
+        if p < share:
+            return 0.0
+        if share >= 1.0:
+            return self.start
+        return self.start + (self.end - self.start) * (p - share) / (1.0 - share)
+
+
+@_register("adaptive_target")
 class AdaptiveTarget(Schedule):
     """Keeps the entropy near a target by feedback (like SAC's temperature tuning, multiplicative):
 
@@ -110,11 +160,15 @@ class AdaptiveTarget(Schedule):
     start from a positive coef.
     """
 
-    def __init__(self, coef: float, target: float, adapt_lr: float, min_coef: float, max_coef: float) -> None:
-        if target <= 0:
-            raise ValueError(f"adaptive_target needs target > 0 (got {target})")
-        self.coef, self.target, self.adapt_lr = coef, target, adapt_lr
-        self.min_coef, self.max_coef = min_coef, max_coef
+    coef: float
+    target: float
+    adapt_lr: float
+    min_coef: float
+    max_coef: float
+
+    def __post_init__(self) -> None:
+        if self.target <= 0:
+            raise ValueError(f"adaptive_target needs target > 0 (got {self.target})")
 
     def __call__(self, step: int, total_steps: int) -> float:
         return self.coef
@@ -130,78 +184,86 @@ class AdaptiveTarget(Schedule):
         self.coef = float(state["coef"])
 
 
-ENTROPY_SCHEDULES: dict[str, Callable[[EntropyConfig], Schedule]] = {
-    "constant": lambda c: Constant(c.coef),
-    "linear": lambda c: Linear(c.start, c.end),
-    "cosine": lambda c: Cosine(c.start, c.end),
-    "exp_anneal": lambda c: ExpAnneal(c.start, c.decay_rate, c.end),
-    "two_phase": lambda c: TwoPhase(c.start, c.peak, c.end, c.exploration_share),
-    "adaptive_target": lambda c: AdaptiveTarget(c.coef, c.target, c.adapt_lr, c.min_coef, c.max_coef),
-}
-
-
-def build_entropy_schedule(cfg: EntropyConfig) -> Schedule:
-    if cfg.schedule not in ENTROPY_SCHEDULES:
-        raise KeyError(f"unknown entropy schedule '{cfg.schedule}'; valid: {', '.join(ENTROPY_SCHEDULES)}")
-    return ENTROPY_SCHEDULES[cfg.schedule](cfg)
-
-
+@_register("paper")
 class PaperPhase(Schedule):
     """EPO adaptive phase weight: beta_k = 1 + exp(-gamma * k / floor(K/2)), K = the run's total steps.
 
     beta_0 = 2; with gamma = 3, beta_{K/2} = 1 + e^-3 ~ 1.05 and beta_K = 1 + e^-6 ~ 1.0025.
     """
 
-    def __init__(self, gamma: float) -> None:
-        self.gamma = gamma
+    gamma: float
 
     def __call__(self, step: int, total_steps: int) -> float:
         half = max(total_steps // 2, 1)  # K = 1 would give floor(K/2) = 0
         return 1.0 + math.exp(-self.gamma * step / half)
 
 
-PHASE_SCHEDULES: dict[str, Callable[[PhaseConfig], Schedule]] = {
-    "paper": lambda c: PaperPhase(c.gamma),
-    "constant": lambda c: Constant(c.value),
-    "two_phase": lambda c: TwoPhase(c.beta_start, c.beta_peak, c.beta_end, c.exploration_share),
+@_register("warmup_cosine")
+class WarmupCosine(Schedule):
+    """Learning-rate multiplier: linear warm-up over W = ceil(warmup_ratio * total) steps ((step+1)/W),
+    then cosine 1 -> min_lr_ratio, reaching min_lr_ratio at the last step (total - 1)."""
+
+    warmup_ratio: float
+    min_lr_ratio: float
+
+    def __call__(self, step: int, total_steps: int) -> float:
+        # round first: 0.07 * 100 = 7.000000000000001 would otherwise give W = 8
+        warmup = math.ceil(round(self.warmup_ratio * total_steps, 9))
+        if step < warmup:
+            return (step + 1) / warmup
+        decay_steps = total_steps - 1 - warmup
+        p = min(max((step - warmup) / decay_steps, 0.0), 1.0) if decay_steps > 0 else 1.0
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * p))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Where each coefficient's schedule finds its parameters
+# ----------------------------------------------------------------------------------------------------
+
+#: entropy group: schedule parameter -> its key there (the others under their own names)
+ENTROPY_KEYS = {"value": "coef"}
+#: algo.phase: schedule parameter -> its key there
+PHASE_KEYS = {"start": "beta_start", "peak": "beta_peak", "end": "beta_end"}
+#: algo.kl.schedule -> (schedule, algo section of its parameters, parameter -> key there)
+KL_SCHEDULES: dict[str, tuple[str, str, dict[str, str]]] = {
+    "constant": ("constant", "kl", {"value": "coef"}),
+    "two_phase": ("delayed_linear", "phase", {"start": "kl_start", "end": "kl_end"}),  # algo.phase's KL ramp
 }
 
 
-def build_phase_schedule(cfg: PhaseConfig) -> Schedule:
-    if cfg.schedule not in PHASE_SCHEDULES:
-        raise KeyError(f"unknown phase schedule '{cfg.schedule}'; valid: {', '.join(PHASE_SCHEDULES)}")
-    return PHASE_SCHEDULES[cfg.schedule](cfg)
+def parameter_keys(name: str, keys: dict[str, str] | None = None) -> dict[str, str]:
+    """Schedule `name`'s parameters -> the section keys they are read from."""
+    keys = keys or {}
+    return {f.name: keys.get(f.name, f.name) for f in fields(SCHEDULES.config_class(name))}
 
 
-def two_phase_kl_weight(step: int, total_steps: int, cfg: PhaseConfig) -> float:
-    """Source article: KL weight 0 while p < exploration_share, then kl_start -> kl_end linearly.
-
-    At p = exploration_share exactly the second phase has begun (weight kl_start).
-    """
-    p, share = progress(step, total_steps), cfg.exploration_share
-    if p < share:
-        return 0.0
-    if share >= 1.0:
-        return cfg.kl_start
-    return cfg.kl_start + (cfg.kl_end - cfg.kl_start) * (p - share) / (1.0 - share)
+def usable_schedules(section_keys: list[str], keys: dict[str, str] | None = None) -> list[str]:
+    """The schedules whose every parameter a section with these keys holds."""
+    return [n for n in SCHEDULES.names() if set(parameter_keys(n, keys).values()) <= set(section_keys)]
 
 
-def kl_coefficient(step: int, total_steps: int, kl: KLConfig, phase: PhaseConfig) -> float:
-    """KL term coefficient: kl.coef (constant), or the two-phase weight itself (not multiplied by coef)."""
-    if kl.schedule == "constant":
-        return kl.coef
-    if kl.schedule == "two_phase":
-        return two_phase_kl_weight(step, total_steps, phase)
-    raise KeyError(f"unknown KL schedule '{kl.schedule}' (constant | two_phase)")
+def build_schedule(name: str, section: Any, keys: dict[str, str] | None = None) -> Schedule:
+    """Schedule `name` with its parameters read from `section` (a config node or dataclass)."""
+    return SCHEDULES.build(name, **{p: getattr(section, k) for p, k in parameter_keys(name, keys).items()})
 
 
-def lr_multiplier(step: int, total_steps: int, warmup_ratio: float, min_ratio: float) -> float:
-    """Linear warm-up over W = ceil(warmup_ratio * total) steps ((step+1)/W), then cosine 1 -> min_ratio,
-    reaching min_ratio at the last step (total - 1)."""
-    # round first: 0.07 * 100 = 7.000000000000001 would otherwise give W = 8
-    warmup = math.ceil(round(warmup_ratio * total_steps, 9))
-    if step < warmup:
-        return (step + 1) / warmup
-    decay_steps = total_steps - 1 - warmup
-    p = min(max((step - warmup) / decay_steps, 0.0), 1.0) if decay_steps > 0 else 1.0
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * p))
+def build_entropy_schedule(cfg: Any) -> Schedule:
+    """lambda, from the entropy group (EntropyConfig)."""
+    return build_schedule(cfg.schedule, cfg, ENTROPY_KEYS)
+
+
+def build_phase_schedule(cfg: Any) -> Schedule:
+    """beta_k, from algo.phase (PhaseConfig)."""
+    return build_schedule(cfg.schedule, cfg, PHASE_KEYS)
+
+
+def build_kl_schedule(algo: Any) -> Schedule:
+    """The KL weight, from algo.kl.schedule: kl.coef (constant), or algo.phase's two-phase KL ramp itself
+    (not multiplied by coef)."""
+    name, section, keys = KL_SCHEDULES[algo.kl.schedule]
+    return build_schedule(name, getattr(algo, section), keys)
+
+
+def build_lr_schedule(algo: Any) -> Schedule:
+    """The learning-rate multiplier, from algo.warmup_ratio and algo.min_lr_ratio."""
+    return build_schedule("warmup_cosine", algo)

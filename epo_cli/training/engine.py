@@ -144,7 +144,7 @@ class GuardedAdamW(torch.optim.AdamW):
 
 def set_lr(engine: Any, lr: float) -> None:
     """Set the learning rate of every parameter group. The schedule is a function of the trainer step
-    (epo_cli.algos.schedules.lr_multiplier): RL iterations take a varying number of optimizer steps."""
+    (warmup_cosine in epo_cli.algos.schedules): RL iterations take a varying number of optimizer steps."""
     for group in engine.optimizer.param_groups:
         group["lr"] = lr
 

@@ -8,8 +8,8 @@ One RL iteration (`rl_step`):
                  (algo.dynamic_sampling: zero-variance groups replaced by fresh rounds, DAPO)
     scoring   <- old log-probs, entropy (sampling temperature), reference log-probs, critic values
     entropy history, fluctuation monitor <- the rollout's entropies (all-reduced; no extra forward pass)
-    advantages <- ESTIMATORS[algo.estimator]                       gae | grpo | rloo | gigpo
-    coefs     <- schedules: lambda (entropy group), beta_k (algo.phase), KL weight
+    advantages <- compute_advantages: the estimator algo.estimator names  gae | grpo | rloo | gigpo
+    coefs     <- schedules: lambda (entropy group), beta_k (algo.phase), KL weight (and the lr)
     update    <- ppo_epochs x mini-batches x micro-batches:
                  loss = sum_i coef_i * term_i   (e.g. policy_clip + 0.01*kl - lambda*entropy
                                                  + lambda*beta_k*entropy_smoothing)
@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from epo_cli.algos.advantages import ESTIMATORS
-from epo_cli.algos.aggregation import AGGREGATIONS
+from epo_cli.algos.advantages import compute_advantages
+from epo_cli.algos.aggregation import AGGREGATIONS, normalized_weights
 from epo_cli.algos.dynamic_sampling import choose_groups, concat_batches, group_has_signal, rows_of_groups
 from epo_cli.algos.entropy import EntropyHistory, FluctuationMonitor, response_diversity, step_statistics
 from epo_cli.algos.losses import (
@@ -46,9 +46,9 @@ from epo_cli.algos.losses import (
 )
 from epo_cli.algos.schedules import (
     build_entropy_schedule,
+    build_kl_schedule,
+    build_lr_schedule,
     build_phase_schedule,
-    kl_coefficient,
-    lr_multiplier,
 )
 from epo_cli.curriculum import build_curriculum
 from epo_cli.envs import make_suite
@@ -166,6 +166,8 @@ class Trainer:
         self.value_term = build_value_term(algo) if critic is not None else None
         self.entropy_schedule = build_entropy_schedule(cfg.entropy)
         self.phase_schedule = build_phase_schedule(algo.phase)
+        self.kl_schedule = build_kl_schedule(algo)
+        self.lr_schedule = build_lr_schedule(algo)
         self.history = EntropyHistory(algo.entropy_smoothing, max_turns=cfg.env.max_turns)
         self.monitor = FluctuationMonitor(algo.monitor)
         self.builder = PromptBuilder(cfg.env.prompt_template, cfg.env.history_length,
@@ -236,11 +238,9 @@ class Trainer:
         self._agree_on_stop()  # a signal during start-up: stop before the first step
         while self.state.step < total and self.stop_signal is None:
             step = self.state.step
-            set_lr(self.engine, cfg.algo.lr * lr_multiplier(step, total, cfg.algo.warmup_ratio,
-                                                             cfg.algo.min_lr_ratio))
+            set_lr(self.engine, cfg.algo.lr * self.lr_schedule(step, total))
             if self.critic_engine is not None:
-                set_lr(self.critic_engine, (cfg.algo.value.lr or cfg.algo.lr) *
-                       lr_multiplier(step, total, cfg.algo.warmup_ratio, cfg.algo.min_lr_ratio))
+                set_lr(self.critic_engine, (cfg.algo.value.lr or cfg.algo.lr) * self.lr_schedule(step, total))
             metrics = self.rl_step(step, total)
             if self._after_step(step + 1, total, metrics):
                 break
@@ -338,12 +338,12 @@ class Trainer:
 
         # 5. advantages
         if algo.estimator != "none":
-            batch.advantages, batch.returns = ESTIMATORS[algo.estimator](batch, algo, all_reduce_sum)
+            batch.advantages, batch.returns = compute_advantages(batch, algo, all_reduce_sum)
 
         # 6. coefficients from schedules: L = L_RL - lambda * (L_H - beta_k * L_smooth) + kl_weight * KL
         lam = self.entropy_schedule(step, total)
         beta = self.phase_schedule(step, total)
-        kl_weight = kl_coefficient(step, total, algo.kl, algo.phase)
+        kl_weight = self.kl_schedule(step, total)
         clamp = algo.monitor.clamp_scale if stats and stats[3] and algo.monitor.action == "clamp" else 1.0
         coefs = loss_coefficients(algo, lam, beta, kl_weight, entropy_scale=clamp)
         if step == 0:
@@ -539,8 +539,8 @@ class Trainer:
                     position = (self.cfg.seed, step, epoch, mini, micro_index, self.dist.rank)
                     self.loss_stack.reseed(hash(position) & 0x7FFFFFFF)
                     for mode in modes:
-                        u, _ = AGGREGATIONS[mode].weights(mb.response_mask, mb.turn_index, mb.num_turns, decay)
-                        mb.weights[mode] = (u / denominators[mode]).to(device)
+                        mb.weights[mode] = normalized_weights(mode, mb.response_mask, mb.turn_index, mb.num_turns,
+                                                              decay, denominator=denominators[mode]).to(device)
                     if history is not None and "entropy_smoothing" in algo.loss_terms:
                         mb.entropy_ref = history.reference(mb.turn_index.cpu()).to(device)
                     reuse = bool(m) and m[0] in on_policy and n_updates == 0
@@ -623,7 +623,7 @@ class Trainer:
         self._agree_on_stop()
         while self.state.step < total and self.stop_signal is None:
             step = self.state.step
-            set_lr(self.engine, algo.lr * lr_multiplier(step, total, algo.warmup_ratio, algo.min_lr_ratio))
+            set_lr(self.engine, algo.lr * self.lr_schedule(step, total))
             # the mini-batch is a function of (seed, step): epochs are permutations, resumes are exact
             per_epoch = max(1, n // algo.mini_batch_size)
             epoch, pos = divmod(step, per_epoch)

@@ -1,0 +1,165 @@
+"""Components are registered with their own settings: adding one needs its registration and a config entry.
+
+`ToyLoss` below is a loss term that epo_cli does not know: it is registered here, at module level, with its
+own settings dataclass, and selected with overrides only (algo.loss_terms=[..., toy] and
+algo.components.toy.*). The real compose validates its settings, the real builders put it in the loss stack
+with its `coef`, and one in-process RL iteration reports its `loss/toy`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+
+from epo_cli.algos.aggregation import AGGREGATIONS, normalized_weights, weighted_sum
+from epo_cli.algos.losses import LOSS_TERMS, LossStack, LossTerm, PolicyOutputs, build_loss_terms, loss_coefficients
+from epo_cli.compose import compose
+from epo_cli.config import num, one_of
+from epo_cli.errors import ConfigError
+from epo_cli.rollout.batch import MicroBatch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class ToyConfig:
+    coef: float = num(0.5, ge=0)
+    #: the per-token loss is (-log p) ** power
+    power: int = num(2, ge=1)
+    aggregation: str = one_of("token-mean", registry="aggregations")
+
+
+class ToyLoss(LossTerm):
+    name = "toy"
+
+    def __init__(self, power: int, aggregation: str) -> None:
+        super().__init__()
+        self.power, self.aggregation = power, aggregation
+
+    def forward(self, mb: MicroBatch, out: PolicyOutputs) -> tuple[Tensor, dict[str, Tensor]]:
+        loss = weighted_sum(mb.weights[self.aggregation], (-out.logprobs) ** self.power)
+        return loss, {"loss/toy": loss.detach()}
+
+
+@LOSS_TERMS.register("toy", config=ToyConfig)
+def _toy(settings: ToyConfig) -> LossTerm:
+    return ToyLoss(settings.power, settings.aggregation)
+
+
+TOY = ["algo=grpo", "algo.loss_terms=[policy_clip,kl,toy]"]
+
+
+def test_config_module_does_not_import_torch() -> None:
+    code = "import sys, epo_cli.config, epo_cli.registry; assert 'torch' not in sys.modules, 'torch imported'"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_toy_settings_are_composed_and_checked_against_its_own_dataclass() -> None:
+    cfg = compose([*TOY, "algo.components.toy.coef=0.25", "algo.components.toy.power=1"])
+    assert dict(cfg.algo.components.toy) == {"coef": 0.25, "power": 1, "aggregation": "token-mean"}
+    # no section given: the dataclass defaults
+    assert dict(compose(TOY).algo.components.toy) == {"coef": 0.5, "power": 2, "aggregation": "token-mean"}
+
+
+@pytest.mark.parametrize("override, message", [
+    ("algo.components.toy.coef=-1", "'algo.components.toy.coef': -1.0 is out of range; allowed: 0 <= value"),
+    ("algo.components.toy.power=0", "'algo.components.toy.power': 0 is out of range; allowed: 1 <= value"),
+    ("algo.components.toy.aggregation=token-meen", "Did you mean 'token-mean'?"),
+    ("algo.components.toy.pwer=3", "Unknown config key 'algo.components.toy.pwer'. Did you mean "
+                                   "'algo.components.toy.power'?\nValid keys in 'algo.components.toy': coef, power, "
+                                   "aggregation."),
+    ("algo.components.toy.power=many", "Wrong type for config key 'algo.components.toy.power'"),
+    ("algo.components.kl.coef=1", "no registered component 'kl' takes its settings from algo.components"),
+])
+def test_bad_toy_settings_fail_at_config_time(override: str, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        compose([*TOY, override])
+    assert message in str(err.value)
+
+
+def test_unselected_component_settings_warn() -> None:
+    with pytest.warns(UserWarning, match="algo.components.toy: no effect"):
+        compose(["algo=grpo", "algo.components.toy.coef=1"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("algo.loss_terms=[policy_clip,toyy]", "Invalid value 'toyy' for 'algo.loss_terms'. Did you mean 'toy'? Valid "
+                                           "values: entropy, entropy_smoothing, kl, nll, policy_clip, toy, value."),
+    ("algo.estimator=rlooo", "Invalid value 'rlooo' for 'algo.estimator'. Did you mean 'rloo'? "
+                             "Valid values: gae, gigpo, grpo, rloo, auto, none."),
+    ("entropy.schedule=cosin", "Invalid value 'cosin' for 'entropy.schedule'. Did you mean 'cosine'?"),
+    ("entropy.schedule=paper", "entropy.schedule=paper takes gamma, which the 'entropy' section has no key for. "
+                               "Schedules it can use: adaptive_target, constant, cosine, delayed_linear, exp_anneal, "
+                               "linear, two_phase."),
+    ("algo.phase.schedule=warmup_cosine", "algo.phase.schedule=warmup_cosine takes warmup_ratio, min_lr_ratio"),
+    ("algo.kl.schedule=linear", "Invalid value 'linear' for 'algo.kl.schedule'. Valid values: constant, two_phase."),
+    ("algo.policy_loss=clipcov", "Did you mean 'clip_cov'? Valid values: clip, clip_cov, kl_cov."),
+])
+def test_unknown_names_fail_at_config_time_listing_the_registry(override: str, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        compose(["algo=grpo", override])
+    assert message in str(err.value)
+
+
+def test_toy_term_is_built_into_the_stack_with_its_coef() -> None:
+    algo = compose([*TOY, "algo.components.toy.coef=0.25", "algo.components.toy.power=2"]).algo
+    terms = build_loss_terms(algo)
+    assert list(terms) == ["policy_clip", "kl", "toy"] and isinstance(terms["toy"], ToyLoss)
+    coefs = loss_coefficients(algo, entropy_coef=0.001, phase_beta=2.0, kl_weight=0.01)
+    assert coefs == {"policy_clip": 1.0, "kl": 0.01, "toy": 0.25}
+    # one row, two tokens, logp [-1, -2]: token-mean of (-logp)^2 = (1 + 4) / 2 = 2.5; its share of the
+    # total: 0.25 * 2.5 = 0.625 (policy_clip and kl are 0 here: ratio 1 with A = 0, logp = ref_logp)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    turn, turns = torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.long)
+    mb = MicroBatch(input_ids=torch.zeros(1, 3, dtype=torch.long), attention_mask=torch.ones(1, 3, dtype=torch.long),
+                    position_ids=torch.arange(3)[None], response_mask=mask, prompt_width=1,
+                    response_ids=torch.zeros(1, 2, dtype=torch.long), turn_index=turn, num_turns=turns,
+                    old_logprobs=torch.tensor([[-1.0, -2.0]]), ref_logprobs=torch.tensor([[-1.0, -2.0]]),
+                    advantages=torch.zeros(1), num_real=1,
+                    weights={m: normalized_weights(m, mask, turn, turns) for m in AGGREGATIONS})
+    out = PolicyOutputs(logprobs=torch.tensor([[-1.0, -2.0]], requires_grad=True), entropy=torch.zeros(1, 2))
+    total, metrics = LossStack(terms)(mb, out, coefs)
+    assert metrics["loss/toy"].item() == pytest.approx(2.5)
+    assert total.item() == pytest.approx(0.625)
+    total.backward()  # d/dlogp of 0.25 * mean((-logp)^2) = 0.25 * 2 * logp / 2 -> [-0.25, -0.5]
+    assert out.logprobs.grad.tolist()[0] == pytest.approx([-0.25, -0.5])
+
+
+#: set by init_distributed for a world of one; they must not leak into later tests' subprocesses
+DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def test_training_step_reports_the_toy_term(epo_cache: Path, tmp_path: Path) -> None:
+    from epo_cli.training.trainer import Trainer
+
+    cfg = compose([*TOY, "algo.components.toy.coef=0.1", "env.level=tiny_open_pick_place",
+                   "env.prompt_template=compact", "env.max_turns=3", "algo.tasks_per_step=1", "algo.group_size=2",
+                   "algo.micro_batch_size=4", "algo.mini_batch_size=8", "env.eval_splits=[]", "logger.console=false",
+                   "logger.tensorboard=false", "trainer.total_steps=2"])
+    cfg.run_dir = str(tmp_path / "toy")
+    Path(cfg.run_dir).mkdir()
+    saved = {key: os.environ.pop(key, None) for key in DIST_ENV}
+    try:
+        trainer = Trainer(cfg, Path(cfg.run_dir))
+        try:
+            assert isinstance(trainer.loss_stack.terms["toy"], ToyLoss)
+            metrics = trainer.rl_step(0, cfg.trainer.total_steps)
+        finally:
+            trainer.pool.close()
+            trainer.logger.close()
+    finally:
+        for key, value in saved.items():
+            os.environ.pop(key, None)
+            if value is not None:
+                os.environ[key] = value
+    # (-log p) ** 2 of sampled tokens is positive: the term ran on the rollout and was logged
+    assert metrics["loss/toy"] > 0 and torch.isfinite(torch.tensor(metrics["loss/toy"]))
