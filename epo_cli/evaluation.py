@@ -46,7 +46,7 @@ from omegaconf import DictConfig, OmegaConf
 from epo_cli.envs.base import EnvSuite, Task
 from epo_cli.errors import ConfigError, UserError
 from epo_cli.rollout.prompts import chat_encoder
-from epo_cli.rollout.rollout import Episode, Policy, episode_metrics, run_episodes
+from epo_cli.rollout.rollout import Episode, PlaySettings, Policy, episode_metrics, episode_slots, run_episodes
 
 #: z for a two-sided 95% interval
 Z95 = 1.959963984540054
@@ -89,8 +89,8 @@ def evaluate_split(
 ) -> tuple[dict[str, float], list[Episode]]:
     """Play `tasks` (this rank's share; `ids` are their global indices, which seed the sampling) and return
     the metrics under eval/<split>/... (reduced over ranks by `reduce`) and this rank's episodes."""
-    episodes, _ = run_episodes(policy, pool, tasks, ids, ids, builder, tokenizer, max_turns, seed=seed,
-                               step=-1, overlap=overlap)
+    settings = PlaySettings(builder, tokenizer, max_turns, seed=seed, step=-1, overlap=overlap)
+    episodes, _ = run_episodes(policy, pool, episode_slots(tasks, ids), settings)
     reduced = reduce(episode_metrics(episodes))
     return {k.replace("rollout/", f"eval/{split}/", 1): v for k, v in reduced.items()}, episodes
 

@@ -22,7 +22,7 @@ def test_value_is_the_first_31_bits_of_the_sha256_of_the_json_parts() -> None:
     assert derive_seed(0, "turn", 3, 17, 2) == int(digest[:8], 16) >> 1
     assert derive_seed() == int(hashlib.sha256(b"[]").hexdigest()[:8], 16) >> 1
     # negative numbers (evaluation plays step -1) and non-ASCII text are part of the encoding too
-    assert derive_seed(-1, "é") == int(hashlib.sha256('[-1,"\\u00e9"]'.encode()).hexdigest()[:8], 16) >> 1
+    assert derive_seed(-1, "é") == int(hashlib.sha256(b'[-1,"\\u00e9"]').hexdigest()[:8], 16) >> 1
 
 
 def test_same_value_in_processes_with_different_hash_salts() -> None:
