@@ -28,6 +28,7 @@ from epo_cli.rollout.actions import parse_action
 from epo_cli.rollout.batch import TurnBatch
 from epo_cli.rollout.generation import SamplingParams, generate
 from epo_cli.rollout.prompts import EpisodeMemory, PromptBuilder, format_response
+from epo_cli.seeding import derive_seed
 
 
 class Policy(Protocol):
@@ -111,11 +112,6 @@ class RolloutStats:
     env_wait_s: float = 0.0  # time the rollout waited for envs: env time that generation did not hide
     env_steps: int = 0
     generated_tokens: int = 0
-
-
-def turn_seed(base_seed: int, step: int, traj_id: int, turn: int) -> int:
-    """A per-(step, trajectory, turn) sampling seed, independent of batch composition and rank."""
-    return ((base_seed * 1_000_003 + step * 10_007 + traj_id) * 1_009 + turn) & 0x7FFFFFFF
 
 
 @dataclass(frozen=True)
@@ -213,7 +209,8 @@ class _Play:
         """One generate call for `slots` (each at its own next turn); records the turns, returns the actions."""
         built = [self.builder.build(self.memories[i], self.observations[i],
                                     self.infos[i].get("admissible_commands", [])) for i in slots]
-        seeds = [turn_seed(self.seed, self.step, self.episodes[i].traj_id, len(self.episodes[i].turns))
+        # per (step, trajectory, turn): independent of batch composition and rank
+        seeds = [derive_seed(self.seed, "turn", self.step, self.episodes[i].traj_id, len(self.episodes[i].turns))
                  for i in slots]
         responses = self.policy.act([b.ids for b in built], [self.infos[i] for i in slots], seeds)
         texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)

@@ -79,6 +79,7 @@ from epo_cli.rollout.rollout import (
     run_episodes,
 )
 from epo_cli.run_dir import write_status
+from epo_cli.seeding import derive_seed
 from epo_cli.training import checkpoint
 from epo_cli.training.engine import (
     RolloutModule,
@@ -156,8 +157,9 @@ class Trainer:
         torch.set_num_threads(cfg.trainer.num_threads)
         if cfg.trainer.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.manual_seed(cfg.seed + self.dist.rank)
-        random.seed(cfg.seed + self.dist.rank)
+        process_seed = derive_seed(cfg.seed, "process", self.dist.rank)
+        torch.manual_seed(process_seed)
+        random.seed(process_seed)
 
     def _build_models(self) -> None:
         """Tokenizer, policy (DeepSpeed engine + the copy that generates), frozen reference, critic (ppo)."""
@@ -326,8 +328,7 @@ class Trainer:
         groups = algo.tasks_per_step
 
         # 1. tasks: identical draw on every rank; this rank plays whole groups
-        # a string seed, not hash(): str hashes are salted per process, so ranks (and resumes) would differ
-        rng = random.Random(f"{cfg.seed}-{step}-tasks" + (f"-round{round_index}" if round_index else ""))
+        rng = random.Random(derive_seed(cfg.seed, "tasks", step, round_index))
         tasks = self.curriculum.sample_tasks(self.suite, groups, rng, step, total)
         first = round_index * groups  # global id of this round's first group
         mine = range(self.dist.rank * groups // self.dist.world_size,
@@ -503,8 +504,9 @@ class Trainer:
     def mini_batches(self, batch: TurnBatch, step: int, epoch: int) -> list[list[int]]:
         """This rank's rows of each global mini-batch. The split depends only on (seed, step, epoch) and
         the samples' global ids, so 1 rank and N ranks form the same global mini-batches."""
-        keys = [hash((self.cfg.seed, step, epoch, int(t), int(i))) & 0xFFFFFFFF
-                for t, i in zip(batch.traj_id, batch.turn_index)]
+        # (random key, global id): a tie of keys is broken by the id, never by the rank or row
+        keys = [(derive_seed(self.cfg.seed, "minibatch", step, epoch, t, i), t, i)
+                for t, i in zip(batch.traj_id.tolist(), batch.turn_index.tolist())]
         everyone = all_gather_objects(keys)
         ordered = sorted((k, rank, row) for rank, ks in enumerate(everyone) for row, k in enumerate(ks))
         size = self.cfg.algo.mini_batch_size
@@ -563,8 +565,7 @@ class Trainer:
             mb = collate(shared.batch, m, self.tokenizer.pad_token_id, device, num_rows=max(len(m), 1),
                          packed=self.packing)
             # random token choices (Clip-Cov) are a function of the run's seed and position only
-            # (a tuple of ints hashes the same in every process)
-            self.loss_stack.reseed(hash((self.cfg.seed, *position, micro_index, self.dist.rank)) & 0x7FFFFFFF)
+            self.loss_stack.reseed(derive_seed(self.cfg.seed, "clip_cov", *position, micro_index, self.dist.rank))
             for mode in shared.modes:
                 u, _ = AGGREGATIONS[mode].weights(mb.response_mask, mb.turn_index, mb.num_turns, algo.entropy.decay)
                 mb.weights[mode] = (u / denominators[mode]).to(device)
@@ -648,7 +649,8 @@ class Trainer:
             # the mini-batch is a function of (seed, step): epochs are permutations, resumes are exact
             per_epoch = max(1, n // algo.mini_batch_size)
             epoch, pos = divmod(step, per_epoch)
-            perm = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed * 7919 + epoch)).tolist()
+            shuffle = torch.Generator().manual_seed(derive_seed(cfg.seed, "sft_epoch", epoch))
+            perm = torch.randperm(n, generator=shuffle).tolist()
             global_rows = perm[pos * algo.mini_batch_size:(pos + 1) * algo.mini_batch_size]
             mine = global_rows[self.dist.rank::self.dist.world_size]
             t0 = time.perf_counter()
@@ -669,7 +671,7 @@ class Trainer:
         if algo.demos != "expert":
             records = read_jsonl(algo.demos)
         else:
-            rng = random.Random(self.cfg.seed * 31 + 7)
+            rng = random.Random(derive_seed(self.cfg.seed, "demos"))
             level = algo.demo_level
             tasks = self.suite.sample_tasks(self.cfg.env.train_split, algo.demo_episodes, rng, level=level)
             settings = PlaySettings(self.builder, self.tokenizer, self.cfg.env.max_turns)
