@@ -19,7 +19,6 @@ One RL iteration (`rl_step`):
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
@@ -826,7 +825,3 @@ def write_samples(path: Path, episodes: list[Episode]) -> None:
             lines.append(f"**Turn {t + 1}** observation: {turn.observation}\n\n"
                          f"response{'' if turn.valid else ' (invalid)'}: `{turn.response_text}`\n")
     path.write_text("\n".join(lines))
-
-
-def metrics_json(path: Path, metrics: dict[str, Any]) -> None:
-    path.write_text(json.dumps(metrics, indent=2))
