@@ -2,19 +2,23 @@
 
     epo train algo=epo env=household trainer.total_steps=20
 
-One RL iteration (`rl_step`):
-    tasks     <- curriculum: tasks_per_step tasks x group_size rollouts; this rank plays whole groups
-    episodes  <- run_episodes(policy, env pool, tasks)           one sample per turn -> TurnBatch
-                 (algo.dynamic_sampling: zero-variance groups replaced by fresh rounds, DAPO)
-    scoring   <- old log-probs, entropy (sampling temperature), reference log-probs, critic values
-    entropy history, fluctuation monitor <- the rollout's entropies (all-reduced; no extra forward pass)
-    advantages <- ESTIMATORS[algo.estimator]                       gae | grpo | rloo | gigpo
-    coefs     <- schedules: lambda (entropy group), beta_k (algo.phase), KL weight
-    update    <- ppo_epochs x mini-batches x micro-batches:
-                 loss = sum_i coef_i * term_i   (e.g. policy_clip + 0.01*kl - lambda*entropy
-                                                 + lambda*beta_k*entropy_smoothing)
-                 engine.backward(loss); one engine.step() per mini-batch; critic likewise (ppo)
-    log, evaluate every eval_every, checkpoint every save_every
+One RL iteration (`rl_step`, numbered as there):
+    1 episodes   <- curriculum tasks (tasks_per_step x group_size; this rank plays whole groups), played by
+                    run_episodes(policy, env pool, slots) -> one sample per turn (TurnBatch)
+                    (algo.dynamic_sampling: zero-variance groups replaced by fresh rounds, DAPO)
+    2 scoring    <- old log-probs, entropy (sampling temperature), reference log-probs, critic values
+    3 entropy    <- per-turn statistics of the rollout's entropies (all-reduced; no extra forward pass),
+                    fluctuation monitor
+    4 advantages <- ESTIMATORS[algo.estimator]                      gae | grpo | rloo | gigpo
+    5 coefs      <- schedules: lambda (entropy group), beta_k (algo.phase), KL weight
+    6 update     <- ppo_epochs x mini-batches (`_mini_batch_step`) x micro-batches:
+                    loss = sum_i coef_i * term_i   (e.g. policy_clip + 0.01*kl - lambda*entropy
+                                                    + lambda*beta_k*entropy_smoothing)
+                    engine.backward(loss); one engine.step() per mini-batch; critic likewise (ppo)
+    7 state      <- entropy history, entropy schedule, rollout copy of the weights, curriculum
+    8 metrics    <- epo_cli/training/step_metrics.py
+then (`_after_step`): evaluate every eval_every, log, checkpoint every save_every.
+Every derived seed comes from epo_cli.seeding.derive_seed(cfg.seed, what, ...).
 """
 
 from __future__ import annotations
@@ -326,7 +330,7 @@ class Trainer:
         cfg, algo = self.cfg, self.cfg.algo
         groups = algo.tasks_per_step
 
-        # 1. tasks: identical draw on every rank; this rank plays whole groups
+        # tasks: identical draw on every rank; this rank plays whole groups
         rng = random.Random(derive_seed(cfg.seed, "tasks", step, round_index))
         tasks = self.curriculum.sample_tasks(self.suite, groups, rng, step, total)
         first = round_index * groups  # global id of this round's first group
@@ -335,7 +339,7 @@ class Trainer:
         slots = [EpisodeSlot(tasks[g], traj_id=(first + g) * algo.group_size + k, group_id=first + g)
                  for g in mine for k in range(algo.group_size)]
 
-        # 2. rollout: one sample per turn
+        # play them: one sample per turn
         policy = self._model_policy(cfg.rollout.temperature)
         settings = PlaySettings(self.builder, self.tokenizer, self.curriculum.max_turns(step, total), seed=cfg.seed,
                                 step=step, overlap=cfg.rollout.overlap)
