@@ -439,7 +439,6 @@ class TrainerConfig:
     stop_after: int | None = num(None, ge=1)
     #: stop after this many consecutive updates skipped for a non-finite loss or gradient
     max_nonfinite_skips: int = num(3, ge=1)
-    log_every: int = num(1, ge=1)
     #: auto | cpu | cuda
     device: str = one_of("auto", ("auto", "cpu", "cuda"))
     deterministic: bool = True

@@ -46,7 +46,8 @@ from omegaconf import DictConfig, OmegaConf
 from epo_cli.envs.base import EnvSuite, Task
 from epo_cli.errors import ConfigError, UserError
 from epo_cli.rollout.prompts import chat_encoder
-from epo_cli.rollout.rollout import Episode, Policy, episode_metrics, run_episodes
+from epo_cli.rollout.rollout import Episode, PlaySettings, Policy, episode_metrics, episode_slots, run_episodes
+from epo_cli.seeding import derive_seed
 
 #: z for a two-sided 95% interval
 Z95 = 1.959963984540054
@@ -66,7 +67,7 @@ EVAL_FORMAT = "epo-eval/1"
 
 def eval_tasks(suite: EnvSuite, split: str, n: int, seed: int) -> list[Task]:
     """The fixed evaluation tasks of a split: one draw, whoever evaluates (the seed is the run's seed)."""
-    return suite.sample_tasks(split, n, random.Random(seed * 1009 + 17))
+    return suite.sample_tasks(split, n, random.Random(derive_seed(seed, "eval_tasks")))
 
 
 def local_reduce(sums: dict[str, tuple[float, float]]) -> dict[str, float]:
@@ -89,8 +90,8 @@ def evaluate_split(
 ) -> tuple[dict[str, float], list[Episode]]:
     """Play `tasks` (this rank's share; `ids` are their global indices, which seed the sampling) and return
     the metrics under eval/<split>/... (reduced over ranks by `reduce`) and this rank's episodes."""
-    episodes, _ = run_episodes(policy, pool, tasks, ids, ids, builder, tokenizer, max_turns, seed=seed,
-                               step=-1, overlap=overlap)
+    settings = PlaySettings(builder, tokenizer, max_turns, seed=seed, step=-1, overlap=overlap)
+    episodes, _ = run_episodes(policy, pool, episode_slots(tasks, ids), settings)
     reduced = reduce(episode_metrics(episodes))
     return {k.replace("rollout/", f"eval/{split}/", 1): v for k, v in reduced.items()}, episodes
 

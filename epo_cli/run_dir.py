@@ -93,6 +93,10 @@ def write_config(run: Path, cfg: DictConfig, overrides: list[str], env_versions:
 #: directory is data that anyone may have written; trust_remote_code runs the model repository's code)
 COMMAND_LINE_ONLY = {"model.trust_remote_code": False}
 
+#: keys that earlier versions saved in config.yaml and that no longer exist: dropped when a run is read,
+#: so that its runs can still be resumed and evaluated (they had no effect)
+RETIRED_KEYS = ("trainer.log_every",)
+
 
 def load_run_config(run: Path, command_line: dict[str, Any] | None = None) -> DictConfig:
     """The resolved config a run was started with (validated again against today's schemas), with the
@@ -114,6 +118,11 @@ def load_run_config(run: Path, command_line: dict[str, Any] | None = None) -> Di
     if not isinstance(raw, DictConfig):
         raise UserError(f"'{path}' is not a run config (expected a mapping of sections); nothing was loaded.")
     raw.pop("meta", None)
+    for key in RETIRED_KEYS:
+        section, _, name = key.rpartition(".")
+        node = OmegaConf.select(raw, section, default=None)
+        if isinstance(node, DictConfig) and name in node:
+            node.pop(name)
     given = command_line or {}
     for key, safe in COMMAND_LINE_ONLY.items():
         saved = OmegaConf.select(raw, key, default=safe)

@@ -73,8 +73,8 @@ def cli_env() -> dict[str, str]:
     env = os.environ.copy()
     env.update({"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                 "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "offline", "DS_ACCELERATOR": "cpu",
-                # the trainer seeds its task draw with hash((seed, step, "tasks")): a str hash, which Python
-                # salts per process unless PYTHONHASHSEED is fixed; fixing it makes seeds reproducible
+                # seeds do not depend on the str hash salt (epo_cli.seeding.derive_seed); fixing it also fixes
+                # the iteration order of sets of strings, so runs repeat exactly whatever iterates one
                 "PYTHONHASHSEED": "0"})
     return env
 

@@ -20,7 +20,7 @@ from epo_cli.envs.base import Env, EnvSuite, StepResult, Task
 from epo_cli.envs.pool import EnvPool
 from epo_cli.rollout.generation import SamplingParams
 from epo_cli.rollout.prompts import PromptBuilder, chat_encoder
-from epo_cli.rollout.rollout import ModelPolicy, run_episodes
+from epo_cli.rollout.rollout import EpisodeSlot, ModelPolicy, PlaySettings, run_episodes
 
 from conftest import only_run_dir, run_cli
 
@@ -77,8 +77,9 @@ def _play(tiny_policy, num_workers: int, overlap: bool, num_waves: int | None = 
     policy = ModelPolicy(model, tok, SamplingParams(max_new_tokens=12, temperature=temperature))
     builder = PromptBuilder("compact", 2, 256, chat_encoder(tok))
     with EnvPool(EchoSuite(None), num_workers=num_workers, step_timeout_s=30) as pool:
-        episodes, stats = run_episodes(policy, pool, tasks, list(range(6)), [i // 2 for i in range(6)], builder,
-                                       tok, max_turns=4, seed=3, step=1, overlap=overlap, num_waves=num_waves)
+        slots = [EpisodeSlot(task, traj_id=i, group_id=i // 2) for i, task in enumerate(tasks)]
+        settings = PlaySettings(builder, tok, max_turns=4, seed=3, step=1, overlap=overlap, num_waves=num_waves)
+        episodes, stats = run_episodes(policy, pool, slots, settings)
     return _trace(episodes), stats
 
 

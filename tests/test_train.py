@@ -117,3 +117,19 @@ def test_sft_from_a_jsonl_file_of_trajectories(warm_start: Path, tmp_path: Path)
     proc = run_cli(["train", "algo=sft", f"algo.demos={bad}", "trainer.total_steps=1", f"output_dir={tmp_path}"],
                    cwd=tmp_path, expect=1)
     assert "bad.jsonl:1 is not a trajectory record" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_run_saved_with_a_retired_key_still_loads(tmp_path: Path) -> None:
+    """trainer.log_every (never read) was removed; runs saved with it can still be resumed and evaluated."""
+    from omegaconf import OmegaConf
+
+    from epo_cli.config import ConfigError, compose
+    from epo_cli.run_dir import load_run_config
+
+    saved = OmegaConf.to_container(compose(["algo=grpo"]), resolve=True)
+    saved["trainer"]["log_every"] = 1
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(saved)))
+    cfg = load_run_config(tmp_path)
+    assert "log_every" not in cfg.trainer and cfg.algo.name == "grpo"
+    with pytest.raises(ConfigError, match="trainer.log_every"):  # as an override it is an unknown key
+        compose(["trainer.log_every=2"])

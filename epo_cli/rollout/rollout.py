@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -29,6 +28,7 @@ from epo_cli.rollout.actions import parse_action
 from epo_cli.rollout.batch import TurnBatch
 from epo_cli.rollout.generation import SamplingParams, generate
 from epo_cli.rollout.prompts import EpisodeMemory, PromptBuilder, format_response
+from epo_cli.seeding import derive_seed
 
 
 class Policy(Protocol):
@@ -114,48 +114,57 @@ class RolloutStats:
     generated_tokens: int = 0
 
 
-def turn_seed(base_seed: int, step: int, traj_id: int, turn: int) -> int:
-    """A per-(step, trajectory, turn) sampling seed, independent of batch composition and rank."""
-    return ((base_seed * 1_000_003 + step * 10_007 + traj_id) * 1_009 + turn) & 0x7FFFFFFF
+@dataclass(frozen=True)
+class EpisodeSlot:
+    """One episode to play: its task and global ids (the same whichever rank or batch plays it)."""
+
+    task: Task
+    traj_id: int  # with (seed, step, turn): the sampling seed of each of its turns
+    group_id: int  # the rollouts of one task that GRPO-style estimators compare
 
 
-def run_episodes(
-    policy: Policy,
-    pool: Any,
-    tasks: list[Task],
-    traj_ids: list[int],
-    group_ids: list[int],
-    builder: PromptBuilder,
-    tokenizer: Any,
-    max_turns: int,
-    seed: int = 0,
-    step: int = 0,
-    on_progress: Callable[[int, int], None] | None = None,
-    overlap: bool = False,
-    num_waves: int | None = None,
-) -> tuple[list[Episode], RolloutStats]:
-    """Play `tasks` (slot i plays tasks[i]) with `policy` until all episodes end or reach max_turns.
+def episode_slots(tasks: list[Task], ids: list[int]) -> list[EpisodeSlot]:
+    """Slots for episodes that are their own group each (evaluation, demonstrations): `ids` are global."""
+    return [EpisodeSlot(task, i, i) for task, i in zip(tasks, ids)]
+
+
+@dataclass(frozen=True)
+class PlaySettings:
+    """How episodes are played: prompts, decoding, turn limit, sampling seeds, scheduling."""
+
+    builder: PromptBuilder
+    tokenizer: Any  # decodes the responses into action text
+    max_turns: int
+    seed: int = 0  # the run's seed; with (step, trajectory, turn) it seeds each row's sampling
+    step: int = 0
+    #: lock-step turns (False) or envs stepping while the policy generates for the others (True)
+    overlap: bool = False
+    #: how many parts the live envs are split into when overlapping (default: 2 with env workers; 1, i.e.
+    #: lock-step, for in-process envs, which cannot step while the policy generates)
+    num_waves: int | None = None
+
+
+def run_episodes(policy: Policy, pool: Any, slots: list[EpisodeSlot],
+                 settings: PlaySettings) -> tuple[list[Episode], RolloutStats]:
+    """Play every slot's task with `policy` until all episodes end or reach settings.max_turns.
 
     overlap=False: lock-step turns (generate for every live env, then step them all).
     overlap=True: envs step in the pool's workers while the policy generates for the envs that have
     already answered (see `_play_overlapped`). Both give the same episodes: a row's tokens depend only on
     its prompt and its (trajectory, turn) seed, never on which rows share its generate call.
-    num_waves: how many parts the live envs are split into when overlapping (default: 2 with env
-    workers; 1, i.e. lock-step, for in-process envs, which cannot step while the policy generates).
     """
     stats = RolloutStats()
     start = time.perf_counter()
     # overlapping envs reset as they answer (generation starts with the first ones) where the pool can
-    wait_reset = not (overlap and hasattr(pool, "start_reset"))
-    play = _Play(policy, pool, tasks, traj_ids, group_ids, builder, tokenizer, max_turns, seed, step, stats,
-                 wait_reset)
+    wait_reset = not (settings.overlap and hasattr(pool, "start_reset"))
+    play = _Play(policy, pool, slots, settings, stats, wait_reset)
     gen_before = getattr(policy, "generate_seconds", 0.0)
     tok_before = getattr(policy, "generated_tokens", 0)
-    if overlap:
-        waves = num_waves if num_waves is not None else (2 if getattr(pool, "num_workers", 0) else 1)
-        _play_overlapped(play, max(1, waves), on_progress)
+    if settings.overlap:
+        waves = settings.num_waves if settings.num_waves is not None else (2 if getattr(pool, "num_workers", 0) else 1)
+        _play_overlapped(play, max(1, waves))
     else:
-        _play_lock_step(play, on_progress)
+        _play_lock_step(play)
     busy = getattr(pool, "busy_seconds", None)
     stats.env_s = stats.env_s + busy() if busy is not None else stats.env_wait_s  # resets + steps
     stats.rollout_s = time.perf_counter() - start
@@ -167,12 +176,12 @@ def run_episodes(
 class _Play:
     """The state of a batch of episodes being played: each slot's memory, observation and info."""
 
-    def __init__(self, policy: Policy, pool: Any, tasks: list[Task], traj_ids: list[int], group_ids: list[int],
-                 builder: PromptBuilder, tokenizer: Any, max_turns: int, seed: int, step: int,
+    def __init__(self, policy: Policy, pool: Any, slots: list[EpisodeSlot], settings: PlaySettings,
                  stats: RolloutStats, wait_reset: bool = True) -> None:
-        self.policy, self.pool, self.builder, self.tokenizer = policy, pool, builder, tokenizer
-        self.max_turns, self.seed, self.step, self.stats = max_turns, seed, step, stats
-        self.episodes = [Episode(task, t, g) for task, t, g in zip(tasks, traj_ids, group_ids)]
+        self.policy, self.pool, self.builder, self.tokenizer = policy, pool, settings.builder, settings.tokenizer
+        self.max_turns, self.seed, self.step, self.stats = settings.max_turns, settings.seed, settings.step, stats
+        self.episodes = [Episode(slot.task, slot.traj_id, slot.group_id) for slot in slots]
+        tasks = [slot.task for slot in slots]
         self.observations: dict[int, str] = {}
         self.infos: dict[int, dict[str, Any]] = {}
         self.memories: dict[int, EpisodeMemory] = {}
@@ -200,7 +209,8 @@ class _Play:
         """One generate call for `slots` (each at its own next turn); records the turns, returns the actions."""
         built = [self.builder.build(self.memories[i], self.observations[i],
                                     self.infos[i].get("admissible_commands", [])) for i in slots]
-        seeds = [turn_seed(self.seed, self.step, self.episodes[i].traj_id, len(self.episodes[i].turns))
+        # per (step, trajectory, turn): independent of batch composition and rank
+        seeds = [derive_seed(self.seed, "turn", self.step, self.episodes[i].traj_id, len(self.episodes[i].turns))
                  for i in slots]
         responses = self.policy.act([b.ids for b in built], [self.infos[i] for i in slots], seeds)
         texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
@@ -228,9 +238,9 @@ class _Play:
         return not result.done and len(episode.turns) < self.max_turns
 
 
-def _play_lock_step(play: _Play, on_progress: Callable[[int, int], None] | None) -> None:
+def _play_lock_step(play: _Play) -> None:
     active = list(range(len(play.episodes)))
-    for turn in range(play.max_turns):
+    for _ in range(play.max_turns):
         if not active:
             break
         actions = play.act(active)
@@ -238,11 +248,9 @@ def _play_lock_step(play: _Play, on_progress: Callable[[int, int], None] | None)
         results = play.pool.step(actions)
         play.stats.env_wait_s += time.perf_counter() - t0
         active = [i for i in active if play.apply(i, results[i])]
-        if on_progress is not None:
-            on_progress(turn + 1, len(active))
 
 
-def _play_overlapped(play: _Play, num_waves: int, on_progress: Callable[[int, int], None] | None) -> None:
+def _play_overlapped(play: _Play, num_waves: int) -> None:
     """Generate for the envs that have answered while the others step in the pool's workers.
 
     The live envs are worked in about `num_waves` parts: the first generate call takes 1/num_waves of them
@@ -279,8 +287,6 @@ def _play_overlapped(play: _Play, num_waves: int, on_progress: Callable[[int, in
                 waiting.append(slot)
             else:
                 live -= 1
-        if on_progress is not None:
-            on_progress(max(len(ep.turns) for ep in play.episodes), live)
 
 
 def episodes_to_batch(

@@ -92,14 +92,6 @@ def all_gather_objects(obj: Any) -> list[Any]:
     return [obj]
 
 
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    if torch_dist.is_initialized() and torch_dist.get_world_size() > 1:
-        box = [obj]
-        torch_dist.broadcast_object_list(box, src=src)
-        return box[0]
-    return obj
-
-
 def barrier() -> None:
     if torch_dist.is_initialized() and torch_dist.get_world_size() > 1:
         torch_dist.barrier()

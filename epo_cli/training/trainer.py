@@ -2,24 +2,27 @@
 
     epo train algo=epo env=household trainer.total_steps=20
 
-One RL iteration (`rl_step`):
-    tasks     <- curriculum: tasks_per_step tasks x group_size rollouts; this rank plays whole groups
-    episodes  <- run_episodes(policy, env pool, tasks)           one sample per turn -> TurnBatch
-                 (algo.dynamic_sampling: zero-variance groups replaced by fresh rounds, DAPO)
-    scoring   <- old log-probs, entropy (sampling temperature), reference log-probs, critic values
-    entropy history, fluctuation monitor <- the rollout's entropies (all-reduced; no extra forward pass)
-    advantages <- compute_advantages: the estimator algo.estimator names  gae | grpo | rloo | gigpo
-    coefs     <- schedules: lambda (entropy group), beta_k (algo.phase), KL weight (and the lr)
-    update    <- ppo_epochs x mini-batches x micro-batches:
-                 loss = sum_i coef_i * term_i   (e.g. policy_clip + 0.01*kl - lambda*entropy
-                                                 + lambda*beta_k*entropy_smoothing)
-                 engine.backward(loss); one engine.step() per mini-batch; critic likewise (ppo)
-    log, evaluate every eval_every, checkpoint every save_every
+One RL iteration (`rl_step`, numbered as there):
+    1 episodes   <- curriculum tasks (tasks_per_step x group_size; this rank plays whole groups), played by
+                    run_episodes(policy, env pool, slots) -> one sample per turn (TurnBatch)
+                    (algo.dynamic_sampling: zero-variance groups replaced by fresh rounds, DAPO)
+    2 scoring    <- old log-probs, entropy (sampling temperature), reference log-probs, critic values
+    3 entropy    <- per-turn statistics of the rollout's entropies (all-reduced; no extra forward pass),
+                    fluctuation monitor
+    4 advantages <- compute_advantages: the estimator algo.estimator names  gae | grpo | rloo | gigpo
+    5 coefs      <- schedules: lambda (entropy group), beta_k (algo.phase), KL weight (and the lr)
+    6 update     <- ppo_epochs x mini-batches (`_mini_batch_step`) x micro-batches:
+                    loss = sum_i coef_i * term_i   (e.g. policy_clip + 0.01*kl - lambda*entropy
+                                                    + lambda*beta_k*entropy_smoothing)
+                    engine.backward(loss); one engine.step() per mini-batch; critic likewise (ppo)
+    7 state      <- entropy history, entropy schedule, rollout copy of the weights, curriculum
+    8 metrics    <- epo_cli/training/step_metrics.py
+then (`_after_step`): evaluate every eval_every, log, checkpoint every save_every.
+Every derived seed comes from epo_cli.seeding.derive_seed(cfg.seed, what, ...).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
@@ -35,7 +38,7 @@ from omegaconf import DictConfig
 from epo_cli.algos.advantages import compute_advantages
 from epo_cli.algos.aggregation import AGGREGATIONS, normalized_weights
 from epo_cli.algos.dynamic_sampling import choose_groups, concat_batches, group_has_signal, rows_of_groups
-from epo_cli.algos.entropy import EntropyHistory, FluctuationMonitor, response_diversity, step_statistics
+from epo_cli.algos.entropy import EntropyHistory, FluctuationMonitor, step_statistics
 from epo_cli.algos.losses import (
     LossStack,
     PolicyOutputs,
@@ -69,14 +72,17 @@ from epo_cli.rollout.generation import SamplingParams
 from epo_cli.rollout.prompts import PromptBuilder, chat_encoder
 from epo_cli.rollout.rollout import (
     Episode,
+    EpisodeSlot,
     ExpertPolicy,
     ModelPolicy,
+    PlaySettings,
     RolloutStats,
-    episode_metrics,
+    episode_slots,
     episodes_to_batch,
     run_episodes,
 )
 from epo_cli.run_dir import write_status
+from epo_cli.seeding import derive_seed
 from epo_cli.training import checkpoint
 from epo_cli.training.engine import (
     RolloutModule,
@@ -93,6 +99,16 @@ from epo_cli.training.engine import (
 )
 from epo_cli.training.forward import collate, plan_micro_batches, policy_forward, value_forward
 from epo_cli.training.packing import default_budget, enable_packing, plan_packs
+from epo_cli.training.step_metrics import (
+    UpdateTally,
+    batch_metrics,
+    critic_metrics,
+    level_results,
+    perf_metrics,
+    reduce_sums,
+    rollout_metrics,
+    rollout_sums,
+)
 from epo_cli.training.stop import STOP, signal_name
 
 
@@ -107,35 +123,50 @@ class TrainState:
     logger_ids: dict[str, str] = field(default_factory=dict)
 
 
-def _reduce_sums(sums: dict[str, tuple[float, float]], device: torch.device) -> dict[str, float]:
-    """All-reduce {name: (sum, count)} over ranks; value = sum/count (or the sum where count is 0)."""
-    names = sorted(set().union(*all_gather_objects(sorted(sums))))  # ranks may see different task types
-    vec = torch.tensor([[sums.get(n, (0.0, 0.0))[0], sums.get(n, (0.0, 0.0))[1]] for n in names],
-                       dtype=torch.float64, device=device).reshape(-1, 2)
-    vec = all_reduce_sum(vec)
-    out = {}
-    for n, (s, c) in zip(names, vec.tolist()):
-        out[n] = s / c if c > 0 else s
-    return out
+@dataclass
+class _UpdateInputs:
+    """What every mini-batch step of one update shares."""
+
+    batch: TurnBatch
+    coefs: dict[str, float]
+    history: EntropyHistory | None  # the entropy references of entropy_smoothing (None: no smoothing term)
+    on_policy: set[int]  # rows the update's first forward scores (see Trainer.on_policy_rows)
+    lengths: list[int]  # prompt + response tokens of each row (micro-batch planning)
+    modes: list[str]  # the aggregation modes of the loss terms, sorted (the same order on every rank)
+    row_denominators: dict[str, torch.Tensor]  # each row's share of each mode's denominator
 
 
 class Trainer:
     def __init__(self, cfg: DictConfig, run: Path) -> None:
         self.cfg, self.run = cfg, run
         self.dist = init_distributed(cfg)
-        torch.set_num_threads(cfg.trainer.num_threads)
-        if cfg.trainer.deterministic:
-            torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.manual_seed(cfg.seed + self.dist.rank)
-        random.seed(cfg.seed + self.dist.rank)
-        algo = cfg.algo
-
-        # --- environment ------------------------------------------------------------------------------
+        self._seed_process()
         self.suite = make_suite(cfg.env)
         self.suite.check()
         self.curriculum = build_curriculum(cfg)
+        self._build_models()
+        self._build_algorithm()
+        self.state = TrainState()
+        self.stop_signal: int | None = None  # a stop signal all ranks agreed on (epo_cli.training.stop)
+        self.sampling_metrics: dict[str, float] = {}  # dynamic sampling's counters of the last rollout
+        self._resume_and_open_outputs()
 
-        # --- models: policy (DeepSpeed engine), frozen reference, critic (ppo) --------------------------
+    # ------------------------------------------------------------------------------------------------------
+    # set-up
+    # ------------------------------------------------------------------------------------------------------
+    def _seed_process(self) -> None:
+        """Threads, determinism and this process's global RNGs."""
+        cfg = self.cfg
+        torch.set_num_threads(cfg.trainer.num_threads)
+        if cfg.trainer.deterministic:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        process_seed = derive_seed(cfg.seed, "process", self.dist.rank)
+        torch.manual_seed(process_seed)
+        random.seed(process_seed)
+
+    def _build_models(self) -> None:
+        """Tokenizer, policy (DeepSpeed engine + the copy that generates), frozen reference, critic (ppo)."""
+        cfg, algo = self.cfg, self.cfg.algo
         source = model_source(cfg.model, self.suite, cfg.seed)
         self.tokenizer = load_tokenizer(source, cfg.model)
         self.vocab_limit = len(self.tokenizer)
@@ -161,9 +192,11 @@ class Trainer:
             self.critic.refresh()  # ZeRO-3 copies take rank 0's weights, which DeepSpeed broadcast
         self.policy.refresh()
 
-        # --- algorithm components -----------------------------------------------------------------------
+    def _build_algorithm(self) -> None:
+        """Loss terms, schedules, entropy history and monitor, prompt builder."""
+        cfg, algo = self.cfg, self.cfg.algo
         self.loss_stack = LossStack(build_loss_terms(algo))
-        self.value_term = build_value_term(algo) if critic is not None else None
+        self.value_term = build_value_term(algo) if self.critic_engine is not None else None
         self.entropy_schedule = build_entropy_schedule(cfg.entropy)
         self.phase_schedule = build_phase_schedule(algo.phase)
         self.kl_schedule = build_kl_schedule(algo)
@@ -172,11 +205,10 @@ class Trainer:
         self.monitor = FluctuationMonitor(algo.monitor)
         self.builder = PromptBuilder(cfg.env.prompt_template, cfg.env.history_length,
                                      cfg.rollout.max_prompt_tokens, chat_encoder(self.tokenizer))
-        self.state = TrainState()
-        self.stop_signal: int | None = None  # a stop signal all ranks agreed on (epo_cli.training.stop)
-        self.sampling_metrics: dict[str, float] = {}  # dynamic sampling's counters of the last rollout
 
-        # --- resume, env pool, logging ------------------------------------------------------------------
+    def _resume_and_open_outputs(self) -> None:
+        """Load the checkpoint to resume from (if any), then start the env pool and the loggers."""
+        cfg, run = self.cfg, self.run
         resume_from = checkpoint.resolve_resume(cfg.trainer.resume, run)
         if resume_from is not None:
             self._load(resume_from)
@@ -238,17 +270,23 @@ class Trainer:
         self._agree_on_stop()  # a signal during start-up: stop before the first step
         while self.state.step < total and self.stop_signal is None:
             step = self.state.step
-            set_lr(self.engine, cfg.algo.lr * self.lr_schedule(step, total))
-            if self.critic_engine is not None:
-                set_lr(self.critic_engine, (cfg.algo.value.lr or cfg.algo.lr) * self.lr_schedule(step, total))
+            self._set_learning_rates(step, total)
             metrics = self.rl_step(step, total)
             if self._after_step(step + 1, total, metrics):
                 break
         self._finish()
         return metrics
 
+    def _set_learning_rates(self, step: int, total: int) -> None:
+        """algo.lr (policy) and algo.value.lr (critic) times the warm-up/decay multiplier of this step."""
+        algo = self.cfg.algo
+        multiplier = self.lr_schedule(step, total)
+        set_lr(self.engine, algo.lr * multiplier)
+        if self.critic_engine is not None:
+            set_lr(self.critic_engine, (algo.value.lr or algo.lr) * multiplier)
+
     def rollout(self, step: int, total: int) -> tuple[list[Episode], TurnBatch, RolloutStats]:
-        """Steps 1-2 of an RL iteration: the step's tasks (this rank's whole groups), played by the current
+        """Step 1 of an RL iteration: the step's tasks (this rank's whole groups), played by the current
         policy into one sample per turn (rewards as configured, no scoring yet).
 
         With algo.dynamic_sampling, groups without score variance are replaced by fresh rounds (see
@@ -294,32 +332,32 @@ class Trainer:
         cfg, algo = self.cfg, self.cfg.algo
         groups = algo.tasks_per_step
 
-        # 1. tasks: identical draw on every rank; this rank plays whole groups
-        # a string seed, not hash(): str hashes are salted per process, so ranks (and resumes) would differ
-        rng = random.Random(f"{cfg.seed}-{step}-tasks" + (f"-round{round_index}" if round_index else ""))
+        # tasks: identical draw on every rank; this rank plays whole groups
+        rng = random.Random(derive_seed(cfg.seed, "tasks", step, round_index))
         tasks = self.curriculum.sample_tasks(self.suite, groups, rng, step, total)
         first = round_index * groups  # global id of this round's first group
         mine = range(self.dist.rank * groups // self.dist.world_size,
                      (self.dist.rank + 1) * groups // self.dist.world_size)
-        my_tasks = [tasks[g] for g in mine for _ in range(algo.group_size)]
-        group_ids = [first + g for g in mine for _ in range(algo.group_size)]
-        traj_ids = [(first + g) * algo.group_size + k for g in mine for k in range(algo.group_size)]
+        slots = [EpisodeSlot(tasks[g], traj_id=(first + g) * algo.group_size + k, group_id=first + g)
+                 for g in mine for k in range(algo.group_size)]
 
-        # 2. rollout: one sample per turn
+        # play them: one sample per turn
         policy = self._model_policy(cfg.rollout.temperature)
-        episodes, rstats = run_episodes(policy, self.pool, my_tasks, traj_ids, group_ids, self.builder,
-                                        self.tokenizer, self.curriculum.max_turns(step, total), seed=cfg.seed,
-                                        step=step, overlap=cfg.rollout.overlap)
+        settings = PlaySettings(self.builder, self.tokenizer, self.curriculum.max_turns(step, total), seed=cfg.seed,
+                                step=step, overlap=cfg.rollout.overlap)
+        episodes, rstats = run_episodes(policy, self.pool, slots, settings)
         batch = episodes_to_batch(episodes, algo.reward_scale, algo.invalid_action_penalty,
                                   self.curriculum.subgoal_coef(step, total))
         return episodes, batch, rstats
 
     def rl_step(self, step: int, total: int) -> dict[str, float]:
+        """One RL iteration (the module docstring's steps); returns its metrics."""
         algo = self.cfg.algo
-        episodes, batch, rstats = self.rollout(step, total)  # steps 1-2
+        # 1. rollout: this rank's whole groups, one sample per turn
+        episodes, batch, rstats = self.rollout(step, total)
         max_turns, subgoal_coef = self.curriculum.max_turns(step, total), self.curriculum.subgoal_coef(step, total)
 
-        # 3. scoring forward (no grad): old log-probs, entropy, reference log-probs, values. The samples of
+        # 2. scoring forward (no grad): old log-probs, entropy, reference log-probs, values. The samples of
         #    the first mini-batch skip the policy's part: the update's first forward, made with the very
         #    weights that played the rollout, scores them (`on_policy`, algo.reuse_scoring_forward)
         t0 = time.perf_counter()
@@ -327,81 +365,68 @@ class Trainer:
         self.score(batch, skip_policy=on_policy)
         score_s = time.perf_counter() - t0
 
-        # 4. entropy statistics of the rollout -> history (EPO reference), fluctuation monitor; after the
-        #    update when it scores samples itself (only a monitor that clamps needs them before)
-        reference_history = self.history  # refs for this update use steps 0..k-1 only (paper: Href(k))
-        metrics: dict[str, float] = {}
-        if self.history.num_steps > 0:  # the smoothing band's centre (global reference) for this update
-            metrics["policy/entropy_ref"] = self.history.global_stream.value()
-        # (decided from the config, the same on every rank: the statistics are collectives)
+        # 3. entropy statistics of the rollout (all-reduced; no extra forward pass) and the fluctuation
+        #    monitor; after the update when it scores samples itself (only a monitor that clamps needs
+        #    them before). The history is updated after the update: its references use steps 0..k-1 only
+        #    (paper: Href(k)). The choice is made from the config, the same on every rank (collectives).
+        metrics = self._entropy_reference_metrics()
         stats = None if self.reuses_scoring() else self._entropy_statistics(batch, step, max_turns, metrics)
 
-        # 5. advantages
+        # 4. advantages
         if algo.estimator != "none":
             batch.advantages, batch.returns = compute_advantages(batch, algo, all_reduce_sum)
 
-        # 6. coefficients from schedules: L = L_RL - lambda * (L_H - beta_k * L_smooth) + kl_weight * KL
+        # 5. coefficients from schedules: L = L_RL - lambda * (L_H - beta_k * L_smooth) + kl_weight * KL
+        coefs = self._coefficients(step, total, monitor_alert=bool(stats and stats[3]), metrics=metrics)
+
+        # 6. update
+        t0 = time.perf_counter()
+        metrics.update(self.update(batch, coefs, step, self.history, on_policy=on_policy))
+        update_s = time.perf_counter() - t0
+
+        # 7. state: entropy history and schedule, the rollout's copy of the weights, the curriculum (true
+        #    task success per level, all ranks)
+        sums, counts, entropy_now, _ = stats or self._entropy_statistics(batch, step, max_turns, metrics)
+        self.history.update(sums, counts)
+        self.entropy_schedule.observe(entropy_now)
+        self._refresh_rollout_copies()
+        reduced = reduce_sums(rollout_sums(episodes, rstats), self.dist.device)
+        self.curriculum.observe(step, level_results(reduced))
+
+        # 8. metrics (all ranks; epo_cli/training/step_metrics.py says what each is)
+        metrics.update(rollout_metrics(reduced))
+        metrics.update(self.curriculum.metrics())
+        metrics.update(self.sampling_metrics)
+        metrics.update(batch_metrics(batch, len(on_policy), subgoal_coef, max_turns))
+        metrics.update(perf_metrics(rstats, reduced, score_s, update_s, self.engine.optimizer.param_groups[0]["lr"]))
+        return metrics
+
+    def _entropy_reference_metrics(self) -> dict[str, float]:
+        """policy/entropy_ref: the smoothing band's centre (global reference) for this update, once known."""
+        if self.history.num_steps > 0:
+            return {"policy/entropy_ref": self.history.global_stream.value()}
+        return {}
+
+    def _coefficients(self, step: int, total: int, monitor_alert: bool, metrics: dict[str, float]) -> dict[str, float]:
+        """This step's loss coefficients (lambda, beta_k, KL weight from their schedules; the entropy terms
+        scaled down when the monitor clamps); coef/* go into `metrics`."""
+        algo = self.cfg.algo
         lam = self.entropy_schedule(step, total)
         beta = self.phase_schedule(step, total)
         kl_weight = self.kl_schedule(step, total)
-        clamp = algo.monitor.clamp_scale if stats and stats[3] and algo.monitor.action == "clamp" else 1.0
+        clamp = algo.monitor.clamp_scale if monitor_alert and algo.monitor.action == "clamp" else 1.0
         coefs = loss_coefficients(algo, lam, beta, kl_weight, entropy_scale=clamp)
         if step == 0:
             self.logger.info(self.loss_stack.formula(coefs))
         metrics.update({f"coef/{k}": v for k, v in coefs.items()})
         metrics.update({"coef/lambda": lam, "coef/beta": beta})
+        return coefs
 
-        # 7. update
-        t0 = time.perf_counter()
-        metrics.update(self.update(batch, coefs, step, reference_history, on_policy=on_policy))
-        update_s = time.perf_counter() - t0
-        sums, counts, entropy_now, _ = stats or self._entropy_statistics(batch, step, max_turns, metrics)
-        self.history.update(sums, counts)
-        self.entropy_schedule.observe(entropy_now)
+    def _refresh_rollout_copies(self) -> None:
+        """The generating copies of the policy (and critic) take the updated weights."""
         self.policy.refresh()
         if self.critic_engine is not None:
             self.critic.refresh()
-
-        # 8. metrics of the rollout (all-reduced) and curriculum feedback (true task success per level)
-        sums = episode_metrics(episodes)
-        for ep in episodes:
-            for key, value in ((f"curriculum/level_wins/{ep.task.level}", float(ep.won)),
-                               (f"curriculum/level_episodes/{ep.task.level}", 1.0)):
-                sums[key] = (sums.get(key, (0.0, 0.0))[0] + value, 0.0)  # counters: summed over ranks
-        groups = float(len({ep.group_id for ep in episodes}))
-        for key, value in response_diversity([(ep.group_id, ep.actions) for ep in episodes]).items():
-            sums[key] = (value * groups, groups)  # the mean over every rank's groups
-        sums["perf/generated_tokens"] = (float(rstats.generated_tokens), 0.0)
-        sums["perf/env_steps"] = (float(rstats.env_steps), 0.0)
-        reduced = _reduce_sums(sums, self.dist.device)
-        by_level = {k.rsplit("/", 1)[1]: (v, reduced[k.replace("level_wins", "level_episodes")])
-                    for k, v in reduced.items() if k.startswith("curriculum/level_wins/")}
-        self.curriculum.observe(step, by_level)
-        metrics.update({k: v for k, v in reduced.items() if not k.startswith(("curriculum/level_", "perf/"))})
-        metrics.update({f"curriculum/level_success/{level}": wins / max(n, 1.0)
-                        for level, (wins, n) in by_level.items()})
-        metrics.update(self.curriculum.metrics())
-        metrics.update(self.sampling_metrics)
-        metrics.update({
-            "rollout/subgoal_coef": subgoal_coef,
-            "rollout/max_turns": float(max_turns),
-            "rollout/task_reward": float(all_reduce_sum(batch.outcome[batch.is_last_turn].sum().double())),
-            "rollout/shaped_reward": float(all_reduce_sum(batch.reward.sum().double())),
-            "perf/rollout_s": rstats.rollout_s,
-            "perf/generate_s": rstats.generate_s,
-            "perf/env_s": rstats.env_s,
-            "perf/env_wait_s": rstats.env_wait_s,
-            "perf/overlap_ratio": rstats.rollout_s / max(rstats.generate_s + rstats.env_s, 1e-9),
-            "perf/score_s": score_s,
-            "perf/scoring_reused": float(all_reduce_sum(torch.tensor(float(len(on_policy))))) / max(
-                float(all_reduce_sum(torch.tensor(float(len(batch))))), 1.0),
-            "perf/update_s": update_s,
-            "perf/gen_tokens_per_s": reduced["perf/generated_tokens"] / max(rstats.generate_s, 1e-9),
-            "perf/env_steps_per_s": reduced["perf/env_steps"] / max(rstats.env_s, 1e-9),
-            "perf/lr": self.engine.optimizer.param_groups[0]["lr"],
-            "rollout/samples": float(all_reduce_sum(torch.tensor(float(len(batch))))),
-        })
-        return metrics
 
     def _entropy_statistics(self, batch: TurnBatch, step: int, max_turns: int,
                             metrics: dict[str, float]) -> tuple[torch.Tensor, torch.Tensor, float, bool]:
@@ -484,8 +509,9 @@ class Trainer:
     def mini_batches(self, batch: TurnBatch, step: int, epoch: int) -> list[list[int]]:
         """This rank's rows of each global mini-batch. The split depends only on (seed, step, epoch) and
         the samples' global ids, so 1 rank and N ranks form the same global mini-batches."""
-        keys = [hash((self.cfg.seed, step, epoch, int(t), int(i))) & 0xFFFFFFFF
-                for t, i in zip(batch.traj_id, batch.turn_index)]
+        # (random key, global id): a tie of keys is broken by the id, never by the rank or row
+        keys = [(derive_seed(self.cfg.seed, "minibatch", step, epoch, t, i), t, i)
+                for t, i in zip(batch.traj_id.tolist(), batch.turn_index.tolist())]
         everyone = all_gather_objects(keys)
         ordered = sorted((k, rank, row) for rank, ks in enumerate(everyone) for row, k in enumerate(ks))
         size = self.cfg.algo.mini_batch_size
@@ -508,86 +534,87 @@ class Trainer:
         `on_policy` (see on_policy_rows): rows of the first mini-batch that scoring skipped; their old
         log-probs and entropies are this forward's own, detached (ratio exactly 1), and are written back to
         `batch` for later epochs and the entropy statistics."""
-        algo, device = self.cfg.algo, self.dist.device
-        world = self.dist.world_size
-        pad = self.tokenizer.pad_token_id
+        algo = self.cfg.algo
         lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
         # sorted: each mode's denominator is one all-reduce, and a set's order (str hashes are salted per
         # process) differs between ranks, which would pair up different modes' sums
         modes = sorted(self._aggregation_modes())
-        decay = algo.entropy.decay
-        row_denominators = _row_denominators(batch, modes, decay)
-        totals: dict[str, float] = {}
-        n_updates, real_tokens, padded_tokens, skipped = 0, 0, 0, 0
-        norms: list[float] = []
+        shared = _UpdateInputs(batch, coefs, history, on_policy or set(), lengths, modes,
+                               _row_denominators(batch, modes, algo.entropy.decay))
+        tally = UpdateTally()
         self.engine.train()
-        on_policy = on_policy or set()
         for epoch in range(algo.ppo_epochs if algo.name != "sft" else 1):
             for mini, rows in enumerate(self.mini_batches(batch, step, epoch) if algo.name != "sft"
                                         else [list(range(len(batch)))]):
-                micro = self.plan_micro_batches(rows, lengths)
-                n_micro = int(all_reduce_max(torch.tensor(len(micro))).item())
-                micro += [[] for _ in range(n_micro - len(micro))]
-                # global denominators of each aggregation mode over this mini-batch (all ranks)
-                denominators = {mode: float(all_reduce_sum(row_denominators[mode][rows].sum().to(device))
-                                            .clamp(min=1e-12)) for mode in modes}
-                step_metrics: dict[str, float] = {}
-                for micro_index, m in enumerate(micro):
-                    mb = collate(batch, m, pad, device, num_rows=max(len(m), 1), packed=self.packing)
-                    # random token choices (Clip-Cov) are a function of the run's seed and position only
-                    # (a tuple of ints hashes the same in every process)
-                    position = (self.cfg.seed, step, epoch, mini, micro_index, self.dist.rank)
-                    self.loss_stack.reseed(hash(position) & 0x7FFFFFFF)
-                    for mode in modes:
-                        mb.weights[mode] = normalized_weights(mode, mb.response_mask, mb.turn_index, mb.num_turns,
-                                                              decay, denominator=denominators[mode]).to(device)
-                    if history is not None and "entropy_smoothing" in algo.loss_terms:
-                        mb.entropy_ref = history.reference(mb.turn_index.cpu()).to(device)
-                    reuse = bool(m) and m[0] in on_policy and n_updates == 0
-                    out = policy_forward(self.engine, mb, self.cfg.rollout.temperature, self.vocab_limit,
-                                         with_entropy=self._needs_entropy() or reuse)
-                    if reuse:  # this forward is the old policy's: score these samples with it
-                        mb.old_logprobs = out.logprobs.detach()
-                        mb.rollout_entropy = out.entropy.detach()
-                        for i, r in enumerate(m):
-                            k = len(batch.response_ids[r])
-                            batch.old_logprobs[r] = mb.old_logprobs[i, :k].float().cpu()
-                            batch.entropy[r] = mb.rollout_entropy[i, :k].float().cpu()
-                    loss, term_metrics = self.loss_stack(mb, out, coefs)
-                    # DeepSpeed averages gradients over ranks; the weights already normalise globally
-                    self.engine.backward(loss * world, scale_wrt_gas=False)
-                    if self.critic_engine is not None:
-                        self._critic_backward(mb, world, term_metrics)
-                    for k, v in term_metrics.items():
-                        step_metrics[k] = step_metrics.get(k, 0.0) + float(v)
-                    real_tokens += int(mb.attention_mask.sum())
-                    padded_tokens += mb.attention_mask.numel()
-                self.engine.step()
-                if self.critic_engine is not None:
-                    self.critic_engine.step()
-                if step_was_skipped(self.engine):
-                    skipped += 1
-                norm = grad_norm(self.engine)
-                if norm is not None:
-                    norms.append(norm)
-                names = sorted(step_metrics)
-                reduced = all_reduce_sum(torch.tensor([step_metrics[k] for k in names], dtype=torch.float64,
-                                                      device=device)).tolist() if names else []
-                for k, v in zip(names, reduced):
-                    totals[k] = totals.get(k, 0.0) + v
-                n_updates += 1
-        out_metrics = {k: v / max(n_updates, 1) for k, v in totals.items()}
-        out_metrics.update({
-            "perf/optimizer_steps": float(n_updates),
-            "perf/skipped_updates": float(skipped),
-            "perf/padding_efficiency": real_tokens / max(padded_tokens, 1),
-        })
-        if norms:
-            out_metrics["perf/grad_norm"] = sum(norms) / len(norms)
+                self._mini_batch_step(shared, rows, (step, epoch, mini), tally)
+        out_metrics = tally.metrics()
         if batch.old_values is not None and batch.returns is not None:
-            out_metrics.update(_critic_stats(batch.old_values, batch.returns, device))
-        self._track_skips(skipped, n_updates)
+            out_metrics.update(critic_metrics(batch.old_values, batch.returns, self.dist.device))
+        self._track_skips(tally.skipped, tally.optimizer_steps)
         return out_metrics
+
+    def _mini_batch_step(self, shared: _UpdateInputs, rows: list[int], position: tuple[int, int, int],
+                         tally: UpdateTally) -> None:
+        """One optimizer step on this rank's `rows` of a global mini-batch: every rank runs as many
+        micro-batches (empty ones where it has fewer), then engine.step(); the term metrics of the step are
+        summed over ranks into `tally`. `position` is (step, epoch, mini-batch index)."""
+        algo, device = self.cfg.algo, self.dist.device
+        micro = self.plan_micro_batches(rows, shared.lengths)
+        n_micro = int(all_reduce_max(torch.tensor(len(micro))).item())
+        micro += [[] for _ in range(n_micro - len(micro))]
+        # global denominators of each aggregation mode over this mini-batch (all ranks)
+        denominators = {mode: float(all_reduce_sum(shared.row_denominators[mode][rows].sum().to(device))
+                                    .clamp(min=1e-12)) for mode in shared.modes}
+        step_metrics: dict[str, float] = {}
+        for micro_index, m in enumerate(micro):
+            mb = collate(shared.batch, m, self.tokenizer.pad_token_id, device, num_rows=max(len(m), 1),
+                         packed=self.packing)
+            # random token choices (Clip-Cov) are a function of the run's seed and position only
+            self.loss_stack.reseed(derive_seed(self.cfg.seed, "clip_cov", *position, micro_index, self.dist.rank))
+            for mode in shared.modes:
+                mb.weights[mode] = normalized_weights(mode, mb.response_mask, mb.turn_index, mb.num_turns,
+                                                      algo.entropy.decay, denominator=denominators[mode]).to(device)
+            if shared.history is not None and "entropy_smoothing" in algo.loss_terms:
+                mb.entropy_ref = shared.history.reference(mb.turn_index.cpu()).to(device)
+            # the very first forward of the update is the old policy's: it scores its on-policy samples
+            reuse = bool(m) and m[0] in shared.on_policy and tally.optimizer_steps == 0
+            term_metrics = self._micro_batch_backward(mb, m, shared.batch, shared.coefs, reuse)
+            for k, v in term_metrics.items():
+                step_metrics[k] = step_metrics.get(k, 0.0) + float(v)
+            tally.real_tokens += int(mb.attention_mask.sum())
+            tally.padded_tokens += mb.attention_mask.numel()
+        self.engine.step()
+        if self.critic_engine is not None:
+            self.critic_engine.step()
+        if step_was_skipped(self.engine):
+            tally.skipped += 1
+        norm = grad_norm(self.engine)
+        if norm is not None:
+            tally.grad_norms.append(norm)
+        names = sorted(step_metrics)
+        reduced = all_reduce_sum(torch.tensor([step_metrics[k] for k in names], dtype=torch.float64,
+                                              device=device)).tolist() if names else []
+        tally.add_step(dict(zip(names, reduced)))
+
+    def _micro_batch_backward(self, mb: MicroBatch, rows: list[int], batch: TurnBatch, coefs: dict[str, float],
+                              reuse: bool) -> dict[str, Any]:
+        """Forward, loss stack and backward of one micro-batch (policy, then critic); its term metrics.
+        With `reuse`, this forward's log-probs and entropies become the rows' old ones (in `batch` too)."""
+        out = policy_forward(self.engine, mb, self.cfg.rollout.temperature, self.vocab_limit,
+                             with_entropy=self._needs_entropy() or reuse)
+        if reuse:  # this forward is the old policy's: score these samples with it
+            mb.old_logprobs = out.logprobs.detach()
+            mb.rollout_entropy = out.entropy.detach()
+            for i, r in enumerate(rows):
+                k = len(batch.response_ids[r])
+                batch.old_logprobs[r] = mb.old_logprobs[i, :k].float().cpu()
+                batch.entropy[r] = mb.rollout_entropy[i, :k].float().cpu()
+        loss, term_metrics = self.loss_stack(mb, out, coefs)
+        # DeepSpeed averages gradients over ranks; the weights already normalise globally
+        self.engine.backward(loss * self.dist.world_size, scale_wrt_gas=False)
+        if self.critic_engine is not None:
+            self._critic_backward(mb, self.dist.world_size, term_metrics)
+        return term_metrics
 
     def _needs_entropy(self) -> bool:
         return any(t in self.cfg.algo.loss_terms for t in ("entropy", "entropy_smoothing"))
@@ -623,11 +650,12 @@ class Trainer:
         self._agree_on_stop()
         while self.state.step < total and self.stop_signal is None:
             step = self.state.step
-            set_lr(self.engine, algo.lr * self.lr_schedule(step, total))
+            self._set_learning_rates(step, total)
             # the mini-batch is a function of (seed, step): epochs are permutations, resumes are exact
             per_epoch = max(1, n // algo.mini_batch_size)
             epoch, pos = divmod(step, per_epoch)
-            perm = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed * 7919 + epoch)).tolist()
+            shuffle = torch.Generator().manual_seed(derive_seed(cfg.seed, "sft_epoch", epoch))
+            perm = torch.randperm(n, generator=shuffle).tolist()
             global_rows = perm[pos * algo.mini_batch_size:(pos + 1) * algo.mini_batch_size]
             mine = global_rows[self.dist.rank::self.dist.world_size]
             t0 = time.perf_counter()
@@ -648,12 +676,12 @@ class Trainer:
         if algo.demos != "expert":
             records = read_jsonl(algo.demos)
         else:
-            rng = random.Random(self.cfg.seed * 31 + 7)
+            rng = random.Random(derive_seed(self.cfg.seed, "demos"))
             level = algo.demo_level
             tasks = self.suite.sample_tasks(self.cfg.env.train_split, algo.demo_episodes, rng, level=level)
-            ids = list(range(len(tasks)))
-            episodes, _ = run_episodes(ExpertPolicy(self.tokenizer), self.pool, tasks, ids, ids, self.builder,
-                                       self.tokenizer, self.cfg.env.max_turns)
+            settings = PlaySettings(self.builder, self.tokenizer, self.cfg.env.max_turns)
+            episodes, _ = run_episodes(ExpertPolicy(self.tokenizer), self.pool,
+                                       episode_slots(tasks, list(range(len(tasks)))), settings)
             solved = [ep for ep in episodes if ep.won]
             records = episodes_to_records(solved)
             if self.dist.is_main:
@@ -676,7 +704,7 @@ class Trainer:
         metrics, episodes = evaluate_split(self._model_policy(temperature), self.pool, self.builder,
                                            self.tokenizer, split, self._my_share(tasks), self._my_share(ids),
                                            cfg.env.max_turns, cfg.seed,
-                                           reduce=lambda sums: _reduce_sums(sums, self.dist.device),
+                                           reduce=lambda sums: reduce_sums(sums, self.dist.device),
                                            overlap=cfg.rollout.overlap)
         if save_samples is not None and self.dist.is_main:
             write_samples(save_samples, episodes[: cfg.rollout.num_samples_to_save])
@@ -792,17 +820,6 @@ def _row_denominators(batch: TurnBatch, modes: list[str], decay: float) -> dict[
             for mode in modes}
 
 
-def _critic_stats(values: torch.Tensor, returns: torch.Tensor, device: torch.device) -> dict[str, float]:
-    v, r = values.double(), returns.double()
-    stats = all_reduce_sum(torch.stack([torch.tensor(float(len(v)), dtype=torch.float64), r.sum(), (r * r).sum(),
-                                        (r - v).sum(), ((r - v) ** 2).sum(), v.sum()]).to(device)).tolist()
-    n, rs, rss, es, ess, vs = stats
-    var_r = rss / n - (rs / n) ** 2
-    var_e = ess / n - (es / n) ** 2
-    return {"critic/explained_variance": 1.0 - var_e / var_r if var_r > 1e-12 else float("nan"),
-            "critic/value_mean": vs / n}
-
-
 def write_samples(path: Path, episodes: list[Episode]) -> None:
     """A readable Markdown file of decoded trajectories."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -814,7 +831,3 @@ def write_samples(path: Path, episodes: list[Episode]) -> None:
             lines.append(f"**Turn {t + 1}** observation: {turn.observation}\n\n"
                          f"response{'' if turn.valid else ' (invalid)'}: `{turn.response_text}`\n")
     path.write_text("\n".join(lines))
-
-
-def metrics_json(path: Path, metrics: dict[str, Any]) -> None:
-    path.write_text(json.dumps(metrics, indent=2))
