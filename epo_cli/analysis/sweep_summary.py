@@ -28,7 +28,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from epo_cli.errors import ConfigError, UserError
-from epo_cli.metrics import read_metrics
+from epo_cli.loggers.jsonl import read_metrics
 from epo_cli.run_dir import read_status, read_yaml_data
 
 NON_CONFIG_KEYS = ("seed", "run_dir", "output_dir", "name", "trainer.resume")

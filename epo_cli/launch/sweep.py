@@ -29,7 +29,7 @@ sweeper. Layout:
         summary.csv  summary.md  runs.csv     (rebuilt any time by `epo sweep summarize`)
         optimization_results.yaml     (optuna) the best parameters and value
 
-The summary (its columns and how they aggregate over seeds) is epo_cli/sweep_summary.py.
+The summary (its columns and how they aggregate over seeds) is epo_cli/analysis/sweep_summary.py.
 """
 
 from __future__ import annotations
@@ -49,11 +49,11 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from epo_cli.analysis.sweep_summary import SweepOptions, is_run_dir, last_value, split_sweep_options, summarize
+from epo_cli.config import GROUPS, compose, config_dir, group_options, hydra_overrides, validate
 from epo_cli.errors import ConfigError, UserError
-from epo_cli.launch import check_lengths
-from epo_cli.metrics import read_metrics
-from epo_cli.run_dir import check_name, check_path, read_status, write_status
-from epo_cli.sweep_summary import SweepOptions, is_run_dir, last_value, split_sweep_options, summarize
+from epo_cli.loggers.jsonl import read_metrics
+from epo_cli.run_dir import check_lengths, check_name, check_path, read_status, write_status
 
 log = logging.getLogger("epo.sweep")
 
@@ -189,10 +189,6 @@ def check_first_job(parsed: list[Any]) -> None:
     """Validate the sweep before anything runs or any folder is made: the first combination is composed
     in full, and every other value of every swept key is checked too (a group option against conf/, a
     key's value against the schema), so `algo=grpo,nosuch` fails here, once, with exit 2 like `epo train`."""
-    from omegaconf import OmegaConf
-
-    from epo_cli.config import GROUPS, compose, config_dir, group_options, validate
-
     first, swept = [], []
     for o in parsed:
         if o.is_hydra_override():
@@ -233,8 +229,6 @@ def check_hydra_groups(parsed: list[Any]) -> None:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
-
-    from epo_cli.config import config_dir
 
     groups = [o.input_line for o in parsed
               if o.is_hydra_override() and "/" in o.key_or_group and not o.is_sweep_override()]
@@ -286,8 +280,6 @@ def run_sweep(args: list[str]) -> Path:
     """`epo sweep ARGS`: run every job through Hydra, then summarise. Returns the sweep directory."""
     from hydra import version
     from hydra._internal.utils import _run_hydra, get_args_parser
-
-    from epo_cli.config import config_dir, hydra_overrides
 
     options, overrides = split_sweep_options(args)
     if any(o.split("=", 1)[0] == "run_dir" for o in overrides):
