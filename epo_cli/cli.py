@@ -23,7 +23,7 @@ from epo_cli.launch.sweep import run_sweep
 from epo_cli.training.stop import Interrupted
 
 # The commands import epo_cli.launch.*, epo_cli.evaluation and epo_cli.analysis.report inside their
-# functions: those pull in torch (and report numpy/matplotlib), which `epo --help` does not need.
+# functions: those pull in torch (and report numpy), which `epo --help` does not need.
 
 
 def groups_help() -> str:
@@ -102,7 +102,7 @@ REPORT_OUT = typer.Option(None, "--out", help="Output folder (default: <first di
 @app.command()
 def report(paths: list[str] = REPORT_PATHS, out: str | None = REPORT_OUT) -> None:
     """PNG plots (entropy with EPO's band, fluctuation, success, KL, coefficients, lr) and an index page."""
-    from epo_cli.analysis.report import run_report  # numpy, matplotlib: see the note at the imports
+    from epo_cli.analysis.report import run_report  # torch, numpy: see the note at the imports
 
     run_report([Path(p) for p in paths], Path(out) if out else None)
 
