@@ -46,7 +46,7 @@ def slurm_parameters(cfg: DictConfig, layout: Layout) -> dict[str, Any]:
 
 def slurm_executor(cfg: DictConfig, run: Path, layout: Layout) -> Any:
     try:
-        import submitit
+        import submitit  # optional (epo[sweep])
     except ImportError:
         raise UserError("launcher=slurm needs submitit: pip install submitit (or 'epo[sweep]').") from None
     executor = submitit.SlurmExecutor(folder=str(Path(run) / "slurm"))
