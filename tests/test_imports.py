@@ -233,8 +233,8 @@ def test_epo_cli_modules_are_imported_at_module_level() -> None:
 def test_find_cycles_finds_a_planted_cycle() -> None:
     acyclic = {"a": {"b", "c"}, "b": {"c"}, "c": set(), "d": {"a"}}
     assert find_cycles(acyclic) == []
-    planted = {**acyclic, "c": {"d"}}  # a -> c -> d -> a, and a -> b -> c -> d -> a
-    assert find_cycles(planted) == [["a", "c", "d", "a"]]
+    planted = {**acyclic, "c": {"d"}}  # one component: a -> c -> d -> a covers all but b, which needs its own
+    assert find_cycles(planted) == [["a", "c", "d", "a"], ["b", "c", "d", "a", "b"]]
     two = {"x": {"y"}, "y": {"x"}, "p": {"q"}, "q": {"r"}, "r": {"p"}, "s": {"s"}}
     assert find_cycles(two) == [["p", "q", "r", "p"], ["s", "s"], ["x", "y", "x"]]
 
