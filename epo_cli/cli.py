@@ -13,17 +13,21 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
+from epo_cli.analysis.sweep_summary import summarize_command
+from epo_cli.config import GROUPS, config_dir, group_options, to_yaml
+from epo_cli.console import err_console, quiet_libraries
 from epo_cli.errors import Stopped, UserError
+from epo_cli.launch.sweep import run_sweep
 from epo_cli.training.stop import Interrupted
+
+# The commands import epo_cli.launch.*, epo_cli.evaluation and epo_cli.analysis.report inside their
+# functions: those pull in torch (and report numpy), which `epo --help` does not need.
 
 
 def groups_help() -> str:
     """'Config groups' block of the help text, read from conf/ (so it is always current)."""
-    from epo_cli.config import GROUPS, config_dir, group_options
-
     lines = ["Config groups (pick one option with group=option):\n\n"]
     for group in GROUPS:
         if (config_dir() / group).is_dir():
@@ -43,7 +47,6 @@ app = typer.Typer(
 config_app = typer.Typer(no_args_is_help=True, help="Inspect configs.")
 app.add_typer(config_app, name="config")
 
-err_console = Console(stderr=True, highlight=False)
 OVERRIDES_ARG = typer.Argument(None, help="Hydra overrides: group=option or section.key=value.",
                                show_default=False)
 EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
@@ -52,9 +55,20 @@ EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
 @app.command(context_settings=EXTRA, epilog=groups_help())
 def train(overrides: list[str] = OVERRIDES_ARG) -> None:
     """Train a policy: `epo train algo=epo env=household`."""
-    from epo_cli.launch import launch_training
+    from epo_cli.launch.local import compose_for_train, run_local  # torch: see the note at the imports
 
-    launch_training(list(overrides or []))
+    cfg, args = compose_for_train(list(overrides or []))
+    if cfg.launcher.name == "local":
+        run_local(cfg, args)
+    elif cfg.launcher.name == "slurm":
+        # only here: it imports epo_cli.launch.rank, which sets OMP_NUM_THREADS for the ranks
+        from epo_cli.launch.slurm import submit_slurm
+
+        submit_slurm(cfg, args)
+    else:
+        from epo_cli.launch.deepspeed import launch_ranks
+
+        launch_ranks(cfg, args)
 
 
 @app.command("eval", context_settings=EXTRA)
@@ -63,7 +77,7 @@ def eval_command(overrides: list[str] = OVERRIDES_ARG) -> None:
 
     Options: run, checkpoint (final|latest|best|step_N), split, episodes, temperature, greedy,
     policy (model|expert|look|random), out; any other key=value is a config override."""
-    from epo_cli.evaluation import run_eval
+    from epo_cli.evaluation import run_eval  # torch: see the note at the imports
 
     run_eval(list(overrides or []))
 
@@ -73,9 +87,6 @@ def sweep(overrides: list[str] = OVERRIDES_ARG) -> None:
     """Many runs through Hydra multirun: `epo sweep algo=grpo,epo seed=0,1,2` (comma lists, range(a,b),
     hydra/launcher=joblib|submitit_slurm, hydra/sweeper=optuna with sweep.metric and sweep.direction).
     `epo sweep summarize <sweep_dir>` rebuilds the summary table of a (possibly interrupted) sweep."""
-    from epo_cli.sweep import run_sweep
-    from epo_cli.sweep_summary import summarize_command
-
     args = list(overrides or [])
     if args and args[0] == "summarize":
         summarize_command(args[1:])
@@ -91,9 +102,7 @@ REPORT_OUT = typer.Option(None, "--out", help="Output folder (default: <first di
 @app.command()
 def report(paths: list[str] = REPORT_PATHS, out: str | None = REPORT_OUT) -> None:
     """PNG plots (entropy with EPO's band, fluctuation, success, KL, coefficients, lr) and an index page."""
-    from pathlib import Path
-
-    from epo_cli.report import run_report
+    from epo_cli.analysis.report import run_report  # torch, numpy: see the note at the imports
 
     run_report([Path(p) for p in paths], Path(out) if out else None)
 
@@ -101,24 +110,10 @@ def report(paths: list[str] = REPORT_PATHS, out: str | None = REPORT_OUT) -> Non
 @config_app.command("show", context_settings=EXTRA, epilog=groups_help())
 def config_show(overrides: list[str] = OVERRIDES_ARG) -> None:
     """Print the fully resolved config for these overrides (nothing runs)."""
-    from epo_cli.config import to_yaml
-    from epo_cli.launch import compose_for_train
+    from epo_cli.launch.local import compose_for_train  # torch: see the note at the imports
 
     cfg, _ = compose_for_train(list(overrides or []))
     sys.stdout.write(to_yaml(cfg))
-
-
-def quiet_libraries() -> None:
-    """Keep the console for our own progress: no download bars, no accelerator-probing chatter."""
-    import os
-
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if "DS_ACCELERATOR" not in os.environ:
-        import torch
-
-        os.environ["DS_ACCELERATOR"] = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 _python_showwarning = warnings.showwarning

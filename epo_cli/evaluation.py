@@ -41,13 +41,34 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+from rich.table import Table
 
+from epo_cli.compose import compose, validate
+from epo_cli.config import GROUPS
+from epo_cli.envs import make_suite
 from epo_cli.envs.base import EnvSuite, Task
+from epo_cli.envs.pool import EnvPool
 from epo_cli.errors import ConfigError, UserError
-from epo_cli.rollout.prompts import chat_encoder
-from epo_cli.rollout.rollout import Episode, PlaySettings, Policy, episode_metrics, episode_slots, run_episodes
+from epo_cli.models.loading import apply_lora, load_causal_lm, load_tokenizer, model_source, resolve_dtype
+from epo_cli.rollout.generation import SamplingParams
+from epo_cli.rollout.prompts import PromptBuilder, chat_encoder, format_response
+from epo_cli.rollout.rollout import (
+    Episode,
+    ExpertPolicy,
+    ModelPolicy,
+    PlaySettings,
+    Policy,
+    episode_metrics,
+    episode_slots,
+    run_episodes,
+)
+from epo_cli.run_dir import load_run_config
+from epo_cli.safe_load import load_tensors, refused_message, restricted_torch_load
 from epo_cli.seeding import derive_seed
+from epo_cli.training.checkpoint import resolve_checkpoint
 
 #: z for a two-sided 95% interval
 Z95 = 1.959963984540054
@@ -160,8 +181,6 @@ class FixedActionPolicy:
     action: str = "look"
 
     def act(self, prompts: list[list[int]], infos: list[dict[str, Any]], seeds: list[int]) -> list[list[int]]:
-        from epo_cli.rollout.prompts import format_response
-
         ids = self.tokenizer.encode(format_response("", self.action), add_special_tokens=False)
         return [list(ids) for _ in prompts]
 
@@ -173,8 +192,6 @@ class RandomPolicy:
     tokenizer: Any
 
     def act(self, prompts: list[list[int]], infos: list[dict[str, Any]], seeds: list[int]) -> list[list[int]]:
-        from epo_cli.rollout.prompts import format_response
-
         out = []
         for info, seed in zip(infos, seeds):
             actions = info.get("admissible_commands") or ["look"]
@@ -252,10 +269,6 @@ def parse_eval_args(args: list[str]) -> tuple[EvalArgs, list[str]]:
 def eval_config(opts: EvalArgs, overrides: list[str]) -> DictConfig:
     """The run's saved config with the overrides on top (group overrides such as env=... swap the whole
     group for that option's defaults), or a freshly composed config when no run is given."""
-    from epo_cli.compose import compose, validate
-    from epo_cli.config import GROUPS
-    from epo_cli.run_dir import load_run_config
-
     if opts.run is None:
         return compose(overrides)
     if not opts.run.is_dir():
@@ -281,10 +294,9 @@ def _read_checkpoint_state(ckpt: Path) -> dict[str, Any]:
     """The model's state dict from a DeepSpeed checkpoint folder, without building an engine and without
     unpickling: every file goes through the restricted unpickler (torch.load(weights_only=True)), so a
     crafted pickle in a shared run directory is refused instead of run."""
-    from epo_cli.safe_load import load_tensors, refused_message, restricted_torch_load
-
     try:
         if any(ckpt.glob("*zero_pp_rank_*_optim_states.pt")):  # ZeRO 1-3: consolidate the fp32 shards
+            # lazy: deepspeed is slow to import and only ZeRO 1-3 checkpoints need it
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
             with restricted_torch_load():
@@ -315,9 +327,6 @@ def _load_state(model: Any, state: dict[str, Any], ckpt: Path) -> None:
 def load_model(cfg: DictConfig, suite: EnvSuite, run: Path | None, which: str, device: Any
                ) -> tuple[Any, Any, str, str | None]:
     """(model, tokenizer, model source, resolved checkpoint tag) for run/checkpoint or model.path."""
-    from epo_cli.models.loading import apply_lora, load_causal_lm, load_tokenizer, model_source, resolve_dtype
-    from epo_cli.training.checkpoint import resolve_checkpoint
-
     dtype = resolve_dtype(cfg.model, device)
     if run is None or which == "final":
         source = str(run / "final") if run is not None else model_source(cfg.model, suite, cfg.seed)
@@ -337,8 +346,6 @@ def load_model(cfg: DictConfig, suite: EnvSuite, run: Path | None, which: str, d
 
 
 def _device(cfg: DictConfig) -> Any:
-    import torch
-
     if cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise UserError("trainer.device=cuda but no CUDA GPU is visible; use trainer.device=cpu.")
@@ -365,10 +372,6 @@ class PolicyInfo:
 def build_policy(opts: EvalArgs, cfg: DictConfig, suite: EnvSuite, temperature: float, device: Any
                  ) -> tuple[Policy, Any, PolicyInfo]:
     """The policy to evaluate (the trained model, or a scripted baseline), its tokenizer, and what it is."""
-    from epo_cli.models.loading import load_tokenizer, model_source
-    from epo_cli.rollout.generation import SamplingParams
-    from epo_cli.rollout.rollout import ExpertPolicy, ModelPolicy
-
     if opts.policy != "model":  # scripted: only the tokenizer (prompts and responses are still tokens)
         final = opts.run / "final" if opts.run is not None else None
         source = str(final) if final is not None and (final / "config.json").exists() else \
@@ -390,13 +393,6 @@ def build_policy(opts: EvalArgs, cfg: DictConfig, suite: EnvSuite, temperature: 
 
 def run_eval(args: list[str]) -> dict[str, Any]:
     """`epo eval ARGS`: evaluate, write JSON + samples, print a table; returns the JSON payload."""
-    import torch
-
-    from epo_cli.envs import make_suite
-    from epo_cli.envs.pool import EnvPool
-    from epo_cli.rollout.prompts import PromptBuilder
-    from epo_cli.training.trainer import write_samples
-
     started = time.perf_counter()
     opts, overrides = parse_eval_args(args)
     cfg = eval_config(opts, overrides)
@@ -468,6 +464,19 @@ def run_eval(args: list[str]) -> dict[str, Any]:
     return payload
 
 
+def write_samples(path: Path, episodes: list[Episode]) -> None:
+    """A readable Markdown file of decoded trajectories (`epo eval` and the trainer's evaluations)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for ep in episodes:
+        lines.append(f"## {ep.task.task_id} ({ep.task.task_type}) - {'WON' if ep.won else 'failed'} "
+                     f"in {len(ep.turns)} turns\n\nTask: {ep.goal}\n")
+        for t, turn in enumerate(ep.turns):
+            lines.append(f"**Turn {t + 1}** observation: {turn.observation}\n\n"
+                         f"response{'' if turn.valid else ' (invalid)'}: `{turn.response_text}`\n")
+    path.write_text("\n".join(lines))
+
+
 def _strict_json(value: Any) -> Any:
     """NaN/inf are not JSON: write them as null (e.g. an interval over zero episodes)."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -480,9 +489,6 @@ def _strict_json(value: Any) -> Any:
 
 
 def print_eval(payload: dict[str, Any], path: Path) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     def ci(item: dict[str, Any], pct: bool = True) -> str:
         lo, hi = item["ci95"]
         return f"[{lo:.1%}, {hi:.1%}]" if pct else f"[{lo:.2f}, {hi:.2f}]"

@@ -22,6 +22,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from epo_cli.compose import validate
 from epo_cli.errors import ConfigError, UserError
 
 CORE_PACKAGES = ("epo", "torch", "transformers", "deepspeed", "hydra-core", "omegaconf", "tokenizers")
@@ -67,6 +68,20 @@ def check_path(path: Path, key: str) -> None:
                               "file systems allow at most 255. Choose a shorter directory.")
 
 
+#: the longest override a command line may carry (a longer one is a paste accident, not a setting)
+MAX_OVERRIDE_CHARS = 4096
+
+
+def check_lengths(overrides: list[str]) -> None:
+    """Over-long overrides are one clear error, not an OSError (file name too long) deep in a run."""
+    for o in overrides:
+        if len(o) > MAX_OVERRIDE_CHARS:
+            key = o.split("=", 1)[0][:80]
+            raise ConfigError(f"The override for '{key}' is {len(o)} characters long; at most "
+                              f"{MAX_OVERRIDE_CHARS} are accepted. Shorten the value (put long lists in a "
+                              "config file under conf/ and select it).")
+
+
 def new_run_dir(cfg: DictConfig) -> Path:
     if cfg.run_dir:
         check_path(Path(cfg.run_dir), "run_dir")
@@ -103,8 +118,6 @@ def load_run_config(run: Path, command_line: dict[str, Any] | None = None) -> Di
     COMMAND_LINE_ONLY keys reset to their safe values (one warning each) or set to what `command_line`
     (this invocation's own values for them, e.g. from a launcher's flags) says; overrides of this
     invocation applied on top can set them too."""
-    from epo_cli.compose import validate
-
     path = Path(run) / "config.yaml"
     if not path.exists():
         raise UserError(f"'{run}' is not a run directory (no config.yaml). Pass the folder `epo train` made, "

@@ -73,7 +73,7 @@ def main() -> None:
     from rich.table import Table
 
     from epo_cli.envs.household import LEVELS
-    from epo_cli.metrics import read_metrics
+    from epo_cli.loggers.jsonl import read_metrics
 
     steps_per_s = household_steps_per_second()
     if args.skip_train:

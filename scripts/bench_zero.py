@@ -189,24 +189,18 @@ def child(args: argparse.Namespace) -> None:
 
 
 def run_world(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
+    from epo_cli.training.engine import free_port
+
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks),
-               "--master_port", str(_free_port()), "--no_local_rank", "--log_level", "error",
+               "--master_port", str(free_port()), "--no_local_rank", "--log_level", "error",
                str(Path(__file__).resolve()), "--child", "--out", str(out)]
         for key in ("hidden", "layers", "vocab", "seq", "mini_batch", "micro_batch", "steps", "stages"):
             cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
         subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
         return json.loads(out.read_text())
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
 Starting a rank costs ~30-40 s of imports on this machine, so the comparisons share processes: this file
 is also a script (`_harness`) that trains several short runs one after another inside one set of ranks
 (one process group), started by the deepspeed launcher exactly as `epo train launcher=deepspeed` starts
-epo_cli.worker. The launcher path itself (`epo train launcher=deepspeed`: run directory, worker module,
+epo_cli.launch.rank. The launcher path itself (`epo train launcher=deepspeed`: run directory, worker module,
 failure handling, resume) is exercised through the real CLI by the killed-rank / resume test.
 
     runs (all from the behaviour-cloned warm start, 2 groups x 2 rollouts per iteration)
@@ -76,9 +76,9 @@ def _harness(spec_file: str) -> None:
     """Train every run of the spec in this process group; rank 0 records facts about each run."""
     import torch
 
-    from epo_cli.cli import quiet_libraries
     from epo_cli.compose import compose
-    from epo_cli.launch import prepare_run_dir
+    from epo_cli.console import quiet_libraries
+    from epo_cli.launch.local import prepare_run_dir
     from epo_cli.training.engine import barrier, init_distributed
     from epo_cli.training.trainer import Trainer
 
@@ -100,7 +100,7 @@ def _harness(spec_file: str) -> None:
     # (not hang) on the other, and the worker must classify it as a timeout
     import datetime
 
-    from epo_cli.worker import is_timeout
+    from epo_cli.launch.rank import is_timeout
 
     group = torch.distributed.new_group(backend="gloo", timeout=datetime.timedelta(seconds=3))
     if dist.rank == 0:
@@ -168,6 +168,8 @@ def _env() -> dict[str, str]:
 
 
 def _launch_harness(root: Path, runs: dict[str, list[str]], ranks: int, warm: Path) -> dict[str, Any]:
+    from epo_cli.training.engine import free_port
+
     spec = {"root": str(root), "facts": str(root / "facts.json"),
             "runs": {name: [*args, *RL_ARGS, f"model.path={warm / 'final'}"] for name, args in runs.items()}}
     root.mkdir(parents=True, exist_ok=True)
@@ -176,21 +178,13 @@ def _launch_harness(root: Path, runs: dict[str, list[str]], ranks: int, warm: Pa
         cmd = [sys.executable, __file__, str(root / "spec.json")]
     else:
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks),
-               "--master_port", str(_free_port()), "--no_local_rank", "--log_level", "warning",
+               "--master_port", str(free_port()), "--no_local_rank", "--log_level", "warning",
                __file__, str(root / "spec.json")]
     proc = subprocess.run(cmd, cwd=root, env=_env(), capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise AssertionError(f"harness with {ranks} rank(s) failed ({proc.returncode})\n"
                              f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return json.loads((root / "facts.json").read_text())
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _metrics(run: Path) -> list[dict[str, float]]:
@@ -389,7 +383,8 @@ def test_slurm_submission_script(tmp_path: Path) -> None:
 
 def test_multi_node_command_from_hostfile(tmp_path: Path) -> None:
     from epo_cli.compose import compose
-    from epo_cli.distributed_launch import deepspeed_command, layout_for
+    from epo_cli.launch.deepspeed import deepspeed_command
+    from epo_cli.launch.layout import layout_for
 
     hosts = tmp_path / "hosts"
     hosts.write_text("# two nodes\nnode-1 slots=8\nnode-2 slots=8\n")
@@ -399,14 +394,14 @@ def test_multi_node_command_from_hostfile(tmp_path: Path) -> None:
     assert (layout.world_size, layout.gpu) == (16, True)
     cmd = " ".join(deepspeed_command(cfg, tmp_path / "run", layout))
     for part in ("-m deepspeed.launcher.runner", "--num_nodes 2", "--num_gpus 8", "--master_port 29500",
-                 f"--hostfile {hosts}", "--master_addr 10.0.0.1", "--module epo_cli.worker",
+                 f"--hostfile {hosts}", "--master_addr 10.0.0.1", "--module epo_cli.launch.rank",
                  f"--run-dir {tmp_path / 'run'}"):
         assert part in cmd, (part, cmd)
 
 
 def test_failure_message_names_the_cause(tmp_path: Path) -> None:
     """The crash is reported, not the timeouts / lost connections it caused on the other ranks."""
-    from epo_cli.distributed_launch import failure_message
+    from epo_cli.launch.deepspeed import failure_message
 
     ranks = tmp_path / "ranks"
     ranks.mkdir()

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from epo_cli.report import entropy_reference, mean_band
+from epo_cli.analysis.report import entropy_reference, mean_band
 
 from conftest import run_cli
 

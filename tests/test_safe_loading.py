@@ -156,7 +156,7 @@ def _run_dir_trusting_remote_code(tmp_path: Path) -> Path:
 
 def test_a_saved_trust_remote_code_is_not_honoured(tmp_path: Path) -> None:
     from epo_cli.evaluation import EvalArgs, eval_config
-    from epo_cli.launch import compose_for_train
+    from epo_cli.launch.local import compose_for_train
 
     run = _run_dir_trusting_remote_code(tmp_path)
     with pytest.warns(UserWarning, match="honoured only from the command line, not from a saved config"):
@@ -175,7 +175,8 @@ def test_a_saved_trust_remote_code_is_not_honoured(tmp_path: Path) -> None:
 
 def test_ranks_get_trust_remote_code_from_the_launcher_not_from_config_yaml(tmp_path: Path) -> None:
     from epo_cli.compose import compose
-    from epo_cli.distributed_launch import deepspeed_command, layout_for
+    from epo_cli.launch.deepspeed import deepspeed_command
+    from epo_cli.launch.layout import layout_for
 
     for trust in (False, True):
         cfg = compose(["algo=grpo", "launcher=deepspeed", "launcher.num_procs=2",
@@ -272,7 +273,7 @@ def test_a_hostile_or_damaged_config_yaml_is_one_message(tmp_path: Path, text: s
 
 
 def test_report_reads_a_run_with_a_damaged_config_yaml_without_it(tmp_path: Path) -> None:
-    from epo_cli.report import load_run
+    from epo_cli.analysis.report import load_run
 
     run = tmp_path / "run"
     run.mkdir()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from epo_cli.sweep_summary import RunResult, SweepOptions, aggregate, mean_std, run_result, summarize
+from epo_cli.analysis.sweep_summary import RunResult, SweepOptions, aggregate, mean_std, run_result, summarize
 
 from conftest import run_cli
 

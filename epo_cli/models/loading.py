@@ -19,6 +19,7 @@ from torch import nn
 
 from epo_cli.envs.base import EnvSuite
 from epo_cli.errors import UserError
+from epo_cli.models.tiny import build_tiny
 from epo_cli.safe_load import refused_message
 
 
@@ -52,8 +53,6 @@ def model_source(model_cfg: Any, suite: EnvSuite, seed: int) -> str:
                 )
             return str(local)
         return path
-    from epo_cli.models.tiny import build_tiny
-
     return str(build_tiny(model_cfg, suite, seed=0))
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from epo_cli.envs.base import EnvSuite
+from epo_cli.rollout.prompts import PROMPT_TEMPLATES, format_response
 
 #: bump when the corpus recipe changes, so cached tokenizers are rebuilt
 CORPUS_VERSION = 4
@@ -54,8 +55,6 @@ def tiny_cache_key(model_cfg: Any, env_name: str, seed: int) -> str:
 def tokenizer_corpus(suite: EnvSuite, episodes: int | None = None, seed: int = 0) -> list[str]:
     """Text the tokenizer is trained on: templates, response format and expert episodes of `suite`
     (`suite.tokenizer_episodes` of them by default: real simulators are slow)."""
-    from epo_cli.rollout.prompts import PROMPT_TEMPLATES, format_response
-
     texts = [t for pair in PROMPT_TEMPLATES.values() for t in pair]
     rng = random.Random(seed)
     episodes = suite.tokenizer_episodes if episodes is None else episodes

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from epo_cli.errors import ConfigError, UserError
+
 # name -> (template for the first turn, template for later turns)
 PROMPT_TEMPLATES: dict[str, tuple[str, str]] = {
     # The same information as `alfworld` without the prose (a third of the tokens), ordered so that what
@@ -88,8 +90,6 @@ def get_template(name_or_text: str) -> tuple[str, str]:
         return PROMPT_TEMPLATES[name_or_text]
     if "{observation}" in name_or_text:
         return name_or_text, name_or_text
-    from epo_cli.errors import ConfigError
-
     raise ConfigError(
         f"Unknown prompt template '{name_or_text}' (env.prompt_template). Valid names: "
         f"{', '.join(PROMPT_TEMPLATES)}; or a literal template containing {{observation}}."
@@ -163,8 +163,6 @@ class PromptBuilder:
             ids = self.encode_chat(text)
             if len(ids) <= self.max_prompt_tokens:
                 return BuiltPrompt(text, ids, 0, truncated=window > 0, obs_trimmed=True)
-        from epo_cli.errors import UserError
-
         raise UserError(
             f"rollout.max_prompt_tokens={self.max_prompt_tokens} cannot even hold the task and the "
             "instructions; raise rollout.max_prompt_tokens."

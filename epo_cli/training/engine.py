@@ -36,7 +36,8 @@ class DistInfo:
         return self.rank == 0
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port that is free on this machine now (for a single-node MASTER_PORT)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -58,7 +59,7 @@ def init_distributed(cfg: Any) -> DistInfo:
 
     if "RANK" not in os.environ:  # not started by a launcher: a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+                          MASTER_PORT=str(free_port()))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = pick_device(cfg, local_rank)
     if not torch_dist.is_initialized():

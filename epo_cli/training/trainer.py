@@ -55,8 +55,11 @@ from epo_cli.algos.schedules import (
 )
 from epo_cli.curriculum import build_curriculum
 from epo_cli.envs import make_suite
+from epo_cli.envs.pool import EnvPool
 from epo_cli.errors import UserError
-from epo_cli.metrics import MetricsLogger, truncate_metrics_file
+from epo_cli.evaluation import eval_tasks, evaluate_split, write_samples  # shared with `epo eval`
+from epo_cli.loggers.jsonl import truncate_metrics_file
+from epo_cli.loggers.logger import MetricsLogger
 from epo_cli.models.loading import (
     ValueModel,
     apply_lora,
@@ -212,8 +215,6 @@ class Trainer:
         resume_from = checkpoint.resolve_resume(cfg.trainer.resume, run)
         if resume_from is not None:
             self._load(resume_from)
-        from epo_cli.envs.pool import EnvPool
-
         self.pool = EnvPool(self.suite, num_workers=self._num_workers(), step_timeout_s=cfg.env.step_timeout_s)
         self.logger = MetricsLogger(cfg, run, enabled=self.dist.is_main, resume_ids=self.state.logger_ids)
         self.state.logger_ids = self.logger.run_ids
@@ -697,8 +698,6 @@ class Trainer:
                  save_samples: Path | None = None) -> tuple[dict[str, float], list[Episode]]:
         """Play `episodes_n` fixed tasks of `split` (sharded over ranks); returns all-reduced metrics."""
         cfg = self.cfg
-        from epo_cli.evaluation import eval_tasks, evaluate_split  # shared with `epo eval`
-
         tasks = eval_tasks(self.suite, split, episodes_n, cfg.seed)
         ids = list(range(len(tasks)))
         metrics, episodes = evaluate_split(self._model_policy(temperature), self.pool, self.builder,
@@ -819,15 +818,3 @@ def _row_denominators(batch: TurnBatch, modes: list[str], decay: float) -> dict[
     return {mode: AGGREGATIONS[mode].weights(mask, batch.turn_index, num_turns, decay)[1].double()
             for mode in modes}
 
-
-def write_samples(path: Path, episodes: list[Episode]) -> None:
-    """A readable Markdown file of decoded trajectories."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lines = []
-    for ep in episodes:
-        lines.append(f"## {ep.task.task_id} ({ep.task.task_type}) - {'WON' if ep.won else 'failed'} "
-                     f"in {len(ep.turns)} turns\n\nTask: {ep.goal}\n")
-        for t, turn in enumerate(ep.turns):
-            lines.append(f"**Turn {t + 1}** observation: {turn.observation}\n\n"
-                         f"response{'' if turn.valid else ' (invalid)'}: `{turn.response_text}`\n")
-    path.write_text("\n".join(lines))

@@ -29,7 +29,7 @@ sweeper. Layout:
         summary.csv  summary.md  runs.csv     (rebuilt any time by `epo sweep summarize`)
         optimization_results.yaml     (optuna) the best parameters and value
 
-The summary (its columns and how they aggregate over seeds) is epo_cli/sweep_summary.py.
+The summary (its columns and how they aggregate over seeds) is epo_cli/analysis/sweep_summary.py.
 """
 
 from __future__ import annotations
@@ -47,13 +47,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir, version
+from hydra._internal.utils import _run_hydra, get_args_parser
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
+from epo_cli.analysis.sweep_summary import SweepOptions, is_run_dir, last_value, split_sweep_options, summarize
+from epo_cli.compose import compose, hydra_overrides, validate
+from epo_cli.config import GROUPS, config_dir, group_options
 from epo_cli.errors import ConfigError, UserError
-from epo_cli.launch import check_lengths
-from epo_cli.metrics import read_metrics
-from epo_cli.run_dir import check_name, check_path, read_status, write_status
-from epo_cli.sweep_summary import SweepOptions, is_run_dir, last_value, split_sweep_options, summarize
+from epo_cli.loggers.jsonl import read_metrics
+from epo_cli.run_dir import check_lengths, check_name, check_path, read_status, write_status
 
 log = logging.getLogger("epo.sweep")
 
@@ -83,8 +90,6 @@ class SweepJob:
     python: str = field(default_factory=lambda: sys.executable)
 
     def __call__(self, cfg: Any) -> float:
-        from hydra.core.hydra_config import HydraConfig
-
         hc = HydraConfig.get()
         run = Path(hc.runtime.output_dir)
         # `epo train` turns key=value into ++key=value itself (epo_cli.compose.hydra_overrides)
@@ -176,8 +181,6 @@ def _write_json(path: Path, payload: dict[str, Any]) -> None:
 # ----------------------------------------------------------------------------------------------------
 
 def _parse(overrides: list[str]) -> list[Any]:
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     try:
         return OverridesParser.create().parse_overrides(overrides)
     except Exception as err:  # noqa: BLE001 - hydra's grammar errors are the user's to fix
@@ -189,11 +192,6 @@ def check_first_job(parsed: list[Any]) -> None:
     """Validate the sweep before anything runs or any folder is made: the first combination is composed
     in full, and every other value of every swept key is checked too (a group option against conf/, a
     key's value against the schema), so `algo=grpo,nosuch` fails here, once, with exit 2 like `epo train`."""
-    from omegaconf import OmegaConf
-
-    from epo_cli.compose import compose, validate
-    from epo_cli.config import GROUPS, config_dir, group_options
-
     first, swept = [], []
     for o in parsed:
         if o.is_hydra_override():
@@ -231,12 +229,6 @@ def check_first_job(parsed: list[Any]) -> None:
 def check_hydra_groups(parsed: list[Any]) -> None:
     """hydra/launcher=..., hydra/sweeper=...: an unknown option is one ConfigError (exit 2) before any folder
     is made, listing the options Hydra knows (its plugins' and conf/hydra/'s)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from epo_cli.config import config_dir
-
     groups = [o.input_line for o in parsed
               if o.is_hydra_override() and "/" in o.key_or_group and not o.is_sweep_override()]
     if not groups:
@@ -285,12 +277,6 @@ def hydra_argv(overrides: list[str], parsed: list[Any], sweep_dir: Path, options
 
 def run_sweep(args: list[str]) -> Path:
     """`epo sweep ARGS`: run every job through Hydra, then summarise. Returns the sweep directory."""
-    from hydra import version
-    from hydra._internal.utils import _run_hydra, get_args_parser
-
-    from epo_cli.compose import hydra_overrides
-    from epo_cli.config import config_dir
-
     options, overrides = split_sweep_options(args)
     if any(o.split("=", 1)[0] == "run_dir" for o in overrides):
         raise ConfigError("run_dir is set per job by `epo sweep`; use output_dir=DIR or hydra.sweep.dir=DIR.")

@@ -1,9 +1,10 @@
-"""From a command line to running ranks.
+"""A run's config and run directory, and `launcher=local`: training in this process.
 
-`epo train OVERRIDES` composes and validates the config once, creates the run directory and saves the
-resolved config there, then runs the training in this process (`launcher=local`), or starts the ranks
-with the deepspeed launcher (`launcher=deepspeed`), or submits the job to SLURM (`launcher=slurm`).
-Every rank reads the same config.yaml from the run directory, so all ranks agree on what runs.
+`epo train OVERRIDES` composes and validates the config once (`compose_for_train`), then either trains
+here (`run_local`, which creates the run directory and saves the resolved config there), or hands the
+config to epo_cli.launch.deepspeed (the deepspeed launcher's ranks) or epo_cli.launch.slurm (a SLURM job),
+which write the run directory with `prepare_run_dir` before any rank starts. Every rank reads the same
+config.yaml from the run directory, so all ranks agree on what runs.
 """
 
 from __future__ import annotations
@@ -13,9 +14,14 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from epo_cli.analysis.run_summary import print_summary
 from epo_cli.compose import compose, validate
+from epo_cli.envs import make_suite
 from epo_cli.errors import ConfigError, Stopped, UserError
-from epo_cli.run_dir import load_run_config, new_run_dir, write_config, write_status
+from epo_cli.run_dir import check_lengths, load_run_config, new_run_dir, write_config, write_status
+from epo_cli.training.checkpoint import latest_tag, locate_resume
+from epo_cli.training.stop import STOP, Interrupted, exit_code, signal_name
+from epo_cli.training.trainer import Trainer
 
 
 def compose_for_train(overrides: list[str]) -> tuple[DictConfig, list[str]]:
@@ -24,8 +30,6 @@ def compose_for_train(overrides: list[str]) -> tuple[DictConfig, list[str]]:
     check_lengths(overrides)
     resume = next((o.split("=", 1)[1] for o in overrides if o.startswith("trainer.resume=")), None)
     if resume and resume not in ("auto", "null", "None", ""):
-        from epo_cli.training.checkpoint import locate_resume
-
         # a run dir, <run>/checkpoints[/latest|best|step_N]: always THAT run's saved config, never defaults
         target = locate_resume(resume)
         base = load_run_config(target.run)
@@ -46,33 +50,8 @@ def compose_for_train(overrides: list[str]) -> tuple[DictConfig, list[str]]:
     return compose(overrides), overrides
 
 
-#: the longest override a command line may carry (a longer one is a paste accident, not a setting)
-MAX_OVERRIDE_CHARS = 4096
-
-
-def check_lengths(overrides: list[str]) -> None:
-    """Over-long overrides are one clear error, not an OSError (file name too long) deep in a run."""
-    for o in overrides:
-        if len(o) > MAX_OVERRIDE_CHARS:
-            key = o.split("=", 1)[0][:80]
-            raise ConfigError(f"The override for '{key}' is {len(o)} characters long; at most "
-                              f"{MAX_OVERRIDE_CHARS} are accepted. Shorten the value (put long lists in a "
-                              "config file under conf/ and select it).")
-
-
-def launch_training(overrides: list[str]) -> None:
-    cfg, overrides = compose_for_train(overrides)
-    if cfg.launcher.name == "local":
-        run_local(cfg, overrides)
-    else:
-        from epo_cli.distributed_launch import launch_ranks
-
-        launch_ranks(cfg, overrides)
-
-
 def prepare_run_dir(cfg: DictConfig, overrides: list[str]) -> Path:
-    from epo_cli.envs import make_suite
-
+    """Create the run directory and save the resolved config (with versions and command) in it."""
     run = new_run_dir(cfg)
     cfg.run_dir = str(run)
     versions = make_suite(cfg.env).versions()
@@ -86,11 +65,7 @@ def prepare_run_dir(cfg: DictConfig, overrides: list[str]) -> Path:
 
 
 def run_local(cfg: DictConfig, overrides: list[str]) -> dict:
-    """Train in this process (a world of one, or one rank started by a launcher)."""
-    from epo_cli.summary import print_summary
-    from epo_cli.training.stop import STOP, Interrupted, exit_code, signal_name
-    from epo_cli.training.trainer import Trainer
-
+    """Train in this process (a world of one)."""
     resuming = bool(cfg.trainer.resume) and cfg.run_dir and (Path(cfg.run_dir) / "config.yaml").exists()
     STOP.install()  # SIGTERM/SIGINT/SIGUSR1: finish the step, checkpoint it, exit 128+N
     try:
@@ -123,9 +98,6 @@ def run_local(cfg: DictConfig, overrides: list[str]) -> dict:
 
 
 def stopped_message(run: Path, signum: int, step: int) -> str:
-    from epo_cli.training.checkpoint import latest_tag
-    from epo_cli.training.stop import signal_name
-
     tag = latest_tag(run)
     saved = f"the checkpoint {run / 'checkpoints' / tag}" if tag else "no checkpoint (no step had completed)"
     return (f"{signal_name(signum)}: stopped after step {step}; status.json says `stopped`, and {saved} holds "
@@ -133,8 +105,6 @@ def stopped_message(run: Path, signum: int, step: int) -> str:
 
 
 def _latest_step(run: Path) -> int | None:
-    from epo_cli.training.checkpoint import latest_tag
-
     tag = latest_tag(run)
     return int(tag.split("_", 1)[1]) if tag and tag.startswith("step_") else None
 

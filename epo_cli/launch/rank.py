@@ -1,8 +1,8 @@
 """One rank of a distributed run.
 
-    python -m epo_cli.worker --run-dir outputs/<date>/<time>-<name>
+    python -m epo_cli.launch.rank --run-dir outputs/<date>/<time>-<name>
 
-`epo train launcher=deepspeed ...` (epo_cli.distributed_launch) composes and validates the config once,
+`epo train launcher=deepspeed ...` (epo_cli.launch.deepspeed) composes and validates the config once,
 writes <run>/config.yaml, and starts this module on every rank through the deepspeed launcher, which sets
 RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT. Under `launcher=slurm` every SLURM task calls
 `SlurmRank` instead, which derives the same variables from the SLURM allocation. Either way all ranks read
@@ -33,6 +33,17 @@ import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
+import torch.distributed as torch_dist  # noqa: E402
+from rich.markup import escape  # noqa: E402
+
+from epo_cli.analysis.run_summary import print_summary  # noqa: E402
+from epo_cli.console import err_console, quiet_libraries  # noqa: E402
+from epo_cli.errors import UserError  # noqa: E402
+from epo_cli.run_dir import load_run_config, write_status  # noqa: E402
+from epo_cli.training import checkpoint  # noqa: E402
+from epo_cli.training.stop import STOP, STOP_SIGNALS, Interrupted, exit_code, signal_name  # noqa: E402
+from epo_cli.training.trainer import Trainer  # noqa: E402
+
 KILL_HOOK_ENV = "EPO_TEST_KILL_RANK"
 
 
@@ -55,8 +66,6 @@ def lost_peer(err: BaseException) -> bool:
 
 def describe_failure(err: BaseException, timeout_s: float | None) -> str:
     """One readable line for the console: why this rank stopped."""
-    from epo_cli.errors import UserError
-
     first = str(err).splitlines()[0] if str(err) else ""
     if isinstance(err, UserError):
         return str(err)
@@ -80,7 +89,7 @@ def record_failure(run: Path, rank: int, err: BaseException, timeout_s: float | 
             "timeout": is_timeout(err),
             # a consequence of another rank's failure, not a cause: the launcher reports the cause first
             "peer": is_timeout(err) or lost_peer(err),
-            "user_error": _is_user_error(err),
+            "user_error": isinstance(err, UserError),
             "time": time.time(),
             "traceback": "".join(traceback.format_exception(type(err), err, err.__traceback__))[-8000:],
         }
@@ -89,12 +98,6 @@ def record_failure(run: Path, rank: int, err: BaseException, timeout_s: float | 
         tmp.replace(path)
     except Exception:  # noqa: BLE001 - best effort
         pass
-
-
-def _is_user_error(err: BaseException) -> bool:
-    from epo_cli.errors import UserError
-
-    return isinstance(err, UserError)
 
 
 def install_test_hook(rank: int) -> None:
@@ -107,8 +110,6 @@ def install_test_hook(rank: int) -> None:
     hang = len(parts) > 2 and parts[2] == "hang"
     if rank != target_rank:
         return
-    from epo_cli.training import checkpoint
-
     original = checkpoint.save
 
     def save(run: Path, step: int, *args: Any, **kwargs: Any) -> Path:
@@ -128,12 +129,6 @@ def run_rank(run: Path, resume_latest: bool = False, trust_remote_code: bool = F
     """Train this rank of the run in `run`; returns the process exit code. `resume_latest`: continue from
     the run's latest complete checkpoint if it has one (a requeued SLURM job). `trust_remote_code`: passed
     by the launching invocation when its command line asked for it (config.yaml cannot turn it on)."""
-    from rich.markup import escape
-
-    from epo_cli.cli import err_console, quiet_libraries
-    from epo_cli.errors import UserError
-    from epo_cli.run_dir import load_run_config
-
     quiet_libraries()
     run = Path(run).resolve()
     rank = int(os.environ.get("RANK", "0"))
@@ -145,15 +140,10 @@ def run_rank(run: Path, resume_latest: bool = False, trust_remote_code: bool = F
             cfg.trainer.resume = "auto"
         timeout_s = float(cfg.launcher.timeout_s)
         install_test_hook(rank)
-        from epo_cli.training.stop import STOP
-        from epo_cli.training.trainer import Trainer
-
         STOP.install()  # every rank: a signal or the launcher's relay stops all ranks after the same step
         trainer = Trainer(cfg, run)
         metrics = trainer.train()
     except BaseException as err:  # noqa: BLE001 - every way out of a rank is recorded
-        from epo_cli.training.stop import Interrupted
-
         if isinstance(err, Interrupted):  # a second signal: the step in progress is abandoned
             if rank == 0:
                 _record_abandoned(run, err.signum)
@@ -170,12 +160,8 @@ def run_rank(run: Path, resume_latest: bool = False, trust_remote_code: bool = F
     finally:
         _leave_process_group()
     if trainer.stop_signal and trainer.state.step < cfg.trainer.total_steps:
-        from epo_cli.training.stop import exit_code
-
         return exit_code(trainer.stop_signal)  # stopped with a checkpoint; the launching process reports it
     if rank == 0:
-        from epo_cli.summary import print_summary
-
         print_summary(cfg, run, metrics)
     sys.stdout.flush()
     return 0
@@ -183,11 +169,7 @@ def run_rank(run: Path, resume_latest: bool = False, trust_remote_code: bool = F
 
 def _record_abandoned(run: Path, signum: int) -> None:
     try:
-        from epo_cli.run_dir import write_status
-        from epo_cli.training.checkpoint import latest_tag
-        from epo_cli.training.stop import signal_name
-
-        write_status(run, "stopped", signal=signal_name(signum), checkpoint=latest_tag(run),
+        write_status(run, "stopped", signal=signal_name(signum), checkpoint=checkpoint.latest_tag(run),
                      abandoned="a second signal abandoned the step in progress",
                      resume=f"epo train trainer.resume={run}")
     except Exception:  # noqa: BLE001 - best effort while leaving
@@ -196,8 +178,6 @@ def _record_abandoned(run: Path, signum: int) -> None:
 
 def _leave_process_group() -> None:
     try:
-        import torch.distributed as torch_dist
-
         if torch_dist.is_initialized():
             torch_dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - exiting anyway
@@ -205,7 +185,7 @@ def _leave_process_group() -> None:
 
 
 class SlurmRank:
-    """The callable that launcher=slurm submits (epo_cli.distributed_launch.submit_slurm): one per SLURM task.
+    """The callable that launcher=slurm submits (epo_cli.launch.slurm.submit_slurm): one per SLURM task.
 
     SLURM starts one task per rank (srun); submitit's TorchDistributedEnvironment exports RANK, WORLD_SIZE,
     LOCAL_RANK and MASTER_ADDR/PORT (first node of the allocation) for init_distributed. GPU selection
@@ -218,9 +198,7 @@ class SlurmRank:
     """
 
     def __call__(self, run_dir: str, resume: bool = False, trust_remote_code: bool = False) -> None:
-        import submitit
-
-        from epo_cli.training.stop import STOP_SIGNALS, exit_code
+        import submitit  # optional (epo[sweep]); only SLURM tasks need it
 
         submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
         # requeued by submitit (resume=True) or by SLURM itself (preemption: SLURM_RESTART_COUNT > 0)
@@ -234,13 +212,13 @@ class SlurmRank:
             raise RuntimeError(f"rank {rank} failed (exit code {code}); see {record}")
 
     def checkpoint(self, run_dir: str, resume: bool = False, trust_remote_code: bool = False) -> Any:
-        import submitit
+        import submitit  # optional, as in __call__
 
         return submitit.helpers.DelayedSubmission(SlurmRank(), run_dir, True, trust_remote_code=trust_remote_code)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m epo_cli.worker", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m epo_cli.launch.rank", description=__doc__.split("\n\n")[0])
     parser.add_argument("--run-dir", required=True, help="run directory holding config.yaml")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="load the model with trust_remote_code (the launcher passes it when asked to)")

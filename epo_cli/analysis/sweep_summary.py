@@ -26,9 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
+from rich.console import Console
+from rich.table import Table
 
 from epo_cli.errors import ConfigError, UserError
-from epo_cli.metrics import read_metrics
+from epo_cli.loggers.jsonl import read_metrics
 from epo_cli.run_dir import read_status, read_yaml_data
 
 NON_CONFIG_KEYS = ("seed", "run_dir", "output_dir", "name", "trainer.resume")
@@ -333,9 +335,6 @@ def write_summary(sweep_dir: Path, runs: list[RunResult], groups: list[ConfigSum
 
 def print_summary(sweep_dir: Path, runs: list[RunResult], groups: list[ConfigSummary],
                   options: SweepOptions) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     console = Console(highlight=False)
     if not console.is_terminal:  # logs and pipes: no need to squeeze the table into 80 columns
         console.width = max(console.width, 150)

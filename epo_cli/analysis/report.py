@@ -24,11 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from rich.console import Console
 
-from epo_cli.errors import UserError
-from epo_cli.metrics import read_metrics
-from epo_cli.run_dir import read_yaml_data
-from epo_cli.sweep_summary import (
+from epo_cli.algos.entropy import _Stream
+from epo_cli.analysis.sweep_summary import (
     config_key,
     config_label,
     is_run_dir,
@@ -36,6 +35,9 @@ from epo_cli.sweep_summary import (
     run_overrides,
     varying_keys,
 )
+from epo_cli.errors import UserError
+from epo_cli.loggers.jsonl import read_metrics
+from epo_cli.run_dir import read_status, read_yaml_data
 
 
 @dataclass
@@ -135,8 +137,6 @@ def smoothing_settings(config: dict[str, Any]) -> dict[str, Any] | None:
 
 def entropy_reference(rows: list[dict[str, Any]], settings: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
     """Href at each step, from the entropies of the steps before it (training's own history class)."""
-    from epo_cli.algos.entropy import _Stream
-
     stream = _Stream(settings.get("history", "cumulative"), int(settings.get("window", 10)),
                      float(settings.get("ema_decay", 0.9)))
     steps, refs = [], []
@@ -289,8 +289,6 @@ def _fmt(values: list[float]) -> str:
 
 def write_index(groups: list[Group], written: dict[str, tuple[str, bool]], out: Path,
                 sources: list[Path]) -> Path:
-    from epo_cli.run_dir import read_status
-
     lines = [f"# Report: {', '.join(str(s) for s in sources)}", "",
              "Mean ± sample std over the seeds of each configuration (final values).", "",
              "| configuration | runs | last step | final success | final eval/success | final entropy "
@@ -325,8 +323,6 @@ def run_report(paths: list[Path], out: Path | None = None) -> Path:
     groups = group_runs(runs)
     written = make_plots(groups, out)
     index = write_index(groups, written, out, [Path(p) for p in paths])
-    from rich.console import Console
-
     Console(highlight=False).print(f"{len(written)} plots of {len(runs)} runs ({len(groups)} configurations) "
                                    f"-> {out}\nindex: {index}")
     return index

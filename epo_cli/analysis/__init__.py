@@ -1,0 +1,6 @@
+"""Reading finished (or interrupted) runs: the end-of-run table, sweep summaries, `epo report` plots.
+
+    run_summary.py    the table printed at the end of a run
+    sweep_summary.py  per-run results and their aggregates over seeds (`epo sweep summarize`)
+    report.py         PNG plots and an index page for runs and sweeps (`epo report`)
+"""

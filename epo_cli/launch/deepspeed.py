@@ -1,0 +1,179 @@
+"""Start the ranks of a run with the deepspeed launcher (one or more nodes) and wait for them.
+
+    epo train algo=grpo launcher=deepspeed launcher.num_gpus=8 deepspeed=zero3          one node, 8 GPUs
+    epo train ... launcher=deepspeed launcher.num_gpus=8 launcher.num_nodes=2 launcher.hostfile=hosts
+    epo train ... launcher=deepspeed launcher.num_procs=2                      2 CPU ranks (no GPU here)
+
+The config was composed and validated once by the `epo train` command. Here the batch layout is checked
+against the world size (epo_cli.launch.layout: a bad layout is one message, not one traceback per rank),
+the run directory and its config.yaml are written, and the ranks start
+`python -m epo_cli.launch.rank --run-dir RUN`. Every rank reads that config.yaml. When the job fails, this
+process prints why (from the ranks' records in <run>/ranks/) and where the last complete checkpoint is, and
+exits non-zero. SLURM jobs start in epo_cli.launch.slurm.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from epo_cli.errors import Stopped, UserError
+from epo_cli.launch.layout import Layout, check_resume, check_world, clear_rank_records, layout_for
+from epo_cli.launch.local import prepare_run_dir, stopped_message
+from epo_cli.run_dir import read_status, write_status
+from epo_cli.training.checkpoint import latest_tag
+from epo_cli.training.engine import free_port
+from epo_cli.training.stop import STOP, Interrupted, exit_code, signal_name, write_relay
+
+#: launcher.master_port=0 picks a free port on a single node; multi-node jobs need a fixed one
+DEFAULT_MASTER_PORT = 29500
+
+
+def rank_environment(layout: Layout, base: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment of the launcher and its ranks."""
+    env = dict(os.environ if base is None else base)
+    if not layout.gpu:
+        env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed's CPU accelerator: gloo, no CUDA probing
+    else:
+        env.setdefault("DS_ACCELERATOR", "cuda")
+    # The deepspeed launcher leaves OpenMP at all cores per rank: N ranks oversubscribe the CPU.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // layout.ranks_per_node)))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+def deepspeed_command(cfg: DictConfig, run: Path, layout: Layout) -> list[str]:
+    """`python -m deepspeed.launcher.runner ... --module epo_cli.launch.rank --run-dir RUN` (= `deepspeed`)."""
+    lc = cfg.launcher
+    multi_node = layout.num_nodes > 1
+    port = lc.master_port or (DEFAULT_MASTER_PORT if multi_node or lc.hostfile else free_port())
+    cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.runner",
+           "--num_nodes", str(layout.num_nodes), "--num_gpus", str(layout.ranks_per_node),
+           "--master_port", str(port), "--no_local_rank", "--log_level", "warning"]
+    if lc.hostfile:
+        cmd += ["--hostfile", str(Path(lc.hostfile).expanduser().resolve())]
+        if lc.master_addr not in ("127.0.0.1", "localhost", ""):  # else: the first host (ssh hostname -I)
+            cmd += ["--master_addr", lc.master_addr]
+    cmd += ["--module", "epo_cli.launch.rank", "--run-dir", str(run.resolve())]
+    if cfg.model.trust_remote_code:  # from this command line: the ranks' config.yaml cannot turn it on
+        cmd.append("--trust-remote-code")
+    return cmd
+
+
+def launch_ranks(cfg: DictConfig, overrides: list[str]) -> None:
+    """`epo train launcher=deepspeed ...`: start the ranks of this run and wait for them."""
+    layout = layout_for(cfg)
+    check_world(cfg, layout)
+    check_resume(cfg, layout)  # before prepare_run_dir rewrites the run's config.yaml
+    run = prepare_run_dir(cfg, overrides).resolve()
+    clear_rank_records(run)
+    write_status(run, "running")  # not an earlier attempt's `stopped`/`failed`, whatever happens next
+    cmd = deepspeed_command(cfg, run, layout)
+    kind = f"{layout.ranks_per_node} GPU(s)" if layout.gpu else f"{layout.ranks_per_node} CPU rank(s) (gloo)"
+    print(f"launching {layout.world_size} ranks: {layout.num_nodes} node(s) x {kind}, run directory {run}",
+          file=sys.stderr, flush=True)
+    code = _run_ranks(cmd, layout, run)
+    status = read_status(run)
+    if status.get("status") == "stopped" and status.get("signal"):  # every rank stopped after one step
+        signum = int(getattr(signal, str(status["signal"]), signal.SIGTERM))
+        raise Stopped(stopped_message(run, signum, int(status.get("step") or 0)), exit_code(signum))
+    if code != 0:
+        message = failure_message(run, code, layout.world_size)
+        write_status(run, "failed", error=message, exit_code=code)
+        raise UserError(message, exit_code=code if 0 < code < 126 else 1)
+
+
+def _run_ranks(cmd: list[str], layout: Layout, run: Path) -> int:
+    """Run the deepspeed launcher and its ranks in their own session, so that a terminal's Ctrl-C (or a
+    SIGTERM to `epo train`) reaches this process only: the first signal is relayed to every rank through
+    <run>/ranks/stop.json (the deepspeed launcher would kill the ranks mid-step); a second one kills the
+    whole session at once."""
+    proc = subprocess.Popen(cmd, env=rank_environment(layout), start_new_session=True)
+
+    def kill_now(signum: int) -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+    STOP.on_second = kill_now
+    STOP.install("asking every rank to stop after the current step with a checkpoint")
+    relayed = False
+    try:
+        while True:
+            try:
+                return proc.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                if STOP.signum is not None and not relayed:
+                    write_relay(run, STOP.signum)
+                    relayed = True
+    except (KeyboardInterrupt, Interrupted) as err:
+        kill_now(0)
+        proc.wait()
+        signum = err.signum if isinstance(err, Interrupted) else int(signal.SIGINT)
+        write_status(run, "stopped", signal=signal_name(signum),
+                     abandoned="a second signal killed the ranks during a step",
+                     checkpoint=latest_tag(run), resume=f"epo train trainer.resume={run}")
+        raise
+    finally:
+        STOP.uninstall()
+        STOP.on_second = None
+
+
+def read_rank_records(run: Path) -> list[dict[str, Any]]:
+    records = []
+    for path in sorted((Path(run) / "ranks").glob("rank*.error")):
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError):
+            continue
+    return sorted(records, key=lambda r: r.get("time", 0.0))
+
+
+def failure_message(run: Path, code: int, world_size: int) -> str:
+    """Why the job ended, from the ranks' records: the cause first (a crash beats the timeouts and lost
+    connections it causes on the other ranks), then where to resume from."""
+    records = read_rank_records(run)
+    causes = [r for r in records if not r.get("peer", r.get("timeout"))]
+    silent = sorted(set(range(world_size)) - {int(r["rank"]) for r in records})
+    silent_text = f"rank {silent[0]}" if len(silent) == 1 else (f"ranks {silent}" if silent else "a rank")
+    if causes and causes[0].get("user_error"):  # the rank's message already says what to fix
+        return f"rank {causes[0]['rank']}: {causes[0]['message']}"
+    if causes:
+        first = causes[0]
+        why = f"rank {first['rank']} failed: {first['message'].rstrip('.')}"
+    elif records and all(r.get("timeout") for r in records):
+        waiting = ", ".join(str(r["rank"]) for r in records)
+        why = (f"rank(s) {waiting} waited longer than launcher.timeout_s for {silent_text}, which is hung (a "
+               "deadlock, a stuck environment) or was killed without an error")
+    else:
+        why = (f"{silent_text} exited with code {code}{_signal_note(code)} without a Python error (a crash, "
+               "a kill signal or running out of memory)")
+        if records:
+            why += f"; rank(s) {', '.join(str(r['rank']) for r in records)} then lost the connection to it"
+    latest = latest_tag(run)
+    resume = (f"The last complete checkpoint is {run / 'checkpoints' / latest}; continue with: "
+              f"epo train trainer.resume={run}" if latest else "No checkpoint was completed.")
+    return (f"Distributed training failed: {why}. The launcher stopped the other ranks (exit code {code}).\n"
+            f"{resume}\nRank error records (with tracebacks): {run / 'ranks'}; rank output is above.")
+
+
+def _signal_note(code: int) -> str:
+    """' (SIGKILL: e.g. out of memory)' for exit codes that encode a signal: 128+N from a shell, -N from
+    Popen, 256-N when the deepspeed launcher passes a rank's -N on through sys.exit."""
+    signum = -code if code < 0 else code - 128 if 128 < code <= 192 else 256 - code if code > 192 else 0
+    if signum <= 0:
+        return ""
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        return ""
+    return f" ({name}: e.g. out of memory)" if signum == signal.SIGKILL else f" ({name})"
