@@ -44,8 +44,10 @@ from epo_cli.config import (
     config_dir,
     group_options,
 )
+from epo_cli.curriculum import CURRICULA
 from epo_cli.envs import env_config_class
 from epo_cli.errors import ConfigError
+from epo_cli.rollout.prompts import get_template
 
 
 def _schema_for(cfg: DictConfig) -> DictConfig:
@@ -151,7 +153,6 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
 def validate(raw: DictConfig) -> DictConfig:
     """Merge a composed config into the typed schemas and check cross-field consistency."""
     from epo_cli.algos import registry_names  # the component modules import torch: only when validating
-    from epo_cli.curriculum import CURRICULA
 
     env_name = str(OmegaConf.select(raw, "env.name", default="household"))
     OmegaConf.set_struct(raw, False)
@@ -354,8 +355,6 @@ def _check_consistency(cfg: DictConfig) -> None:
     if tr.stop_after is not None and tr.stop_after >= tr.total_steps:
         warnings.warn(f"trainer.stop_after={tr.stop_after} >= trainer.total_steps={tr.total_steps}: the run "
                       "ends at total_steps first, so stop_after has no effect.", stacklevel=2)
-    from epo_cli.rollout.prompts import get_template
-
     get_template(cfg.env.prompt_template)  # ConfigError listing the template names
 
 

@@ -49,6 +49,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from epo_cli.envs import make_suite
 from epo_cli.envs.base import EnvSuite, Task
 from epo_cli.errors import ConfigError, UserError
 from epo_cli.registry import Registry
@@ -446,8 +447,6 @@ def build_curriculum(cfg: Any, suite: EnvSuite | None = None) -> Curriculum:
     levels = list(ccfg.levels or [])
     needs_levels = not levels and entry.build.needs_levels
     if suite is None and (needs_levels or ccfg.subgoal_rewards):
-        from epo_cli.envs import make_suite
-
         suite = make_suite(env_cfg)
     if needs_levels:
         levels = list(suite.curriculum_levels())

@@ -30,13 +30,10 @@ ALLOWED_FUNCTION_IMPORTS: dict[tuple[str, str], str] = {
     **{("epo_cli.algos", f"epo_cli.algos.{name}"): "registry_names() imports the torch modules only when a "
        "config is validated, so composing a config stays torch-free"
        for name in ("advantages", "aggregation", "losses", "schedules")},
-    # Owned by the config/algos/envs restructuring (issue 14 item 2: Hydra composition moves out of
-    # config.py); they go with the config<->algos and config<->envs cycles they keep alive.
-    ("epo_cli.config", "epo_cli.envs"): "config<->envs cycle (issue 14 item 2)",
-    ("epo_cli.config", "epo_cli.algos"): "config<->algos cycle (issue 14 item 2)",
-    ("epo_cli.config", "epo_cli.rollout.prompts"): "config.py is restructured by issue 14 item 2",
-    ("epo_cli.curriculum", "epo_cli.envs"): "curriculum.py is restructured by issue 14 item 2",
-    ("epo_cli.envs", "epo_cli.errors"): "envs/ is restructured by issue 14 item 2",
+    **{("epo_cli.compose", target): "the component modules import torch: loaded when a config is validated, "
+       "so importing compose (the CLI, a sweep's parent process) stays torch-free"
+       for target in ("epo_cli.algos", "epo_cli.algos.advantages", "epo_cli.algos.losses",
+                      "epo_cli.algos.schedules")},
 }
 
 

@@ -10,6 +10,7 @@ import importlib
 from typing import Any
 
 from epo_cli.envs.base import Env, EnvSuite, StepResult, Task
+from epo_cli.errors import ConfigError
 
 #: name -> "module:SuiteClass:ConfigClass"
 ENV_SUITES: dict[str, str] = {
@@ -21,8 +22,6 @@ ENV_SUITES: dict[str, str] = {
 
 
 def _load(name: str, which: int) -> Any:
-    from epo_cli.errors import ConfigError
-
     if name not in ENV_SUITES:
         raise ConfigError(f"Unknown environment '{name}'. Valid environments: {', '.join(ENV_SUITES)}.")
     module, *classes = ENV_SUITES[name].split(":")
