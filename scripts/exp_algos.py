@@ -25,7 +25,7 @@ import json
 import statistics
 from pathlib import Path
 
-from exp_common import epo, eval_rate, fluctuation, mean_std, rows_of
+from exp_common import epo, eval_rate, fluctuation, mean_std, rows_of, warm_start_run
 from omegaconf import OmegaConf
 
 ALGO_NAMES = {"ppo": "PPO", "grpo": "GRPO", "gigpo": "GiGPO", "epo_ppo": "PPO+EPO", "epo": "GRPO+EPO"}
@@ -46,12 +46,7 @@ def main() -> None:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
 
-    if args.warm_start:
-        warm = Path(args.warm_start).resolve()
-    else:
-        epo("train", "experiment=warm_start", f"output_dir={out / 'warm_start'}", cwd=out)
-        warm = max((p for p in (out / "warm_start").glob("*/*") if (p / "final").exists()),
-                   key=lambda p: p.stat().st_mtime)
+    warm = warm_start_run(args.warm_start, out)
 
     sweep_root = out / "sweep"
     if not any(sweep_root.glob("sweeps/*/*/summary.csv")):

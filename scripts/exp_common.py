@@ -24,6 +24,17 @@ def epo(*args: str, cwd: Path) -> None:
         sys.exit(f"epo {args[0]} failed with exit code {proc.returncode}")
 
 
+def warm_start_run(given: str | None, out: Path) -> Path:
+    """The warm start's run directory: `given`, or one trained here by `experiment=warm_start` (once)."""
+    if given:
+        return Path(given).resolve()
+    trained = [p for p in (out / "warm_start").glob("*/*") if (p / "final").exists()]
+    if not trained:
+        epo("train", "experiment=warm_start", f"output_dir={out / 'warm_start'}", cwd=out)
+        trained = [p for p in (out / "warm_start").glob("*/*") if (p / "final").exists()]
+    return max(trained, key=lambda p: p.stat().st_mtime)
+
+
 def eval_rate(run: Path, out: Path, episodes: int, greedy: bool, cwd: Path, extra: tuple[str, ...] = ()) -> float:
     """Success rate of `run`'s final policy on `episodes` eval_in_distribution tasks, at T=1.0 or greedily.
 
