@@ -6,11 +6,13 @@ it in EPO's band, and at what success cost?
     python scripts/exp_entropy.py --quick --warm-start RUN --out /tmp/exp_entropy_quick    # smoke test
 
 Every arm is `experiment=entropy_stress` (GRPO + a constant entropy bonus, household, from the warm start)
-plus the overrides in ARMS, swept over the seeds by one `epo sweep` per arm (OUT/sweeps/<arm>/); `--jobs N`
-runs N arms' sweeps at the same time. Every final policy is then evaluated by `epo eval` on the same fixed
-eval_in_distribution tasks (drawn with `seed=--eval-seed` for every policy, so not the run's own seed), at
-T=1.0 and greedily. Written: OUT/results.md (table), OUT/results.json (per run), OUT/entropy_curves.png.
-Sweeps with a summary and evaluations already on disk are reused, so an interrupted study continues.
+plus the overrides in ARMS, swept over the seeds by one `epo sweep` per arm (OUT/sweeps/<arm>/seeds-<seeds>/);
+`--jobs N` runs N arms' sweeps at the same time. Seeds can be added by later invocations (`--seeds 0`, then
+`--seeds 1`: every arm gets seed 0 first); the table covers every finished run under OUT/sweeps/<arm>/.
+Every final policy is then evaluated by `epo eval` on the same fixed eval_in_distribution tasks (drawn with
+`seed=--eval-seed` for every policy, not the run's own seed), at T=1.0 and greedily. Written: OUT/results.md
+(table), OUT/results.json (per run), OUT/entropy_curves.png. Sweeps with a summary and evaluations already
+on disk are reused, so an interrupted study continues.
 
 Table columns (per run, then mean ± std over seeds): eval success; the batch entropy H_k (policy/entropy,
 token mean at the sampling temperature) at the first iteration, over the last 5, its min and max; the
@@ -80,8 +82,9 @@ def entropy_stats(h: list[float], kappa_low: float, kappa_high: float) -> dict[s
 # ----------------------------------------------------------------------------------------------------
 
 def run_arm(key: str, a: argparse.Namespace, out: Path, warm: Path) -> list[dict]:
-    """One arm: its sweep over the seeds (unless done), then each final policy's evaluation."""
-    sweep = out / "sweeps" / key
+    """One arm: its sweep over the seeds (unless done), then the evaluation of each final policy of the arm
+    (also those of earlier invocations with other seeds: OUT/sweeps/<arm>/seeds-<seeds>/)."""
+    sweep = out / "sweeps" / key / f"seeds-{a.seeds.replace(',', '_')}"
     if not (sweep / "summary.csv").exists():
         if sweep.exists():  # an interrupted sweep of this script: its job folders would clash with a new one
             shutil.rmtree(sweep)
@@ -91,7 +94,7 @@ def run_arm(key: str, a: argparse.Namespace, out: Path, warm: Path) -> list[dict
             "env.eval_splits=[]", "logger=none", f"hydra.sweep.dir={sweep}", *a.overrides, cwd=out)
         (sweep / "wall_s.txt").write_text(f"{time.perf_counter() - t0:.1f}\n")
     runs = []
-    for run in sorted(p for p in sweep.iterdir() if (p / "metrics.jsonl").exists()):
+    for run in sorted(p for p in sweep.parent.glob("seeds-*/*") if (p / "metrics.jsonl").exists()):
         if not (run / "final").exists():
             print(f"skipping unfinished run {run}", flush=True)
             continue

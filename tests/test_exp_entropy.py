@@ -72,4 +72,4 @@ def test_quick_study_writes_table_and_curves(tmp_path: Path, warm_start: Path) -
         assert f"| {label} |" in table
     png = (out / "entropy_curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
-    assert (out / "sweeps" / "grpo_bonus" / "summary.csv").exists()
+    assert (out / "sweeps" / "grpo_bonus" / "seeds-0" / "summary.csv").exists()
