@@ -9,10 +9,10 @@ Every arm is `experiment=entropy_stress` (GRPO + a constant entropy bonus, house
 plus the overrides in ARMS, swept over the seeds by one `epo sweep` per arm (OUT/sweeps/<arm>/seeds-<seeds>/);
 `--jobs N` runs N arms' sweeps at the same time. Seeds can be added by later invocations (`--seeds 0`, then
 `--seeds 1`: every arm gets seed 0 first); the table covers every finished run under OUT/sweeps/<arm>/.
-Every final policy is then evaluated by `epo eval` on the same fixed eval_in_distribution tasks (drawn with
-`seed=--eval-seed` for every policy, not the run's own seed), at T=1.0 and greedily. Written: OUT/results.md
-(table), OUT/results.json (per run), OUT/entropy_curves.png. Sweeps with a summary and evaluations already
-on disk are reused, so an interrupted study continues.
+Every final policy, and the warm start, is then evaluated by `epo eval` on the same fixed eval_in_distribution
+tasks (drawn with `seed=--eval-seed` for every policy, not the run's own seed) under the runs' turn limit, at
+T=1.0 and greedily. Written: OUT/results.md (table), OUT/results.json (per run), OUT/entropy_curves.png.
+Sweeps with a summary and evaluations already on disk are reused, so an interrupted study continues.
 
 Table columns (per run, then mean ± std over seeds): eval success; the batch entropy H_k (policy/entropy,
 token mean at the sampling temperature) at the first iteration, over the last 5, its min and max; the
@@ -81,6 +81,11 @@ def entropy_stats(h: list[float], kappa_low: float, kappa_high: float) -> dict[s
 # running
 # ----------------------------------------------------------------------------------------------------
 
+def eval_overrides(a: argparse.Namespace, max_turns: int) -> tuple[str, ...]:
+    """`epo eval` overrides shared by every policy: the task draw's seed and the turn limit of the runs."""
+    return (f"seed={a.eval_seed}", f"env.max_turns={max_turns}")
+
+
 def run_arm(key: str, a: argparse.Namespace, out: Path, warm: Path) -> list[dict]:
     """One arm: its sweep over the seeds (unless done), then the evaluation of each final policy of the arm
     (also those of earlier invocations with other seeds: OUT/sweeps/<arm>/seeds-<seeds>/)."""
@@ -102,11 +107,13 @@ def run_arm(key: str, a: argparse.Namespace, out: Path, warm: Path) -> list[dict
         smoothing = config.algo.entropy_smoothing
         rows = [r for r in rows_of(run) if "policy/entropy" in r]
         h = [r["policy/entropy"] for r in rows]
-        evals = {"t1": eval_rate(run, run / "eval_exp", a.episodes, False, out, (f"seed={a.eval_seed}",))}
+        extra = eval_overrides(a, int(config.env.max_turns))
+        evals = {"t1": eval_rate(run, run / "eval_exp", a.episodes, False, out, extra)}
         if a.greedy:
-            evals["greedy"] = eval_rate(run, run / "eval_exp", a.episodes, True, out, (f"seed={a.eval_seed}",))
+            evals["greedy"] = eval_rate(run, run / "eval_exp", a.episodes, True, out, extra)
         fl = fluctuation(rows)
-        runs.append({"arm": key, "run": str(run), "seed": int(config.seed), "entropy": h,
+        runs.append({"arm": key, "run": str(run), "seed": int(config.seed), "max_turns": int(config.env.max_turns),
+                     "entropy": h,
                      "kappa": [float(smoothing.kappa_low), float(smoothing.kappa_high)], **evals,
                      "swing_mean": fl["swing_mean"], "swing_max": fl["swing_max"], "sigma": fl["sigma"],
                      **entropy_stats(h, float(smoothing.kappa_low), float(smoothing.kappa_high))})
@@ -214,12 +221,15 @@ def main(argv: list[str] | None = None) -> None:
     warm = warm_start_run(a.warm_start, out)
     arms = a.arms.split(",")
 
-    base = {"t1": eval_rate(warm, out / "eval" / "warm_start", a.episodes, False, out, (f"seed={a.eval_seed}",))}
-    if a.greedy:
-        base["greedy"] = eval_rate(warm, out / "eval" / "warm_start", a.episodes, True, out,
-                                   (f"seed={a.eval_seed}",))
     with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:  # each sweep is its own subprocess
         runs = [r for rs in pool.map(lambda key: run_arm(key, a, out, warm), arms) for r in rs]
+    if not runs:
+        raise SystemExit(f"no finished run under {out / 'sweeps'}; see the sweeps' summary.md and train.log files")
+    # the warm start plays the same tasks under the same turn limit as the trained policies
+    extra = eval_overrides(a, runs[0]["max_turns"])
+    base = {"t1": eval_rate(warm, out / "eval" / "warm_start", a.episodes, False, out, extra)}
+    if a.greedy:
+        base["greedy"] = eval_rate(warm, out / "eval" / "warm_start", a.episodes, True, out, extra)
 
     plot(runs, arms, out / "entropy_curves.png")
     wall = time.perf_counter() - start

@@ -63,9 +63,9 @@ def test_quick_study_writes_table_and_curves(tmp_path: Path, warm_start: Path) -
     assert "entropy_smoothing" in bind.algo.loss_terms and bind.algo.entropy_smoothing.alpha == 1.0
     assert bonus.entropy.coef == bind.entropy.coef > 0
     # every policy played the same fixed eval tasks (eval seed 0, not the run's seed)
-    task_lists = {tuple(e["task_id"] for e in json.loads(p.read_text())["per_episode"])
-                  for p in out.rglob("t1/*.json")}
-    assert len(list(out.rglob("t1/*.json"))) == 3 and len(task_lists) == 1
+    evals = [json.loads(p.read_text()) for p in out.rglob("t1/*.json")]
+    assert len(evals) == 3 and len({tuple(e["task_id"] for e in ev["per_episode"]) for ev in evals}) == 1
+    assert {ev["max_turns"] for ev in evals} == {bonus.env.max_turns}  # the warm start's own limit is longer
 
     table = (out / "results.md").read_text()
     for label in ("warm start (SFT)", exp_entropy.ARMS["grpo_bonus"].label, exp_entropy.ARMS["epo_bind"].label):
