@@ -19,7 +19,9 @@ token mean at the sampling temperature) at the first iteration, over the last 5,
 relative step-to-step swing |H_k - H_{k-1}| / H_{k-1} (mean, max) and the monitor's sigma (mean over the
 run), as exp_algos.py; "out of band": the share of iterations k >= 1 whose H_k lies outside EPO's band
 [kappa_low, kappa_high] x Href(k), Href(k) = mean(H_0..H_{k-1}) (the paper's cumulative reference; the
-run's own kappas, (0, 2) by default), whether or not the arm's loss enforces the band.
+run's own kappas, (0, 2) by default), whether or not the arm's loss enforces the band; "tokens above band"
+(EPO arms only): the share of response tokens whose own entropy is above kappa_high x Href, where the
+smoothing penalty acts (policy/entropy_above_band, mean over iterations k >= 1).
 """
 
 from __future__ import annotations
@@ -55,9 +57,10 @@ ARMS = {
     "epo_bind": Arm("EPO, binding band (alpha 1.0)", ("algo=epo", EPO_TERMS, "algo.entropy_smoothing.alpha=1.0")),
 }
 LAST = 5  # iterations averaged for "H end"
-COLUMNS = ("t1", "greedy", "h_start", "h_end", "h_min", "h_max", "swing_mean", "swing_max", "sigma", "out_of_band")
+COLUMNS = ("t1", "greedy", "h_start", "h_end", "h_min", "h_max", "swing_mean", "swing_max", "sigma", "out_of_band",
+           "tokens_above_band")
 HEADER = ("eval success T=1.0", "eval success greedy", "H start", f"H end (last {LAST})", "H min", "H max",
-          "swing mean", "swing max", "sigma", "out of band")
+          "swing mean", "swing max", "sigma", "out of band", "tokens above band")
 
 
 def reference(h: list[float]) -> list[float]:
@@ -112,11 +115,15 @@ def run_arm(key: str, a: argparse.Namespace, out: Path, warm: Path) -> list[dict
         if a.greedy:
             evals["greedy"] = eval_rate(run, run / "eval_exp", a.episodes, True, out, extra)
         fl = fluctuation(rows)
+        # logged by the smoothing term (EPO arms), from the second iteration on (the first has no reference)
+        above = [r["policy/entropy_above_band"] for r in rows if "policy/entropy_above_band" in r
+                 and "policy/entropy_ref" in r]
         runs.append({"arm": key, "run": str(run), "seed": int(config.seed), "max_turns": int(config.env.max_turns),
                      "entropy": h,
                      "kappa": [float(smoothing.kappa_low), float(smoothing.kappa_high)], **evals,
                      "swing_mean": fl["swing_mean"], "swing_max": fl["swing_max"], "sigma": fl["sigma"],
-                     **entropy_stats(h, float(smoothing.kappa_low), float(smoothing.kappa_high))})
+                     **entropy_stats(h, float(smoothing.kappa_low), float(smoothing.kappa_high)),
+                     **({"tokens_above_band": statistics.fmean(above)} if above else {})})
     return runs
 
 

@@ -56,6 +56,8 @@ def test_quick_study_writes_table_and_curves(tmp_path: Path, warm_start: Path) -
         assert 0.0 <= r["t1"] <= 1.0 and 0.0 <= r["greedy"] <= 1.0
         assert r["h_min"] <= r["h_start"] <= r["h_max"] and r["h_min"] <= r["h_end"] <= r["h_max"]
         assert r["out_of_band"] in (0.0, 1.0)  # one iteration with a reference
+    # the share of tokens above the band comes from the smoothing term: EPO arms only, a share of tokens
+    assert "tokens_above_band" not in runs["grpo_bonus"] and 0.0 <= runs["epo_bind"]["tokens_above_band"] <= 1.0
     # what ran is what each arm asks for
     bonus = OmegaConf.load(Path(runs["grpo_bonus"]["run"]) / "config.yaml")
     bind = OmegaConf.load(Path(runs["epo_bind"]["run"]) / "config.yaml")
