@@ -7,6 +7,7 @@ import json
 import math
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,29 @@ def test_entropy_stats_start_end_min_max() -> None:
     # H_k <= 2 x mean(H_0..H_{k-1}) (2 <= 2, 3 <= 3, 4 <= 4, 5 <= 5)
     assert stats == pytest.approx({"h_start": 1.0, "h_end": 2.9, "h_min": 0.5, "h_max": 5.0,
                                    "out_of_band": 0.0})
+
+
+def test_preset_composes_without_warnings_and_each_arm_changes_what_it_names() -> None:
+    from epo_cli.launch import compose_for_train
+
+    def compose(key: str) -> dict:
+        cfg = compose_for_train(["experiment=entropy_stress", *exp_entropy.ARMS[key].overrides])[0]
+        return OmegaConf.to_container(cfg.algo) | {"entropy_coef": cfg.entropy.coef}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        base = compose("grpo_bonus")
+    assert base["name"] == "grpo" and base["loss_terms"] == ["policy_clip", "kl", "entropy"]
+    assert base["entropy_coef"] > 0 and base["policy_loss"] == "clip"
+    assert compose("grpo")["loss_terms"] == ["policy_clip", "kl"]
+    assert compose("clip_higher")["policy_clip"]["clip_high"] > base["policy_clip"]["clip_high"]
+    assert compose("clip_cov")["policy_loss"] == "clip_cov" and compose("kl_cov")["policy_loss"] == "kl_cov"
+    for key, alpha in (("epo", 0.1), ("epo_bind", 1.0)):
+        epo = compose(key)
+        assert epo["name"] == "epo" and epo["loss_terms"][-1] == "entropy_smoothing"
+        assert epo["entropy_smoothing"]["alpha"] == alpha and epo["entropy_coef"] == base["entropy_coef"]
+        assert (epo["lr"], epo["tasks_per_step"], epo["group_size"]) == (
+            base["lr"], base["tasks_per_step"], base["group_size"])
 
 
 @pytest.mark.slow
