@@ -132,12 +132,13 @@ def run_arm(key: str, a: argparse.Namespace, out: Path, warm: Path) -> list[dict
 # ----------------------------------------------------------------------------------------------------
 
 def table(runs: list[dict], arms: list[str], base: dict[str, float]) -> str:
-    lines = ["| arm | runs | " + " | ".join(HEADER) + " |", "|---|---|" + "---|" * len(HEADER)]
-    warm = [f"{base[k]:.3f}" if k in base else "" for k in COLUMNS]
+    shown = [(k, h) for k, h in zip(COLUMNS, HEADER) if k != "greedy" or "greedy" in base]  # --no-greedy
+    lines = ["| arm | runs | " + " | ".join(h for _, h in shown) + " |", "|---|---|" + "---|" * len(shown)]
+    warm = [f"{base[k]:.3f}" if k in base else "" for k, _ in shown]
     lines.append("| warm start (SFT) | | " + " | ".join(warm) + " |")
     for key in arms:
         rs = [r for r in runs if r["arm"] == key]
-        cells = [mean_std([r[k] for r in rs]) if all(k in r for r in rs) else "-" for k in COLUMNS]
+        cells = [mean_std([r[k] for r in rs]) if all(k in r for r in rs) else "-" for k, _ in shown]
         lines.append(f"| {ARMS[key].label} | {len(rs)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
