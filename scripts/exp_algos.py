@@ -22,53 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
+from exp_common import epo, eval_rate, fluctuation, mean_std, rows_of, warm_start_run
 from omegaconf import OmegaConf
 
 ALGO_NAMES = {"ppo": "PPO", "grpo": "GRPO", "gigpo": "GiGPO", "epo_ppo": "PPO+EPO", "epo": "GRPO+EPO"}
-
-
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-
-
-def epo(*args: str, cwd: Path) -> None:
-    print("$ epo " + " ".join(args), flush=True)
-    proc = subprocess.run([sys.executable, "-m", "epo_cli", *args], cwd=cwd)
-    if proc.returncode != 0:
-        sys.exit(f"epo {args[0]} failed with exit code {proc.returncode}")
-
-
-def eval_rate(run: Path, out: Path, episodes: int, greedy: bool, cwd: Path) -> float:
-    target = out / ("greedy" if greedy else "t1")
-    if not list(target.glob("*.json")):
-        mode = ["greedy=true"] if greedy else ["temperature=1.0"]
-        epo("eval", f"run={run}", f"episodes={episodes}", *mode, "split=eval_in_distribution", f"out={target}",
-            cwd=cwd)
-    return json.loads(next(target.glob("*.json")).read_text())["success"]["rate"]
-
-
-def rows_of(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
-def fluctuation(rows: list[dict]) -> dict[str, float]:
-    h = [r["policy/entropy"] for r in rows]
-    swings = [abs(b - a) / a for a, b in zip(h, h[1:]) if a > 0]
-    return {"swing_mean": statistics.mean(swings) if swings else float("nan"),
-            "swing_max": max(swings) if swings else float("nan"),
-            "sigma": statistics.mean(r.get("policy/entropy_fluctuation", float("nan")) for r in rows),
-            "entropy_range": (max(h) - min(h)) / statistics.mean(h) if h else float("nan")}
-
-
-def mean_std(xs: list[float]) -> str:
-    if not xs:
-        return "-"
-    return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
 
 
 def main() -> None:
@@ -86,12 +46,7 @@ def main() -> None:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
 
-    if args.warm_start:
-        warm = Path(args.warm_start).resolve()
-    else:
-        epo("train", "experiment=warm_start", f"output_dir={out / 'warm_start'}", cwd=out)
-        warm = max((p for p in (out / "warm_start").glob("*/*") if (p / "final").exists()),
-                   key=lambda p: p.stat().st_mtime)
+    warm = warm_start_run(args.warm_start, out)
 
     sweep_root = out / "sweep"
     if not any(sweep_root.glob("sweeps/*/*/summary.csv")):

@@ -1,0 +1,71 @@
+"""Helpers the experiment scripts share (exp_algos.py, exp_entropy.py): running the CLI, evaluating a
+policy on fixed tasks, reading a run's metrics, the entropy-fluctuation statistics and table cells.
+
+The scripts import it as a sibling module (`python scripts/exp_*.py` puts scripts/ on sys.path).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+def epo(*args: str, cwd: Path) -> None:
+    """Run `epo ARGS` (this interpreter, so the checkout being run is the one imported); exit on failure."""
+    print("$ epo " + " ".join(args), flush=True)
+    proc = subprocess.run([sys.executable, "-m", "epo_cli", *args], cwd=cwd)
+    if proc.returncode != 0:
+        sys.exit(f"epo {args[0]} failed with exit code {proc.returncode}")
+
+
+def warm_start_run(given: str | None, out: Path) -> Path:
+    """The warm start's run directory: `given`, or one trained here by `experiment=warm_start` (once)."""
+    if given:
+        return Path(given).resolve()
+    trained = [p for p in (out / "warm_start").glob("*/*") if (p / "final").exists()]
+    if not trained:
+        epo("train", "experiment=warm_start", f"output_dir={out / 'warm_start'}", cwd=out)
+        trained = [p for p in (out / "warm_start").glob("*/*") if (p / "final").exists()]
+    return max(trained, key=lambda p: p.stat().st_mtime)
+
+
+def eval_rate(run: Path, out: Path, episodes: int, greedy: bool, cwd: Path, extra: tuple[str, ...] = ()) -> float:
+    """Success rate of `run`'s final policy on `episodes` eval_in_distribution tasks, at T=1.0 or greedily.
+
+    The result is kept under out/t1 or out/greedy and reused when the script runs again. `extra` are more
+    `epo eval` overrides (e.g. `seed=0`: the eval tasks are drawn from the seed, by default the run's own).
+    """
+    target = out / ("greedy" if greedy else "t1")
+    if not list(target.glob("*.json")):
+        mode = ["greedy=true"] if greedy else ["temperature=1.0"]
+        epo("eval", f"run={run}", f"episodes={episodes}", *mode, "split=eval_in_distribution", f"out={target}",
+            *extra, cwd=cwd)
+    return json.loads(next(target.glob("*.json")).read_text())["success"]["rate"]
+
+
+def rows_of(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def fluctuation(rows: list[dict]) -> dict[str, float]:
+    """Relative step-to-step entropy swing |H_t - H_{t-1}| / H_{t-1} (mean, max), the monitor's sigma (mean
+    over the run) and the entropy range relative to its mean."""
+    h = [r["policy/entropy"] for r in rows]
+    swings = [abs(b - a) / a for a, b in zip(h, h[1:]) if a > 0]
+    return {"swing_mean": statistics.mean(swings) if swings else float("nan"),
+            "swing_max": max(swings) if swings else float("nan"),
+            "sigma": statistics.mean(r.get("policy/entropy_fluctuation", float("nan")) for r in rows),
+            "entropy_range": (max(h) - min(h)) / statistics.mean(h) if h else float("nan")}
+
+
+def mean_std(xs: list[float]) -> str:
+    """`mean ± std` over seeds (sample std), the value alone for one seed, `-` for none."""
+    if not xs:
+        return "-"
+    return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
