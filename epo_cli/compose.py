@@ -366,6 +366,8 @@ def _warn_unused_settings(cfg: DictConfig) -> None:
     checks = [  # (section, its schema, the keys only that part reads (None: all), is it used, why not)
         ("algo.entropy_smoothing", SmoothingConfig, ("alpha", "kappa_low", "kappa_high", "aggregation"),
          "entropy_smoothing" in terms, "'entropy_smoothing' is not in algo.loss_terms"),
+        ("entropy", EntropyConfig, None, "entropy" in terms or "entropy_smoothing" in terms,
+         "lambda weights only the 'entropy' and 'entropy_smoothing' terms, and neither is in algo.loss_terms"),
         ("algo.policy_clip", PolicyClipConfig, None, "policy_clip" in terms, "'policy_clip' is not in algo.loss_terms"),
         ("algo.kl", KLConfig, ("coef", "estimator", "aggregation"), "kl" in terms, "'kl' is not in algo.loss_terms"),
         ("algo.value", ValueConfig, None, algo.estimator == "gae", f"algo.estimator={algo.estimator} has no critic"),

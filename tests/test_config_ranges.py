@@ -199,7 +199,8 @@ def test_a_setting_nothing_reads_is_warned() -> None:
 
 
 @pytest.mark.parametrize("preset", ["algo=sft", "algo=ppo", "algo=grpo", "algo=epo", "algo=epo_ppo",
-                                    "experiment=epo_household", "experiment=warm_start"])
+                                    "algo=gigpo", "experiment=epo_household", "experiment=gigpo_household",
+                                    "experiment=entropy_stress", "experiment=warm_start"])
 def test_shipped_presets_compose_without_warnings(preset: str) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -211,6 +212,8 @@ def test_shipped_presets_compose_without_warnings(preset: str) -> None:
     (["launcher.partition=gpu"], "launcher.partition=gpu: no effect"),
     (["model.lora.dropout=0.1"], "model.lora.dropout=0.1: no effect in this run (model.lora.rank=0"),
     (["algo=grpo", "algo.demo_episodes=10"], "algo.demo_episodes=10: no effect in this run (algo=grpo"),
+    # grpo's loss has no entropy term: lambda (the entropy group) would be silently ignored
+    (["algo=grpo", "entropy.coef=0.5"], "entropy.coef=0.5: no effect in this run (lambda weights only"),
 ])
 def test_settings_of_unused_parts_are_warned(overrides: list[str], text: str) -> None:
     with pytest.warns(UserWarning, match=re.escape(text)):
