@@ -131,13 +131,13 @@ def test_disk_errors_are_recognised() -> None:
 
 
 @pytest.mark.slow
-def test_full_disk_while_checkpointing_fails_cleanly(warm_start: Path, tmp_path: Path) -> None:
+def test_full_disk_while_checkpointing_fails_cleanly(warm_start_short: Path, tmp_path: Path) -> None:
     """A real ENOSPC: the checkpoint of step 2 writes into /dev/full (root ignores chmod, not a full disk)."""
     run = tmp_path / "run"
     doomed = run / "checkpoints" / "step_2"
     doomed.mkdir(parents=True)
     os.symlink("/dev/full", doomed / "rng_rank0.pt")
-    proc = run_epo(["train", "algo=grpo", f"model.path={warm_start / 'final'}",
+    proc = run_epo(["train", "algo=grpo", f"model.path={warm_start_short / 'final'}",
                     *SmallConfig().run("env.max_turns=6"), "algo.tasks_per_step=2", "algo.group_size=2",
                     "trainer.save_every=1", "trainer.total_steps=3", f"run_dir={run}"], cwd=tmp_path, expect=1)
     assert "Traceback" not in proc.stderr

@@ -55,8 +55,8 @@ def test_sft_loss_falls_and_beats_random_admissible(warm_start: Path, tmp_path: 
 
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo", "epo"])
-def test_two_rl_iterations(warm_start: Path, tmp_path: Path, algo: str) -> None:
-    run = train_in_process(tmp_path, algo, f"algo={algo}", f"model.path={warm_start / 'final'}",
+def test_two_rl_iterations(warm_start_short: Path, tmp_path: Path, algo: str) -> None:
+    run = train_in_process(tmp_path, algo, f"algo={algo}", f"model.path={warm_start_short / 'final'}",
                            "trainer.total_steps=2", *RL_ARGS,
                            *(["algo.tasks_per_step=8", "algo.group_size=1"] if algo == "ppo" else []))
     rows = metrics_rows(run)
@@ -99,8 +99,8 @@ def test_resume_gives_the_same_metrics(warm_start: Path, tmp_path: Path) -> None
     assert state["entropy_history"]["global"]  # the EPO history is part of the checkpoint
 
 
-def test_corrupt_checkpoint_is_a_clear_error(warm_start: Path, tmp_path: Path) -> None:
-    run = train_in_process(tmp_path, "broken", "algo=grpo", f"model.path={warm_start / 'final'}",
+def test_corrupt_checkpoint_is_a_clear_error(warm_start_short: Path, tmp_path: Path) -> None:
+    run = train_in_process(tmp_path, "broken", "algo=grpo", f"model.path={warm_start_short / 'final'}",
                            "trainer.total_steps=2", *RL_ARGS)
     ckpt = run / "checkpoints" / "step_2" / "mp_rank_00_model_states.pt"
     ckpt.write_bytes(ckpt.read_bytes()[:100])
@@ -110,10 +110,10 @@ def test_corrupt_checkpoint_is_a_clear_error(warm_start: Path, tmp_path: Path) -
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before  # nothing saved was touched
 
 
-def test_sft_from_a_jsonl_file_of_trajectories(warm_start: Path, tmp_path: Path) -> None:
+def test_sft_from_a_jsonl_file_of_trajectories(warm_start_short: Path, tmp_path: Path) -> None:
     """algo.demos=<file>: the warm start's own demos.jsonl (the documented format) trains through the CLI."""
     demos = tmp_path / "demos.jsonl"
-    demos.write_text("\n".join((warm_start / "demos.jsonl").read_text().splitlines()[:20]) + "\n")
+    demos.write_text("\n".join((warm_start_short / "demos.jsonl").read_text().splitlines()[:20]) + "\n")
     run = train_in_process(tmp_path, "from_file", "algo=sft", f"algo.demos={demos}", "env.level=tiny_open_pick_place",
                            "env.prompt_template=compact", "trainer.total_steps=3", "env.eval_splits=[]",
                            "logger.tensorboard=false")
