@@ -9,7 +9,7 @@ import pytest
 from epo_cli.config import GROUPS, compose, config_dir, group_options
 from epo_cli.errors import ConfigError
 
-from conftest import REPO, run_epo
+from conftest import REPO, run_cli, run_epo
 
 
 def shipped_options() -> list[tuple[str, str]]:
@@ -97,7 +97,8 @@ def test_cli_help_lists_groups(tmp_path) -> None:
 
 
 def test_config_show_prints_resolved_yaml(tmp_path) -> None:
-    proc = run_epo(["config", "show", "algo=epo", "trainer.total_steps=7"], cwd=tmp_path)
+    # the real console script (a smoke test of `epo config show`; the other tests here run it in-process)
+    proc = run_cli(["config", "show", "algo=epo", "trainer.total_steps=7"], cwd=tmp_path)
     assert "total_steps: 7" in proc.stdout and "estimator: grpo" in proc.stdout
 
 

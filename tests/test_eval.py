@@ -13,7 +13,7 @@ import pytest
 
 from epo_cli.evaluation import EVAL_JSON_FIELDS, mean_interval, wilson_interval
 
-from conftest import SmallConfig, run_epo
+from conftest import SmallConfig, run_cli, run_epo
 
 #: a tiny sft run: enough for checkpoints, final/ and one evaluation at the end
 TINY_RUN = ["train", *SmallConfig().sft("trainer.eval_episodes=2", "env.eval_splits=[eval_in_distribution]")]
@@ -89,7 +89,8 @@ def test_eval_expert_matches_env_played_by_hand(epo_cache: Path, tmp_path: Path)
 
 @pytest.mark.slow
 def test_eval_look_policy_never_succeeds(epo_cache: Path, tmp_path: Path) -> None:
-    run_epo(["eval", "policy=look", "env.max_turns=5", "episodes=6", "greedy=true"], cwd=tmp_path)
+    # the real console script (a smoke test of `epo eval`; the other tests here run it in-process)
+    run_cli(["eval", "policy=look", "env.max_turns=5", "episodes=6", "greedy=true"], cwd=tmp_path)
     # no run given: results go under <output_dir>/eval/<time>/
     (path,) = (tmp_path / "outputs" / "eval").glob("*/look-eval_in_distribution-greedy.json")
     result = json.loads(path.read_text())
