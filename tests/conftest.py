@@ -1,15 +1,29 @@
-"""Shared test set-up: offline, one torch thread, a per-session model cache, and the CLI runner.
+"""Shared test set-up: offline, one torch thread, a per-session model cache, and the CLI runners.
 
-The tiny model and its behaviour-cloning warm start are built once per test session (`warm_start`),
-through the real CLI, and reused by every integration test that needs a policy that can act.
+`run_epo` runs an `epo` command inside the test process (most integration tests: same parsing, same
+error handling as the console script, without ~10 s of imports per command); `run_cli` runs it in a
+subprocess exactly as a user would (tests about the process itself: exit codes of the real console script,
+signals, launchers). `small_config` holds the overrides every short integration run shares. The tiny
+model's behaviour-cloning warm starts are built once per test session: `warm_start` (the shipped
+1200-step preset, for tests that assert on success or learning) and `warm_start_short` (a few SFT steps:
+a policy that answers in the response format, for tests that only need one that acts).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import os
+import random
+import re
 import signal
 import subprocess
 import sys
+import traceback
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -74,14 +88,160 @@ def run_cli(args: list[str], cwd: Path, timeout: float = 900, expect: int | None
     return proc
 
 
+@dataclass
+class CliResult:
+    """What `run_epo` returns: the fields of subprocess.CompletedProcess that tests read."""
+
+    args: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+#: Python's own warning filters (what a fresh `epo` process starts with; pytest installs others)
+PYTHON_DEFAULT_WARNING_FILTERS = [("default", DeprecationWarning, "__main__"), ("ignore", DeprecationWarning, None),
+                                  ("ignore", PendingDeprecationWarning, None), ("ignore", ImportWarning, None),
+                                  ("ignore", ResourceWarning, None)]
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+#: the signals epo installs handlers for (epo_cli.training.stop) and the env pool's workers change
+HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+
+@contextlib.contextmanager
+def isolated_process_state(cwd: Path) -> Iterator[None]:
+    """Run a command as if in a fresh process, then put back everything it may change process-wide.
+
+    A command changes: the working directory, os.environ (the world-of-one RANK/MASTER_PORT variables
+    init_distributed sets; they must not reach later tests' subprocesses, which would take them for a
+    launcher's), torch's thread count, deterministic-algorithms flag, default dtype and RNGs, Python's and
+    numpy's RNGs, signal handlers, warning filters and display (cli.main replaces warnings.showwarning),
+    logging handlers (Hydra's multirun configures logging), Hydra's global state and sys.argv. The
+    in-process torch.distributed group of one stays initialised on purpose: DeepSpeed cannot initialise a
+    second one after it is destroyed, and init_distributed reuses an initialised group.
+    """
+    import numpy as np
+    import torch
+    from hydra.core.global_hydra import GlobalHydra
+
+    saved_cwd, saved_env, saved_argv = os.getcwd(), dict(os.environ), list(sys.argv)
+    saved_torch = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
+                   torch.is_deterministic_algorithms_warn_only_enabled(), torch.get_default_dtype(),
+                   torch.is_grad_enabled(), torch.get_rng_state())
+    saved_rng = (random.getstate(), np.random.get_state())
+    saved_signals = {sig: signal.getsignal(sig) for sig in HANDLED_SIGNALS}
+    loggers = [logging.getLogger(), *(lg for lg in logging.root.manager.loggerDict.values()
+                                     if isinstance(lg, logging.Logger))]
+    saved_logging = [(lg, list(lg.handlers), lg.level, lg.propagate, lg.disabled) for lg in loggers]
+    GlobalHydra.instance().clear()
+    os.chdir(cwd)
+    try:
+        with warnings.catch_warnings():  # restores filters and showwarning; entering resets "once" registries
+            warnings.resetwarnings()
+            for action, category, module in reversed(PYTHON_DEFAULT_WARNING_FILTERS):
+                warnings.filterwarnings(action, category=category, module=module or "")
+            yield
+    finally:
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+        sys.argv[:] = saved_argv
+        threads, deterministic, warn_only, dtype, grad, torch_rng = saved_torch
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+        torch.set_default_dtype(dtype)
+        torch.set_grad_enabled(grad)
+        torch.set_rng_state(torch_rng)
+        random.setstate(saved_rng[0])
+        np.random.set_state(saved_rng[1])
+        for sig, handler in saved_signals.items():
+            signal.signal(sig, handler)
+        for lg, handlers, level, propagate, disabled in saved_logging:
+            lg.handlers[:] = handlers
+            lg.setLevel(level)
+            lg.propagate, lg.disabled = propagate, disabled
+        GlobalHydra.instance().clear()
+
+
+def run_epo(args: list[str], cwd: Path, expect: int | None = 0) -> CliResult:
+    """Run `epo ARGS` in this process through cli.main (the console script's entry point: same parsing,
+    same one-line user errors and exit codes); an uncaught exception is printed as its traceback with exit
+    code 1, as Python does. Assert the exit code if `expect` is set."""
+    from epo_cli.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with isolated_process_state(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        sys.argv[:] = ["epo", *args]
+        try:
+            main()
+            code = 0
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+            if isinstance(exit_.code, str):
+                print(exit_.code, file=sys.stderr)
+        except Exception:  # noqa: BLE001 - a bug: reported like the interpreter reports it
+            traceback.print_exc()
+            code = 1
+    # rich decides on colours when a console is made (cli.err_console: at import, perhaps on a terminal
+    # under `pytest -s`); a subprocess writing into a pipe never colours, so neither does this result
+    proc = CliResult(args, code, ANSI_ESCAPE.sub("", out.getvalue()), ANSI_ESCAPE.sub("", err.getvalue()))
+    if expect is not None and code != expect:
+        raise AssertionError(f"epo {' '.join(args)} (in-process) exited {code} (expected {expect})\n"
+                             f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-4000:]}")
+    return proc
+
+
 def only_run_dir(root: Path) -> Path:
     runs = [p for p in root.glob("*/*") if (p / "config.yaml").exists()]
     assert len(runs) == 1, f"expected one run under {root}, found {runs}"
     return runs[0]
 
 
-#: the warm start every RL integration test starts from: the shipped preset (as `make demo` runs it)
+def merge_overrides(base: list[str], extra: tuple[str, ...]) -> list[str]:
+    """`base` with `extra` on top: an override in `extra` replaces the one for the same key in `base`."""
+    keys = {o.split("=", 1)[0] for o in extra}
+    return [o for o in base if o.split("=", 1)[0] not in keys] + list(extra)
+
+
+@dataclass(frozen=True)
+class SmallConfig:
+    """The overrides short integration runs share, so that test files do not each keep a copy.
+
+    run: the easiest household level (the one the warm starts are trained on), compact prompts, 8 turns,
+         no evaluation splits, no TensorBoard. rl: + 2 tasks x 4 rollouts per iteration in one mini-batch,
+         no periodic evaluation, a checkpoint every 2 steps. sft: + 2 steps of behaviour cloning on 2 expert
+         demonstrations, with short responses. Each takes further overrides, which replace a shared one
+         for the same key.
+    """
+
+    base: tuple[str, ...] = ("env.level=tiny_open_pick_place", "env.prompt_template=compact", "env.max_turns=8",
+                             "env.eval_splits=[]", "logger.tensorboard=false")
+    rl_shape: tuple[str, ...] = ("algo.tasks_per_step=2", "algo.group_size=4", "algo.mini_batch_size=512",
+                                 "algo.micro_batch_size=16", "trainer.eval_every=0", "trainer.save_every=2")
+    sft_shape: tuple[str, ...] = ("algo=sft", "trainer.total_steps=2", "algo.demo_episodes=2",
+                                  "rollout.max_new_tokens=16")
+
+    def run(self, *extra: str) -> list[str]:
+        return merge_overrides(list(self.base), extra)
+
+    def rl(self, *extra: str) -> list[str]:
+        return merge_overrides([*self.base, *self.rl_shape], extra)
+
+    def sft(self, *extra: str) -> list[str]:
+        return merge_overrides([*self.sft_shape, *self.base], extra)
+
+
+@pytest.fixture(scope="session")
+def small_config() -> SmallConfig:
+    return SmallConfig()
+
+
+#: the warm start of the RL integration tests that assert on success or learning (and of the resume and
+#: rank-equality tests): the shipped preset, as `make demo` runs it
 WARM_START_ARGS = ["experiment=warm_start", "trainer.eval_episodes=16", "logger.tensorboard=false"]
+#: the warm start of tests that only need a policy that acts: the same preset cut to 300 SFT steps on fewer
+#: demonstrations (its answers parse; invalid_rate 0 on 16 evaluation episodes, success 0)
+WARM_START_SHORT_ARGS = [*WARM_START_ARGS, "trainer.total_steps=300", "algo.demo_episodes=64",
+                         "trainer.eval_episodes=4"]
 
 
 @pytest.fixture(scope="session")
@@ -96,7 +256,28 @@ def warm_start(epo_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
         assert (Path(reuse) / "final").is_dir(), f"EPO_TEST_WARM_START={reuse} holds no final/ policy"
         return Path(reuse)
     out = tmp_path_factory.mktemp("warm_start")
-    run_cli(["train", *WARM_START_ARGS, f"output_dir={out}", "name=warm"], cwd=out)
+    run_epo(["train", *WARM_START_ARGS, f"output_dir={out}", "name=warm"], cwd=out)
+    return only_run_dir(out)
+
+
+@pytest.fixture(scope="session")
+def warm_start_short(request: pytest.FixtureRequest, epo_cache: Path,
+                     tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Run directory (<run>/final) of a policy that acts: it answers in the response format, which is all
+    the tests that use it need (they never assert on success). That is the full warm start where this
+    session has one anyway (a test of it requests `warm_start`, or EPO_TEST_WARM_START names one): building
+    a second policy would only add time. Otherwise a few SFT steps of the preset (WARM_START_SHORT_ARGS;
+    it does not win yet, so its episodes run to the turn limit); EPO_TEST_WARM_START_SHORT=<run dir>
+    reuses one built earlier."""
+    reuse = os.environ.get("EPO_TEST_WARM_START_SHORT")
+    if reuse:
+        assert (Path(reuse) / "final").is_dir(), f"EPO_TEST_WARM_START_SHORT={reuse} holds no final/ policy"
+        return Path(reuse)
+    if os.environ.get("EPO_TEST_WARM_START") or any("warm_start" in getattr(item, "fixturenames", ())
+                                                    for item in request.session.items):
+        return request.getfixturevalue("warm_start")
+    out = tmp_path_factory.mktemp("warm_start_short")
+    run_epo(["train", *WARM_START_SHORT_ARGS, f"output_dir={out}", "name=warm_short"], cwd=out)
     return only_run_dir(out)
 
 

@@ -1,4 +1,4 @@
-"""The issue-13 algorithms through the real CLI: 2 iterations each on household from the warm start."""
+"""The issue-13 algorithms through the CLI (in-process): 2 iterations each on household from the warm start."""
 
 from __future__ import annotations
 
@@ -7,22 +7,20 @@ from pathlib import Path
 
 import pytest
 
-from conftest import only_run_dir, run_cli
+from conftest import SmallConfig, only_run_dir, run_epo
 
 pytestmark = pytest.mark.slow
 
-RL_ARGS = ["env.level=tiny_open_pick_place", "env.prompt_template=compact", "env.max_turns=8",
-           "algo.tasks_per_step=2", "algo.group_size=4", "algo.mini_batch_size=512", "algo.micro_batch_size=16",
-           "trainer.eval_every=0", "env.eval_splits=[]", "logger.tensorboard=false", "trainer.save_every=2",
-           # a learning signal in the first iteration (groups that all fail with no penalty have A = 0):
-           # progress events add turn rewards, which GiGPO's step returns discount
-           "curriculum.subgoal_rewards=true"]
+RL_ARGS = SmallConfig().rl(
+    # a learning signal in the first iteration (groups that all fail with no penalty have A = 0):
+    # progress events add turn rewards, which GiGPO's step returns discount
+    "curriculum.subgoal_rewards=true")
 
 
 def train(tmp_path: Path, name: str, *args: str) -> list[dict]:
     out = tmp_path / name
     out.mkdir()
-    run_cli(["train", *args, f"output_dir={out}", f"name={name}"], cwd=out)
+    run_epo(["train", *args, f"output_dir={out}", f"name={name}"], cwd=out)
     run = only_run_dir(out)
     assert json.loads((run / "status.json").read_text())["status"] == "finished"
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

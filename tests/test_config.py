@@ -10,7 +10,7 @@ from epo_cli.compose import compose
 from epo_cli.config import GROUPS, config_dir, group_options
 from epo_cli.errors import ConfigError
 
-from conftest import REPO, run_cli
+from conftest import REPO, run_cli, run_epo
 
 
 def shipped_options() -> list[tuple[str, str]]:
@@ -79,25 +79,26 @@ def test_unknown_key_lists_valid_keys() -> None:
 @pytest.mark.parametrize("args", [["train", "trainer.foo=1"], ["train", "algo=foo"],
                                   ["train", "trainer.total_steps=abc"], ["config", "show", "env=nowhere"]])
 def test_cli_bad_config_exit_2_without_traceback(args: list[str], tmp_path) -> None:
-    proc = run_cli(args, cwd=tmp_path, expect=2)
+    proc = run_epo(args, cwd=tmp_path, expect=2)
     assert "error:" in proc.stderr and "Traceback" not in proc.stderr + proc.stdout
     assert not (tmp_path / "outputs").exists()  # failed before any work started
 
 
 def test_cli_missing_model_path(tmp_path) -> None:
-    proc = run_cli(["train", "model.path=/nonexistent/model", "trainer.total_steps=1"], cwd=tmp_path, expect=1)
+    proc = run_epo(["train", "model.path=/nonexistent/model", "trainer.total_steps=1"], cwd=tmp_path, expect=1)
     assert "does not exist" in proc.stderr and "model.path" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
 def test_cli_help_lists_groups(tmp_path) -> None:
-    proc = run_cli(["train", "--help"], cwd=tmp_path)
+    proc = run_epo(["train", "--help"], cwd=tmp_path)
     for group in ("algo", "env", "model", "entropy", "curriculum", "deepspeed", "launcher", "logger"):
         assert group in proc.stdout
     assert "epo_ppo" in proc.stdout and "household" in proc.stdout
 
 
 def test_config_show_prints_resolved_yaml(tmp_path) -> None:
+    # the real console script (a smoke test of `epo config show`; the other tests here run it in-process)
     proc = run_cli(["config", "show", "algo=epo", "trainer.total_steps=7"], cwd=tmp_path)
     assert "total_steps: 7" in proc.stdout and "estimator: grpo" in proc.stdout
 
@@ -110,7 +111,7 @@ def test_smoothing_that_outweighs_the_bonus_is_warned(tmp_path) -> None:
         compose(["algo=epo", "algo.entropy_smoothing.alpha=0.9", "algo.phase.schedule=constant"])  # 0.9 * 1
     with pytest.warns(UserWarning, match=r"alpha \* max beta_k = 0.5 \* 2 >= 1"):
         compose(["algo=epo", "algo.entropy_smoothing.alpha=0.5"])
-    proc = run_cli(["config", "show", "algo=epo", "algo.entropy_smoothing.alpha=0.5"], cwd=tmp_path)
+    proc = run_epo(["config", "show", "algo=epo", "algo.entropy_smoothing.alpha=0.5"], cwd=tmp_path)
     assert proc.stderr.startswith("warning: algo.entropy_smoothing.alpha") and "UserWarning" not in proc.stderr
 
 

@@ -20,7 +20,7 @@ from epo_cli.config import RunConfig, _nested_schema
 from epo_cli.errors import EXIT_CONFIG, ConfigError
 from epo_cli.launch.local import compose_for_train
 
-from conftest import run_cli
+from conftest import run_epo
 
 # (overrides, key the message must name, further text it must contain)
 BAD_VALUES = [
@@ -184,7 +184,7 @@ def test_ignored_settings_are_warned_in_one_line() -> None:
     (["train", "algo=epo", "algo.entropy_smoothing.kappa_low=3"], "kappa_low"),
 ])
 def test_cli_bad_value_exits_2_before_any_work(args: list[str], key: str, tmp_path: Path) -> None:
-    proc = run_cli([*args, f"output_dir={tmp_path / 'out'}"], cwd=tmp_path, expect=2)
+    proc = run_epo([*args, f"output_dir={tmp_path / 'out'}"], cwd=tmp_path, expect=2)
     assert key in proc.stderr and "Traceback" not in proc.stderr
     assert proc.stderr.count("error:") == 1
     assert not (tmp_path / "out").exists()  # nothing was created

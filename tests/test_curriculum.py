@@ -29,7 +29,7 @@ from epo_cli.envs.base import EnvSuite, Task
 from epo_cli.envs.household import HouseholdConfig, HouseholdSuite
 from epo_cli.errors import ConfigError
 
-from conftest import only_run_dir, run_cli
+from conftest import only_run_dir, run_epo
 
 LEVELS = ["tiny_open_pick_place", "small_pick_and_light", "medium_with_transforms"]
 
@@ -434,11 +434,11 @@ def test_subgoal_rewards_warn_only_where_the_env_reports_no_events():
 
 
 @pytest.mark.slow
-def test_cli_staged_grpo_promotes_and_resumes(warm_start: Path, tmp_path: Path):
+def test_cli_staged_grpo_promotes_and_resumes(warm_start_short: Path, tmp_path: Path):
     """A tiny grpo run whose staged curriculum promotes after every iteration (promote_at=0, window=1),
     run for 2 iterations and resumed for a third: the level index climbs, the promoted level's tasks are
     played, and the curriculum state comes back from the checkpoint."""
-    run_cli(["train", "algo=grpo", f"model.path={warm_start / 'final'}", "env.prompt_template=compact",
+    run_epo(["train", "algo=grpo", f"model.path={warm_start_short / 'final'}", "env.prompt_template=compact",
              "env.level=small_pick_and_light", "env.max_turns=8", "algo.tasks_per_step=2",
              "algo.group_size=2", "algo.mini_batch_size=64", "trainer.total_steps=2",
              "trainer.eval_every=0", "trainer.save_every=0", "trainer.best_metric=null",
@@ -456,7 +456,7 @@ def test_cli_staged_grpo_promotes_and_resumes(warm_start: Path, tmp_path: Path):
     saved = _checkpoint_curriculum_state(run)
     assert saved["stage"] == 2 and saved["promotions"] == 2 and saved["window"] == []
 
-    run_cli(["train", f"trainer.resume={run}", "trainer.total_steps=3"], cwd=tmp_path)
+    run_epo(["train", f"trainer.resume={run}", "trainer.total_steps=3"], cwd=tmp_path)
     last = _metric_rows(run)[-1]
     assert last["step"] == 3 and last["curriculum/level"] == 2.0  # the state came back from the checkpoint
     assert "curriculum/level_success/medium_with_transforms" in last

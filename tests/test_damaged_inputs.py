@@ -19,7 +19,7 @@ from epo_cli.loggers.jsonl import read_metrics, truncate_metrics_file
 from epo_cli.rollout.demos import read_jsonl
 from epo_cli.training import checkpoint
 
-from conftest import run_cli
+from conftest import SmallConfig, run_epo
 
 GOOD_ROWS = [{"step": 1, "loss/nll": 0.5}, {"step": 2, "loss/nll": 0.4}, {"step": 3, "loss/nll": 0.3}]
 
@@ -57,7 +57,7 @@ def test_truncating_for_a_resume_drops_bad_lines_and_later_steps(tmp_path: Path)
 def test_report_reads_a_run_whose_last_line_is_truncated(tmp_path: Path) -> None:
     run = tmp_path / "run"
     _metrics_file(run, '{"step": 4, "policy/entro')
-    proc = run_cli(["report", str(run)], cwd=tmp_path)
+    proc = run_epo(["report", str(run)], cwd=tmp_path)
     assert "Traceback" not in proc.stderr
     warning_lines = [line for line in proc.stderr.splitlines() if "warning:" in line]
     assert len(warning_lines) == 1 and "skipped 4 unreadable lines" in warning_lines[0], proc.stderr
@@ -131,16 +131,15 @@ def test_disk_errors_are_recognised() -> None:
 
 
 @pytest.mark.slow
-def test_full_disk_while_checkpointing_fails_cleanly(warm_start: Path, tmp_path: Path) -> None:
+def test_full_disk_while_checkpointing_fails_cleanly(warm_start_short: Path, tmp_path: Path) -> None:
     """A real ENOSPC: the checkpoint of step 2 writes into /dev/full (root ignores chmod, not a full disk)."""
     run = tmp_path / "run"
     doomed = run / "checkpoints" / "step_2"
     doomed.mkdir(parents=True)
     os.symlink("/dev/full", doomed / "rng_rank0.pt")
-    proc = run_cli(["train", "algo=grpo", f"model.path={warm_start / 'final'}", "env.level=tiny_open_pick_place",
-                    "env.prompt_template=compact", "env.max_turns=6", "algo.tasks_per_step=2", "algo.group_size=2",
-                    "env.eval_splits=[]", "logger.tensorboard=false", "trainer.save_every=1",
-                    "trainer.total_steps=3", f"run_dir={run}"], cwd=tmp_path, expect=1)
+    proc = run_epo(["train", "algo=grpo", f"model.path={warm_start_short / 'final'}",
+                    *SmallConfig().run("env.max_turns=6"), "algo.tasks_per_step=2", "algo.group_size=2",
+                    "trainer.save_every=1", "trainer.total_steps=3", f"run_dir={run}"], cwd=tmp_path, expect=1)
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Could not write to the run directory" in errors[0], proc.stderr[-3000:]
@@ -157,7 +156,7 @@ def test_full_disk_while_checkpointing_fails_cleanly(warm_start: Path, tmp_path:
 def test_an_unwritable_output_dir_is_one_message(tmp_path: Path) -> None:
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")  # where a directory must go (root ignores chmod)
-    proc = run_cli(["train", f"output_dir={blocker / 'runs'}", "trainer.total_steps=1"], cwd=tmp_path, expect=1)
+    proc = run_epo(["train", f"output_dir={blocker / 'runs'}", "trainer.total_steps=1"], cwd=tmp_path, expect=1)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Cannot write the run directory" in errors[0] and "Traceback" not in proc.stderr
     assert blocker.read_text() == "not a folder"
@@ -227,7 +226,7 @@ def test_name_and_path_checks() -> None:
 ])
 def test_over_long_names_and_values_are_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
     command = "sweep" if args[0].startswith("sweep.") else "train"
-    proc = run_cli([command, *args, "trainer.total_steps=1"], cwd=tmp_path, expect=2)
+    proc = run_epo([command, *args, "trainer.total_steps=1"], cwd=tmp_path, expect=2)
     assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert not list(tmp_path.iterdir())  # nothing was created
 
@@ -244,6 +243,6 @@ def test_over_long_names_and_values_are_exit_2(tmp_path: Path, args: list[str], 
 def test_bad_sweep_options_exit_2_and_leave_no_sweep_directory(tmp_path: Path, args: list[str],
                                                                 message: str) -> None:
     out = tmp_path / "out"
-    proc = run_cli(["sweep", *args, f"output_dir={out}"], cwd=tmp_path, expect=2)
+    proc = run_epo(["sweep", *args, f"output_dir={out}"], cwd=tmp_path, expect=2)
     assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert not out.exists() and not (tmp_path / "outputs").exists()

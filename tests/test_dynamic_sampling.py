@@ -13,7 +13,7 @@ from epo_cli.compose import compose
 from epo_cli.errors import ConfigError
 from epo_cli.rollout.batch import TurnBatch
 
-from conftest import only_run_dir, run_cli
+from conftest import SmallConfig, only_run_dir, run_epo
 
 
 def make_batch(trajs) -> TurnBatch:
@@ -91,10 +91,9 @@ def test_dynamic_sampling_two_iterations(warm_start: Path, tmp_path: Path) -> No
     # rollouts win, so zero-variance groups are common for this policy on 8 turns
     out = tmp_path / "ds"
     out.mkdir()
-    run_cli(["train", "algo=grpo", f"model.path={warm_start / 'final'}", "trainer.total_steps=2",
-             "env.level=tiny_open_pick_place", "env.prompt_template=compact", "env.max_turns=8",
-             "algo.tasks_per_step=2", "algo.group_size=4", "algo.mini_batch_size=512", "trainer.eval_every=0",
-             "env.eval_splits=[]", "logger.tensorboard=false", "algo.dynamic_sampling=true",
+    run_epo(["train", "algo=grpo", f"model.path={warm_start / 'final'}", "trainer.total_steps=2",
+             *SmallConfig().run("algo.tasks_per_step=2", "algo.group_size=4", "algo.mini_batch_size=512",
+                                "trainer.eval_every=0"), "algo.dynamic_sampling=true",
              "algo.dynamic_sampling_max_rounds=2", "algo.dynamic_sampling_metric=outcome",
              f"output_dir={out}", "name=ds"], cwd=out)
     run = only_run_dir(out)

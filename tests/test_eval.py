@@ -13,13 +13,10 @@ import pytest
 
 from epo_cli.evaluation import EVAL_JSON_FIELDS, mean_interval, wilson_interval
 
-from conftest import run_cli
+from conftest import SmallConfig, run_cli, run_epo
 
 #: a tiny sft run: enough for checkpoints, final/ and one evaluation at the end
-TINY_RUN = ["train", "algo=sft", "env.level=tiny_open_pick_place", "env.prompt_template=compact",
-            "trainer.total_steps=2", "algo.demo_episodes=2", "trainer.eval_episodes=2",
-            "env.eval_splits=[eval_in_distribution]", "logger.tensorboard=false", "env.max_turns=8",
-            "rollout.max_new_tokens=16"]
+TINY_RUN = ["train", *SmallConfig().sft("trainer.eval_episodes=2", "env.eval_splits=[eval_in_distribution]")]
 
 
 # ---- intervals (hand-computed) ---------------------------------------------------------------------------
@@ -66,7 +63,7 @@ def test_eval_expert_matches_env_played_by_hand(epo_cache: Path, tmp_path: Path)
     # small_pick_and_light: the expert needs 5-10 turns on these tasks, so max_turns=8 loses some
     args = ["eval", "policy=expert", "env.level=small_pick_and_light", "env.max_turns=8", "episodes=10",
             "split=eval_in_distribution", f"out={tmp_path}"]
-    run_cli(args, cwd=tmp_path)
+    run_epo(args, cwd=tmp_path)
     result = json.loads((tmp_path / "expert-eval_in_distribution-t0.4.json").read_text())
     assert set(EVAL_JSON_FIELDS) <= set(result)
     assert result["format"] == "epo-eval/1" and result["policy"] == "expert"
@@ -92,6 +89,7 @@ def test_eval_expert_matches_env_played_by_hand(epo_cache: Path, tmp_path: Path)
 
 @pytest.mark.slow
 def test_eval_look_policy_never_succeeds(epo_cache: Path, tmp_path: Path) -> None:
+    # the real console script (a smoke test of `epo eval`; the other tests here run it in-process)
     run_cli(["eval", "policy=look", "env.max_turns=5", "episodes=6", "greedy=true"], cwd=tmp_path)
     # no run given: results go under <output_dir>/eval/<time>/
     (path,) = (tmp_path / "outputs" / "eval").glob("*/look-eval_in_distribution-greedy.json")
@@ -107,7 +105,7 @@ def test_eval_look_policy_never_succeeds(epo_cache: Path, tmp_path: Path) -> Non
 @pytest.fixture(scope="module")
 def tiny_run(epo_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("eval_run")
-    run_cli([*TINY_RUN, f"run_dir={out / 'run'}"], cwd=out)
+    run_epo([*TINY_RUN, f"run_dir={out / 'run'}"], cwd=out)
     return out / "run"
 
 
@@ -120,7 +118,7 @@ def _final_eval_metrics(run: Path) -> dict[str, float]:
 @pytest.mark.parametrize("checkpoint", ["latest", "final"])
 def test_eval_reproduces_the_trainers_evaluation(tiny_run: Path, checkpoint: str) -> None:
     """Same tasks, same sampling seeds, same weights (loaded without DeepSpeed): identical trajectories."""
-    run_cli(["eval", f"run={tiny_run}", f"checkpoint={checkpoint}", "episodes=2"], cwd=tiny_run)
+    run_epo(["eval", f"run={tiny_run}", f"checkpoint={checkpoint}", "episodes=2"], cwd=tiny_run)
     name = {"latest": "step_2", "final": "final"}[checkpoint]
     result = json.loads((tiny_run / "eval" / f"{name}-eval_in_distribution-t0.4.json").read_text())
     assert set(EVAL_JSON_FIELDS) <= set(result)
@@ -134,9 +132,9 @@ def test_eval_reproduces_the_trainers_evaluation(tiny_run: Path, checkpoint: str
 def test_eval_consolidates_a_zero2_checkpoint(epo_cache: Path, tmp_path: Path) -> None:
     """ZeRO 1-3 checkpoints hold sharded fp32 weights: zero_to_fp32 gathers them, no engine is built."""
     run = tmp_path / "zero2"
-    run_cli([*TINY_RUN, "deepspeed=zero2", f"run_dir={run}"], cwd=tmp_path)
+    run_epo([*TINY_RUN, "deepspeed=zero2", f"run_dir={run}"], cwd=tmp_path)
     assert list((run / "checkpoints" / "step_2").glob("*zero_pp_rank_0_*optim_states.pt"))
-    run_cli(["eval", f"run={run}", "checkpoint=step_2", "episodes=2"], cwd=tmp_path)
+    run_epo(["eval", f"run={run}", "checkpoint=step_2", "episodes=2"], cwd=tmp_path)
     result = json.loads((run / "eval" / "step_2-eval_in_distribution-t0.4.json").read_text())
     assert result["metrics"] == pytest.approx(_final_eval_metrics(run))
     trainer_samples = (run / "samples" / "step_2-eval_in_distribution.md").read_text()
@@ -153,19 +151,19 @@ def _assert_user_error(proc, *words: str) -> None:
 
 @pytest.mark.slow
 def test_eval_user_errors(tiny_run: Path, tmp_path: Path) -> None:
-    proc = run_cli(["eval", f"run={tmp_path / 'missing'}"], cwd=tmp_path, expect=None)
+    proc = run_epo(["eval", f"run={tmp_path / 'missing'}"], cwd=tmp_path, expect=None)
     _assert_user_error(proc, "does not exist", "run=")
-    proc = run_cli(["eval", f"run={tiny_run}", "split=holdout"], cwd=tmp_path, expect=None)
+    proc = run_epo(["eval", f"run={tiny_run}", "split=holdout"], cwd=tmp_path, expect=None)
     _assert_user_error(proc, "Unknown split 'holdout'", "eval_out_of_distribution")
-    proc = run_cli(["eval", f"run={tiny_run}", "checkpoint=step_99"], cwd=tmp_path, expect=None)
+    proc = run_epo(["eval", f"run={tiny_run}", "checkpoint=step_99"], cwd=tmp_path, expect=None)
     _assert_user_error(proc, "step_99", "missing")
     # a corrupt checkpoint: a copy of the run whose model states are cut short
     broken = tmp_path / "broken"
     shutil.copytree(tiny_run, broken, ignore=shutil.ignore_patterns("final", "tb", "samples", "eval"))
     states = broken / "checkpoints" / "step_2" / "mp_rank_00_model_states.pt"
     states.write_bytes(states.read_bytes()[:1000])
-    proc = run_cli(["eval", f"run={broken}", "checkpoint=latest", "episodes=1"], cwd=tmp_path, expect=None)
+    proc = run_epo(["eval", f"run={broken}", "checkpoint=latest", "episodes=1"], cwd=tmp_path, expect=None)
     _assert_user_error(proc, "corrupt", "checkpoint=final")
     # no final/ (a run that did not finish) and no checkpoint named: a clear message too
-    proc = run_cli(["eval", f"run={broken}", "checkpoint=final"], cwd=tmp_path, expect=None)
+    proc = run_epo(["eval", f"run={broken}", "checkpoint=final"], cwd=tmp_path, expect=None)
     _assert_user_error(proc, "no final/")

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -13,10 +9,9 @@ import torch
 
 from epo_cli.training.engine import GuardedAdamW
 
-from conftest import REPO, only_run_dir, run_cli
+from conftest import SmallConfig, only_run_dir, run_epo
 
-SHORT_SFT = ["train", "algo=sft", "env.level=tiny_open_pick_place", "env.prompt_template=compact",
-             "trainer.total_steps=2", "algo.demo_episodes=4", "env.eval_splits=[]"]
+SHORT_SFT = ["train", *SmallConfig().sft("algo.demo_episodes=4")]
 
 
 def test_guarded_adamw_refuses_a_non_finite_gradient() -> None:
@@ -32,29 +27,25 @@ def test_guarded_adamw_refuses_a_non_finite_gradient() -> None:
 
 
 @pytest.mark.slow
-def test_non_finite_updates_stop_the_run_with_a_message(tmp_path: Path, epo_cache: Path) -> None:
+def test_non_finite_updates_stop_the_run_with_a_message(tmp_path: Path, epo_cache: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Force NaN log-probs in the training forward: every update is skipped, the weights never change,
     and after trainer.max_nonfinite_skips consecutive skips the run stops with one clear message."""
-    script = textwrap.dedent(f"""
-        import sys, torch
-        import epo_cli.training.trainer as trainer
-        real = trainer.policy_forward
-        def poisoned(model, mb, *args, **kwargs):
-            out = real(model, mb, *args, **kwargs)
-            if torch.is_grad_enabled():  # the update's forward, not the scoring one
-                out.logprobs = out.logprobs * float("nan")
-            return out
-        trainer.policy_forward = poisoned
-        from epo_cli.cli import main
-        sys.argv = ["epo", "train", "algo=grpo", "env.level=tiny_open_pick_place", "env.prompt_template=compact",
+    import epo_cli.training.trainer as trainer
+
+    real = trainer.policy_forward
+
+    def poisoned(model, mb, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        out = real(model, mb, *args, **kwargs)
+        if torch.is_grad_enabled():  # the update's forward, not the scoring one
+            out.logprobs = out.logprobs * float("nan")
+        return out
+
+    monkeypatch.setattr(trainer, "policy_forward", poisoned)
+    proc = run_epo(["train", "algo=grpo", "env.level=tiny_open_pick_place", "env.prompt_template=compact",
                     "env.max_turns=3", "algo.tasks_per_step=1", "algo.group_size=2", "trainer.total_steps=5",
                     "trainer.max_nonfinite_skips=2", "env.eval_splits=[]", "trainer.save_every=1",
-                    "output_dir={tmp_path}"]
-        main()
-    """)
-    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert proc.returncode == 1, proc.stderr[-3000:]
+                    f"output_dir={tmp_path}"], cwd=tmp_path, expect=1)
     assert "2 consecutive updates had a non-finite loss or gradient" in proc.stderr
     assert "Traceback" not in proc.stderr
     run = only_run_dir(tmp_path)
@@ -75,11 +66,11 @@ def test_non_finite_updates_stop_the_run_with_a_message(tmp_path: Path, epo_cach
 
 @pytest.mark.slow
 def test_wandb_offline_and_mlflow_local_store(tmp_path: Path, epo_cache: Path) -> None:
-    run_cli([*SHORT_SFT, "logger=wandb", f"output_dir={tmp_path / 'w'}"], cwd=tmp_path)
+    run_epo([*SHORT_SFT, "logger=wandb", f"output_dir={tmp_path / 'w'}"], cwd=tmp_path)
     run = only_run_dir(tmp_path / "w")
     offline = list((run / "wandb").glob("offline-run-*"))
     assert offline and any(offline[0].rglob("*.wandb"))
-    run_cli([*SHORT_SFT, "logger=mlflow", f"output_dir={tmp_path / 'm'}"], cwd=tmp_path)
+    run_epo([*SHORT_SFT, "logger=mlflow", f"output_dir={tmp_path / 'm'}"], cwd=tmp_path)
     run = only_run_dir(tmp_path / "m")
     from mlflow.tracking import MlflowClient
 

@@ -22,7 +22,7 @@ from epo_cli.rollout.generation import SamplingParams
 from epo_cli.rollout.prompts import PromptBuilder, chat_encoder
 from epo_cli.rollout.rollout import EpisodeSlot, ModelPolicy, PlaySettings, run_episodes
 
-from conftest import only_run_dir, run_cli
+from conftest import only_run_dir, run_epo
 
 
 class EchoEnv(Env):
@@ -140,13 +140,13 @@ def test_shared_prefill_gives_the_same_tokens_and_logprobs(tiny_policy) -> None:
 
 
 @pytest.mark.slow
-def test_overlap_through_the_cli_trains_on_the_same_rollouts(warm_start: Path, tmp_path: Path) -> None:
+def test_overlap_through_the_cli_trains_on_the_same_rollouts(warm_start_short: Path, tmp_path: Path) -> None:
     """`epo train ... env.num_workers=2 rollout.overlap=true` logs the same rollout metrics and loss as the
     lock-step run (same episodes), plus the overlap ratio."""
     rows = {}
     for overlap in ("false", "true"):
         out = tmp_path / overlap
-        run_cli(["train", "algo=grpo", f"model.path={warm_start / 'final'}", "env.num_workers=2",
+        run_epo(["train", "algo=grpo", f"model.path={warm_start_short / 'final'}", "env.num_workers=2",
                  f"rollout.overlap={overlap}", "algo.tasks_per_step=2", "algo.group_size=2", "env.max_turns=4",
                  "trainer.total_steps=1", "env.eval_splits=[]", "logger.tensorboard=false", f"output_dir={out}"],
                 cwd=tmp_path)

@@ -202,17 +202,15 @@ def test_cli_packed_and_reused_equals_padded(warm_start, tmp_path) -> None:
     computes no padding."""
     import json
 
-    from conftest import only_run_dir, run_cli
+    from conftest import SmallConfig, only_run_dir, run_epo
 
     common = ["algo=epo", f"model.path={warm_start / 'final'}", "trainer.total_steps=1",
-              "env.level=tiny_open_pick_place", "env.prompt_template=compact", "env.max_turns=8",
-              "algo.tasks_per_step=2", "algo.group_size=4", "trainer.eval_every=0", "env.eval_splits=[]",
-              "logger.tensorboard=false"]
+              *SmallConfig().run("algo.tasks_per_step=2", "algo.group_size=4", "trainer.eval_every=0")]
     rows = {}
     for name, extra in (("packed", []), ("padded", ["algo.pack_tokens=0", "algo.reuse_scoring_forward=false"])):
         out = tmp_path / name
         out.mkdir()
-        run_cli(["train", *common, *extra, f"output_dir={out}", f"name={name}"], cwd=out)
+        run_epo(["train", *common, *extra, f"output_dir={out}", f"name={name}"], cwd=out)
         rows[name] = json.loads((only_run_dir(out) / "metrics.jsonl").read_text().splitlines()[0])
     packed, padded = rows["packed"], rows["padded"]
     assert packed["perf/padding_efficiency"] == 1.0 and padded["perf/padding_efficiency"] < 0.99

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from epo_cli.analysis.report import entropy_reference, mean_band
 
-from conftest import run_cli
+from conftest import run_cli, run_epo
 
 PLOTS = ("entropy.png", "entropy_fluctuation.png", "success.png", "kl.png", "coefficients.png", "lr.png")
 #: matplotlib's first two line colours (C0, C1)
@@ -84,7 +84,7 @@ def test_report_of_a_sweep_with_seeds(tmp_path: Path) -> None:
     for job, (alpha, seed) in enumerate([(0.05, 0), (0.05, 1), (0.1, 0), (0.1, 1)]):
         _fake_run(sweep / f"{job}-run", ["algo=epo", f"algo.entropy_smoothing.alpha={alpha}", f"seed={seed}"],
                   seed=job)  # configuration 2 has the larger factors
-    proc = run_cli(["report", str(sweep)], cwd=tmp_path)
+    proc = run_epo(["report", str(sweep)], cwd=tmp_path)
     assert "2 configurations" in proc.stdout
     out = sweep / "plots"
     for name in PLOTS:
@@ -107,7 +107,8 @@ def test_report_of_a_sweep_with_seeds(tmp_path: Path) -> None:
 def test_report_of_one_run_and_errors(tmp_path: Path) -> None:
     run = tmp_path / "run"
     _fake_run(run, ["algo=grpo"], seed=0)
+    # the real console script (a smoke test of `epo report`; the other tests here run it in-process)
     run_cli(["report", str(run), "--out", str(tmp_path / "figs")], cwd=tmp_path)
     assert all((tmp_path / "figs" / name).exists() for name in PLOTS)
-    proc = run_cli(["report", str(tmp_path / "nowhere")], cwd=tmp_path, expect=None)
+    proc = run_epo(["report", str(tmp_path / "nowhere")], cwd=tmp_path, expect=None)
     assert proc.returncode == 1 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr

@@ -24,7 +24,7 @@ from epo_cli.errors import UserError
 from epo_cli.safe_load import load_tensors, restricted_torch_load
 from epo_cli.training import checkpoint, rng_state
 
-from conftest import run_cli
+from conftest import SmallConfig, run_epo
 
 
 class Planted:
@@ -187,15 +187,13 @@ def test_ranks_get_trust_remote_code_from_the_launcher_not_from_config_yaml(tmp_
 
 # ---- through the CLI ---------------------------------------------------------------------------------------
 
-SFT_RUN = ["train", "algo=sft", "env.level=tiny_open_pick_place", "env.prompt_template=compact",
-           "trainer.total_steps=2", "trainer.save_every=1", "algo.demo_episodes=2", "trainer.eval_every=0",
-           "env.eval_splits=[]", "logger.tensorboard=false", "env.max_turns=8", "rollout.max_new_tokens=16"]
+SFT_RUN = ["train", *SmallConfig().sft("trainer.save_every=1", "trainer.eval_every=0")]
 
 
 @pytest.fixture(scope="module")
 def trained_run(epo_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("safe")
-    run_cli([*SFT_RUN, f"run_dir={root / 'run'}"], cwd=root)
+    run_epo([*SFT_RUN, f"run_dir={root / 'run'}"], cwd=root)
     return root / "run"
 
 
@@ -220,7 +218,7 @@ def test_eval_of_a_run_dir_does_not_unpickle_a_planted_checkpoint(trained_run: P
     run, marker = _copy(trained_run, tmp_path), tmp_path / "marker"
     for name in ("mp_rank_00_model_states.pt", "rng_rank0.pt"):
         plant(run / "checkpoints" / "step_2" / name, marker)
-    proc = run_cli(["eval", f"run={run}", "checkpoint=latest", "episodes=1"], cwd=tmp_path, expect=1)
+    proc = run_epo(["eval", f"run={run}", "checkpoint=latest", "episodes=1"], cwd=tmp_path, expect=1)
     assert "never unpickles" in proc.stderr and "mp_rank_00_model_states.pt" in proc.stderr
     assert "Traceback" not in proc.stderr and proc.stderr.count("error:") == 1
     assert not marker.exists()
@@ -231,7 +229,7 @@ def test_eval_of_a_final_folder_with_a_planted_bin_does_not_unpickle(trained_run
     run, marker = _copy(trained_run, tmp_path), tmp_path / "marker"
     (run / "final" / "model.safetensors").unlink()
     plant(run / "final" / "pytorch_model.bin", marker)
-    proc = run_cli(["eval", f"run={run}", "episodes=1"], cwd=tmp_path, expect=None)
+    proc = run_epo(["eval", f"run={run}", "episodes=1"], cwd=tmp_path, expect=None)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "never unpickles" in proc.stderr
     assert not marker.exists()
@@ -242,7 +240,7 @@ def test_resume_refuses_a_planted_rng_file_before_deepspeed_runs(trained_run: Pa
     run, marker = _copy(trained_run, tmp_path), tmp_path / "marker"
     plant(run / "checkpoints" / "step_2" / "rng_rank0.pt", marker)
     before = sorted(p.name for p in (run / "checkpoints").iterdir())
-    proc = run_cli(["train", f"trainer.resume={run}", "trainer.total_steps=3"], cwd=tmp_path, expect=1)
+    proc = run_epo(["train", f"trainer.resume={run}", "trainer.total_steps=3"], cwd=tmp_path, expect=1)
     assert "rng_rank0.pt" in proc.stderr and "never unpickles" in proc.stderr and "Traceback" not in proc.stderr
     assert not marker.exists()
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before

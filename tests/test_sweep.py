@@ -12,12 +12,10 @@ import pytest
 
 from epo_cli.analysis.sweep_summary import RunResult, SweepOptions, aggregate, mean_std, run_result, summarize
 
-from conftest import run_cli
+from conftest import SmallConfig, run_epo
 
 #: a job that trains for 2 steps and evaluates 1 episode at the end (~20 s here)
-TINY = ["algo=sft", "env.level=tiny_open_pick_place", "env.prompt_template=compact", "trainer.total_steps=2",
-        "algo.demo_episodes=2", "trainer.eval_episodes=1", "env.eval_splits=[eval_in_distribution]",
-        "logger.tensorboard=false", "env.max_turns=8", "rollout.max_new_tokens=16"]
+TINY = SmallConfig().sft("trainer.eval_episodes=1", "env.eval_splits=[eval_in_distribution]")
 
 
 # ---- aggregation (hand-computed) ---------------------------------------------------------------------------
@@ -112,7 +110,7 @@ def _csv(path: Path) -> list[dict[str, str]]:
 @pytest.mark.slow
 def test_grid_sweep_of_three_runs(epo_cache: Path, tmp_path: Path) -> None:
     # algo.kl.coef is a schema key that algo=sft's yaml does not spell out: hydra must still accept it
-    proc = run_cli(["sweep", *TINY, "algo.kl.coef=0.01,0.02,0.03", f"output_dir={tmp_path}"], cwd=tmp_path)
+    proc = run_epo(["sweep", *TINY, "algo.kl.coef=0.01,0.02,0.03", f"output_dir={tmp_path}"], cwd=tmp_path)
     sweep = _sweep_dir(tmp_path)
     jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
     assert jobs == ["0-algo.kl.coef-0.01", "1-algo.kl.coef-0.02", "2-algo.kl.coef-0.03"]
@@ -130,17 +128,17 @@ def test_grid_sweep_of_three_runs(epo_cache: Path, tmp_path: Path) -> None:
     # summarize rebuilds the same table from the run folders
     first = (sweep / "summary.csv").read_text()
     (sweep / "summary.csv").unlink()
-    run_cli(["sweep", "summarize", str(sweep)], cwd=tmp_path)
+    run_epo(["sweep", "summarize", str(sweep)], cwd=tmp_path)
     assert (sweep / "summary.csv").read_text() == first
     # and the report plots real sweep folders
-    run_cli(["report", str(sweep)], cwd=tmp_path)
+    run_epo(["report", str(sweep)], cwd=tmp_path)
     assert (sweep / "plots" / "success.png").exists() and (sweep / "plots" / "index.md").exists()
 
 
 @pytest.mark.slow
 def test_sweep_with_a_failing_job_summarises_the_others(epo_cache: Path, tmp_path: Path) -> None:
     # a demonstration file that does not exist fails inside training, not when the config is composed
-    run_cli(["sweep", *TINY, "algo.demos=expert,/nonexistent/demos.jsonl", f"output_dir={tmp_path}"],
+    run_epo(["sweep", *TINY, "algo.demos=expert,/nonexistent/demos.jsonl", f"output_dir={tmp_path}"],
             cwd=tmp_path)
     sweep = _sweep_dir(tmp_path)
     runs = {row["job"]: row for row in _csv(sweep / "runs.csv")}
@@ -159,7 +157,7 @@ def test_sweep_with_a_failing_job_summarises_the_others(epo_cache: Path, tmp_pat
 @pytest.mark.slow
 def test_optuna_sweep_of_two_trials(epo_cache: Path, tmp_path: Path) -> None:
     no_eval = [a for a in TINY if not a.startswith(("env.eval_splits", "trainer.eval_episodes"))]
-    run_cli(["sweep", *no_eval, "env.eval_splits=[]", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2",
+    run_epo(["sweep", *no_eval, "env.eval_splits=[]", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2",
              "hydra.sweeper.n_jobs=1", "hydra.sweeper.sampler.seed=0", "algo.lr=interval(1e-4,1e-2)",
              "sweep.metric=loss/nll", "sweep.direction=minimize", f"output_dir={tmp_path}"], cwd=tmp_path)
     sweep = _sweep_dir(tmp_path)
@@ -175,11 +173,11 @@ def test_optuna_sweep_of_two_trials(epo_cache: Path, tmp_path: Path) -> None:
 
 
 def test_sweep_user_errors(tmp_path: Path) -> None:
-    proc = run_cli(["sweep", "trainer.total_stepz=1,2"], cwd=tmp_path, expect=None)
+    proc = run_epo(["sweep", "trainer.total_stepz=1,2"], cwd=tmp_path, expect=None)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "total_steps" in proc.stderr
-    proc = run_cli(["sweep", "sweep.metrik=x"], cwd=tmp_path, expect=None)
+    proc = run_epo(["sweep", "sweep.metrik=x"], cwd=tmp_path, expect=None)
     assert proc.returncode == 2 and "sweep.metric" in proc.stderr
-    proc = run_cli(["sweep", "summarize", str(tmp_path / "none")], cwd=tmp_path, expect=None)
+    proc = run_epo(["sweep", "summarize", str(tmp_path / "none")], cwd=tmp_path, expect=None)
     assert proc.returncode == 1 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
 
 

@@ -1,7 +1,8 @@
-"""Training through the real CLI on the tiny model and the household env: SFT, PPO, GRPO, EPO, resume.
+"""Training through the CLI on the tiny model and the household env: SFT, PPO, GRPO, EPO, resume.
 
-All RL runs start from the session's behaviour-cloned warm start (conftest.warm_start) and are kept to a
-few iterations of a few short episodes.
+The RL runs start from the session's behaviour-cloned warm starts and are kept to a few iterations of a
+few short episodes. Commands run in-process (conftest.run_epo), except the resume-equality test, which
+runs the real console script (conftest.run_cli).
 """
 
 from __future__ import annotations
@@ -11,14 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import only_run_dir, run_cli
+from conftest import SmallConfig, only_run_dir, run_cli, run_epo
 
 pytestmark = pytest.mark.slow
 
-#: a small, fast RL shape on the level the warm start was trained on
-RL_ARGS = ["env.level=tiny_open_pick_place", "env.prompt_template=compact", "env.max_turns=8",
-           "algo.tasks_per_step=2", "algo.group_size=4", "algo.mini_batch_size=512", "algo.micro_batch_size=16",
-           "trainer.eval_every=0", "env.eval_splits=[]", "logger.tensorboard=false", "trainer.save_every=2"]
+#: a small, fast RL shape on the level the warm start was trained on (conftest.SmallConfig.rl)
+RL_ARGS = SmallConfig().rl()
 
 
 def metrics_rows(run: Path) -> list[dict]:
@@ -32,6 +31,13 @@ def train(tmp_path: Path, name: str, *args: str) -> Path:
     return only_run_dir(out)
 
 
+def train_in_process(tmp_path: Path, name: str, *args: str) -> Path:
+    out = tmp_path / name
+    out.mkdir()
+    run_epo(["train", *args, f"output_dir={out}", f"name={name}"], cwd=out)
+    return only_run_dir(out)
+
+
 def test_sft_loss_falls_and_beats_random_admissible(warm_start: Path, tmp_path: Path) -> None:
     rows = metrics_rows(warm_start)
     first = sum(r["loss/nll"] for r in rows[:20]) / 20
@@ -42,16 +48,17 @@ def test_sft_loss_falls_and_beats_random_admissible(warm_start: Path, tmp_path: 
     results = {}
     for policy in ("model", "random"):
         out = tmp_path / policy
-        run_cli(["eval", f"run={warm_start}", f"policy={policy}", "episodes=32", "greedy=true",
+        run_epo(["eval", f"run={warm_start}", f"policy={policy}", "episodes=32", "greedy=true",
                  f"out={out}"], cwd=tmp_path)
         results[policy] = json.loads(next(out.glob("*.json")).read_text())["success"]["rate"]
     assert results["model"] > results["random"], results
 
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo", "epo"])
-def test_two_rl_iterations(warm_start: Path, tmp_path: Path, algo: str) -> None:
-    run = train(tmp_path, algo, f"algo={algo}", f"model.path={warm_start / 'final'}", "trainer.total_steps=2",
-                *RL_ARGS, *(["algo.tasks_per_step=8", "algo.group_size=1"] if algo == "ppo" else []))
+def test_two_rl_iterations(warm_start_short: Path, tmp_path: Path, algo: str) -> None:
+    run = train_in_process(tmp_path, algo, f"algo={algo}", f"model.path={warm_start_short / 'final'}",
+                           "trainer.total_steps=2", *RL_ARGS,
+                           *(["algo.tasks_per_step=8", "algo.group_size=1"] if algo == "ppo" else []))
     rows = metrics_rows(run)
     assert [r["step"] for r in rows] == [1, 2]
     first = rows[0]
@@ -92,29 +99,29 @@ def test_resume_gives_the_same_metrics(warm_start: Path, tmp_path: Path) -> None
     assert state["entropy_history"]["global"]  # the EPO history is part of the checkpoint
 
 
-def test_corrupt_checkpoint_is_a_clear_error(warm_start: Path, tmp_path: Path) -> None:
-    run = train(tmp_path, "broken", "algo=grpo", f"model.path={warm_start / 'final'}", "trainer.total_steps=2",
-                *RL_ARGS)
+def test_corrupt_checkpoint_is_a_clear_error(warm_start_short: Path, tmp_path: Path) -> None:
+    run = train_in_process(tmp_path, "broken", "algo=grpo", f"model.path={warm_start_short / 'final'}",
+                           "trainer.total_steps=2", *RL_ARGS)
     ckpt = run / "checkpoints" / "step_2" / "mp_rank_00_model_states.pt"
     ckpt.write_bytes(ckpt.read_bytes()[:100])
     before = sorted(p.name for p in (run / "checkpoints").iterdir())
-    proc = run_cli(["train", f"trainer.resume={run}", "trainer.total_steps=3"], cwd=tmp_path, expect=1)
+    proc = run_epo(["train", f"trainer.resume={run}", "trainer.total_steps=3"], cwd=tmp_path, expect=1)
     assert "corrupt" in proc.stderr and "Traceback" not in proc.stderr
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before  # nothing saved was touched
 
 
-def test_sft_from_a_jsonl_file_of_trajectories(warm_start: Path, tmp_path: Path) -> None:
+def test_sft_from_a_jsonl_file_of_trajectories(warm_start_short: Path, tmp_path: Path) -> None:
     """algo.demos=<file>: the warm start's own demos.jsonl (the documented format) trains through the CLI."""
     demos = tmp_path / "demos.jsonl"
-    demos.write_text("\n".join((warm_start / "demos.jsonl").read_text().splitlines()[:20]) + "\n")
-    run = train(tmp_path, "from_file", "algo=sft", f"algo.demos={demos}", "env.level=tiny_open_pick_place",
-                "env.prompt_template=compact", "trainer.total_steps=3", "env.eval_splits=[]",
-                "logger.tensorboard=false")
+    demos.write_text("\n".join((warm_start_short / "demos.jsonl").read_text().splitlines()[:20]) + "\n")
+    run = train_in_process(tmp_path, "from_file", "algo=sft", f"algo.demos={demos}", "env.level=tiny_open_pick_place",
+                           "env.prompt_template=compact", "trainer.total_steps=3", "env.eval_splits=[]",
+                           "logger.tensorboard=false")
     assert [r["step"] for r in metrics_rows(run)] == [1, 2, 3]
     assert not (run / "demos.jsonl").exists()  # nothing was played: the file was the data
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"task_id": "x"}\n')
-    proc = run_cli(["train", "algo=sft", f"algo.demos={bad}", "trainer.total_steps=1", f"output_dir={tmp_path}"],
+    proc = run_epo(["train", "algo=sft", f"algo.demos={bad}", "trainer.total_steps=1", f"output_dir={tmp_path}"],
                    cwd=tmp_path, expect=1)
     assert "bad.jsonl:1 is not a trajectory record" in proc.stderr and "Traceback" not in proc.stderr
 
