@@ -5,7 +5,7 @@ error handling as the console script, without ~10 s of imports per command); `ru
 subprocess exactly as a user would (tests about the process itself: exit codes of the real console script,
 signals, launchers). `small_config` holds the overrides every short integration run shares. The tiny
 model's behaviour-cloning warm starts are built once per test session: `warm_start` (the shipped
-1200-step preset, for tests that assert on success or learning) and `warm_start_short` (a few SFT steps:
+1600-step preset, for tests that assert on success or learning) and `warm_start_short` (a few SFT steps:
 a policy that answers in the response format, for tests that only need one that acts).
 """
 

@@ -58,11 +58,11 @@ def test_in_process_user_error_and_bug(tmp_path: Path, monkeypatch: pytest.Monke
     assert proc.stderr.startswith("error: Unknown config key 'trainer.total_stepz'") and "Traceback" not in proc.stderr
     assert not list(tmp_path.iterdir())  # it ran in tmp_path: nothing written there (nor anywhere else)
 
-    import epo_cli.launch
+    import epo_cli.launch.local
 
-    def broken(overrides: list[str]) -> None:
+    def broken(*args: object) -> None:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(epo_cli.launch, "launch_training", broken)
+    monkeypatch.setattr(epo_cli.launch.local, "run_local", broken)
     proc = run_epo(["train"], cwd=tmp_path, expect=1)
     assert "Traceback" in proc.stderr and "RuntimeError: a bug" in proc.stderr
