@@ -199,7 +199,9 @@ def _check_smoothing_weight(algo: Any) -> None:
     lambda * (1 - beta_k * alpha): below 1 the smoothing only damps the entropy bonus there (the regime EPO's
     analysis assumes); at or above 1 it outweighs the bonus and pushes entropy down."""
     phase = algo.phase
-    beta_max = {"paper": 2.0, "constant": phase.value,
+    # the schedules algo.phase can take (its keys hold their parameters); every one of them is covered
+    ramp = max(phase.beta_start, phase.beta_end)  # linear, cosine and delayed_linear end at their ends
+    beta_max = {"paper": 2.0, "constant": phase.value, "linear": ramp, "cosine": ramp, "delayed_linear": ramp,
                 "two_phase": max(phase.beta_start, phase.beta_peak, phase.beta_end)}.get(phase.schedule)
     alpha = algo.entropy_smoothing.alpha
     if beta_max is not None and alpha * beta_max >= 1.0:

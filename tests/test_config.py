@@ -111,6 +111,10 @@ def test_smoothing_that_outweighs_the_bonus_is_warned(tmp_path) -> None:
         compose(["algo=epo", "algo.entropy_smoothing.alpha=0.9", "algo.phase.schedule=constant"])  # 0.9 * 1
     with pytest.warns(UserWarning, match=r"alpha \* max beta_k = 0.5 \* 2 >= 1"):
         compose(["algo=epo", "algo.entropy_smoothing.alpha=0.5"])
+    # the schedules algo.phase gained with the shared schedule registry are covered too
+    with pytest.warns(UserWarning, match=r"alpha \* max beta_k = 0.5 \* 2 >= 1"):
+        compose(["algo=epo", "algo.entropy_smoothing.alpha=0.5", "algo.phase.schedule=linear",
+                 "algo.phase.beta_start=2", "algo.phase.beta_end=1"])
     proc = run_epo(["config", "show", "algo=epo", "algo.entropy_smoothing.alpha=0.5"], cwd=tmp_path)
     assert proc.stderr.startswith("warning: algo.entropy_smoothing.alpha") and "UserWarning" not in proc.stderr
 
