@@ -19,6 +19,22 @@ measured `--repeats` times and the best is kept.
 
 ScienceWorld's random policy never picks `focus on ...` (a wrong focus ends the episode at once).
 Envs whose packages or data are missing are reported and skipped.
+
+    python scripts/bench_envs.py --alfworld-speedups [--games 3 --steps 20 --repeats 2]
+
+instead compares ALFWorld's own speed-ups (epo_cli/envs/alfworld.py), one plain process each, all playing
+the very same games and actions:
+
+    stock          env.fast_textgen=false env.cache_pddl=false: TextWorld as it ships
+    fast_textgen   the parser cache alone (memoize_textworld_parsers: env.fast_textgen before its exact
+                   deepcopy was added), env.cache_pddl=false
+    all            the defaults: env.fast_textgen=true (parser cache + exact deepcopy), env.cache_pddl=true
+
+The processes take turns (round r: each plays `--games` new games in turn), so load from other processes
+hits them alike. Timed: a reset of a game not played before in the process, `--steps` steps of random
+admissible actions, and a second reset of the same game (training replays games). Printed: resets/s and
+steps/s of each and their ratios, and whether all played identical trajectories (observations, infos,
+rewards, done flags).
 """
 
 from __future__ import annotations
@@ -165,6 +181,112 @@ def measure(ways: dict[str, tuple[Any, ...]], repeats: int) -> dict[str, tuple[f
     return best
 
 
+#: ALFWorld speed-up variants: (AlfworldConfig overrides, install the parser cache by hand)
+SPEEDUP_VARIANTS = {
+    "stock": ({"fast_textgen": False, "cache_pddl": False}, False),
+    "fast_textgen": ({"fast_textgen": False, "cache_pddl": False}, True),
+    "all": ({}, False),
+}
+
+
+def speedup_child_main(args: argparse.Namespace) -> None:
+    """One ALFWorld variant: waits for "go <round>", plays that round's games, reports times and a digest."""
+    import hashlib
+
+    from epo_cli.envs.alfworld import AlfworldConfig, AlfworldSuite, memoize_textworld_parsers
+
+    overrides, parser_cache = SPEEDUP_VARIANTS[args.speedup_child]
+    suite = AlfworldSuite(AlfworldConfig(data_dir=args.alfworld_data, max_turns=NO_LIMIT, **overrides))
+    tasks = suite.sample_tasks("train", args.games * args.repeats + 1, random.Random(0))
+    if parser_cache:
+        memoize_textworld_parsers()
+    env = suite.make_env()
+    env.reset(tasks[-1])  # untimed: imports, fast-downward's library, the engine
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if not line.startswith("go"):
+            break
+        r = int(line.split()[1])
+        digest = hashlib.sha256()
+        times = {"reset_new": 0.0, "reset_again": 0.0, "step": 0.0}
+        steps = 0
+        for g, task in enumerate(tasks[r * args.games:(r + 1) * args.games]):
+            for kind in ("reset_new", "reset_again"):
+                start = time.perf_counter()
+                obs, info = env.reset(task)
+                times[kind] += time.perf_counter() - start
+                digest.update(repr((obs, sorted(info.items()))).encode())
+                if kind == "reset_again":
+                    break
+                rng = random.Random(1000 * r + g)
+                for _ in range(args.steps):
+                    action = choose(rng, info, "alfworld")
+                    start = time.perf_counter()
+                    result = env.step(action)
+                    times["step"] += time.perf_counter() - start
+                    steps += 1
+                    info = result.info
+                    digest.update(repr((action, result.observation, result.reward, result.done,
+                                        sorted(info.items()))).encode())
+                    if result.done:
+                        break
+        print(json.dumps({**times, "steps": steps, "digest": digest.hexdigest()}), flush=True)
+    env.close()
+
+
+def bench_alfworld_speedups(args: argparse.Namespace) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=150)
+    children = {}
+    for name in SPEEDUP_VARIANTS:
+        cmd = [sys.executable, __file__, "--speedup-child", name, "--games", str(args.games), "--steps",
+               str(args.steps), "--repeats", str(args.repeats), "--alfworld-data", args.alfworld_data]
+        children[name] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                          cwd=REPO)
+    for name, child in children.items():
+        if child.stdout.readline().strip() != "ready":
+            raise SystemExit(f"the ALFWorld benchmark child {name} failed to start")
+    console.print(f"measuring ALFWorld: {args.repeats} rounds x {args.games} games x (reset, {args.steps} "
+                  "steps, reset again), the variants taking turns ...")
+    totals = {name: {"reset_new": 0.0, "reset_again": 0.0, "step": 0.0, "steps": 0} for name in children}
+    digests: dict[str, list[str]] = {name: [] for name in children}
+    for r in range(args.repeats):
+        for name, child in children.items():
+            child.stdin.write(f"go {r}\n")
+            child.stdin.flush()
+            report = json.loads(child.stdout.readline())
+            for key in totals[name]:
+                totals[name][key] += report[key]
+            digests[name].append(report["digest"])
+    for child in children.values():
+        child.stdin.write("quit\n")
+        child.stdin.flush()
+        child.wait(timeout=60)
+    games = args.games * args.repeats
+    rates = {name: {"reset_new": games / t["reset_new"], "reset_again": games / t["reset_again"],
+                    "step": t["steps"] / t["step"]} for name, t in totals.items()}
+    table = Table(title=f"ALFWorld env speed-ups ({games} games, {totals['stock']['steps']} steps; "
+                        f"{os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f} at the end)")
+    for column in ("variant", "resets/s (new game)", "resets/s (same game again)", "steps/s",
+                   "reset new x stock", "reset again x stock", "step x stock", "reset new x fast_textgen",
+                   "step x fast_textgen"):
+        table.add_column(column, justify="right" if column != "variant" else "left")
+    stock, old = rates["stock"], rates["fast_textgen"]
+    for name, rate in rates.items():
+        table.add_row(name, f"{rate['reset_new']:.2f}", f"{rate['reset_again']:.2f}", f"{rate['step']:.1f}",
+                      f"{rate['reset_new'] / stock['reset_new']:.2f}x",
+                      f"{rate['reset_again'] / stock['reset_again']:.2f}x",
+                      f"{rate['step'] / stock['step']:.2f}x", f"{rate['reset_new'] / old['reset_new']:.2f}x",
+                      f"{rate['step'] / old['step']:.2f}x")
+    console.print(table)
+    same = len({tuple(d) for d in digests.values()}) == 1
+    console.print(f"identical trajectories in all variants: {'yes' if same else 'NO'}")
+    if not same:
+        raise SystemExit(1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps and one repeat")
@@ -173,6 +295,11 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=4, help="episodes played at once")
     parser.add_argument("--rounds", type=int, default=None, help="batched steps per measurement")
     parser.add_argument("--repeats", type=int, default=None, help="measurements per way (best is kept)")
+    parser.add_argument("--alfworld-speedups", action="store_true",
+                        help="compare stock TextWorld, the parser cache and all ALFWorld speed-ups instead")
+    parser.add_argument("--games", type=int, default=None, help="--alfworld-speedups: games per round")
+    parser.add_argument("--steps", type=int, default=None, help="--alfworld-speedups: steps per game")
+    parser.add_argument("--speedup-child", help=argparse.SUPPRESS)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--child-part", default="0/1", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -182,6 +309,15 @@ def main() -> None:
         child_main(args)
         return
     repeats = args.repeats or (1 if args.quick else 2)
+    if args.alfworld_speedups or args.speedup_child:
+        args.repeats = repeats
+        args.games = args.games or (1 if args.quick else 3)
+        args.steps = args.steps or (10 if args.quick else 20)
+        if args.speedup_child:
+            speedup_child_main(args)
+        else:
+            bench_alfworld_speedups(args)
+        return
     household_steps = 50 if args.quick else 200  # household is fast: more steps for a stable timing
 
     from rich.console import Console

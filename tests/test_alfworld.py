@@ -251,3 +251,123 @@ def test_sft_on_alfworld_from_the_handcoded_expert(tmp_path: Path) -> None:
     demos = [json.loads(line) for line in (run / "demos.jsonl").read_text().splitlines()]
     assert len(demos) == 2 and all(d["won"] and d["task_type"] == "pick_and_place" for d in demos)
     assert all(step["action"] in step["admissible_commands"] for d in demos for step in d["steps"])
+
+
+def _play(p: EnvPool, episodes: list[tuple[Task, str, int]]) -> list[list]:
+    """Episodes in turn in slot 0 of `p` (one env): (task, policy, steps), policy "expert" (its action),
+    "random" (a random admissible command) or "mixed" (either, by a coin); each episode's observations and
+    infos."""
+    played, rng = [], random.Random(0)
+    for task, policy, steps in episodes:
+        (obs, info), = p.reset([task])
+        trace = [(task.task_id, obs, info)]
+        for _ in range(steps):
+            if policy == "expert" or (policy == "mixed" and rng.random() < 0.5):
+                action = info["expert_action"] or "look"
+            else:
+                action = rng.choice(info["admissible_commands"])
+            result = p.step({0: action})[0]
+            info = result.info
+            trace.append((action, result.observation, result.reward, result.done, info))
+            if result.done:
+                break
+        played.append(trace)
+    return played
+
+
+@pytest.mark.slow
+def test_speedups_leave_whole_trajectories_unchanged(pool: EnvPool) -> None:
+    """env.fast_textgen (parser cache + exact deepcopy) and env.cache_pddl, the defaults of the pool's
+    workers, against stock TextWorld in a fresh worker: the same observations, admissible commands, rewards,
+    done and won flags, subgoal events and expert actions, over different games in sequence in one env and
+    a game replayed after another (its PDDL translation cached)."""
+    s = suite()
+    clean, lamp = _task(s, "pick_clean_then_place", seed=1), _task(s, "look_at_obj_in_light", seed=2)
+    episodes = [(clean, "expert", 30), (lamp, "random", 10), (clean, "mixed", 15)]
+    with EnvPool(suite(fast_textgen=False, cache_pddl=False), num_workers=1, step_timeout_s=60) as stock:
+        expected = _play(stock, episodes)
+    played = _play(pool, episodes)
+    assert played == expected
+    # worth comparing: the expert's game is won (reward 1, done) with every subgoal event on the way
+    _, _, reward, done, info = expected[0][-1]
+    assert info["won"] and reward == 1.0 and done
+    assert sorted(e for step in expected[0] for e in step[-1]["subgoals"]) == sorted(SUBGOALS[clean.task_type])
+    assert any(step[-1]["subgoals"] for step in expected[1] + expected[2])  # and some by the other policies
+    assert expected[2][0] == expected[0][0]  # the same game starts the same the second time
+
+
+def test_exact_deepcopy_and_pddl_cache_match_textworld(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pieces of the speed-ups, in this process: the exact deepcopy returns what copy.deepcopy returns
+    (same values, same sharing, nothing shared with the original); the PDDL cache returns the translator's
+    own result, keeps PDDL_CACHE_GAMES games, and installing either twice changes nothing."""
+    import copy
+    import pickle
+
+    os.environ["ALFWORLD_DATA"] = str(SHARED)
+    import fast_downward
+    from textworld.envs.pddl import textgen
+    from textworld.generator.game import EntityInfo
+    from textworld.logic import Placeholder, Variable
+
+    import epo_cli.envs.alfworld as alf
+
+    alf.fast_textgen_copies()
+    fast = textgen.deepcopy
+    alf.fast_textgen_copies()
+    assert textgen.deepcopy is fast and fast.epo_exact
+
+    info = EntityInfo("apple_1", "o")
+    info.name, info.definite, info.synonyms = "apple 1", "the", ["fruit"]
+    ph, var = Placeholder("o", "object"), Variable("apple_1", "o")
+    symbols = textgen.ContextSensitiveGrammar.parse(json.dumps({"x": [{
+        "rhs": "You see {o.name}, [{r.name | inreceptacle(o:object, r:receptacle)}] and #y#.\\n"}]}))._rules["x"][0].rhs
+    assert {type(obj).__name__ for obj in _objects(symbols)} >= {
+        "TerminalSymbol", "NonterminalSymbol", "EvalSymbol", "ListSymbol", "ConditionalSymbol"}
+    context = {"variables": {"o": info, "again": info}, "mapping": {ph: var, Placeholder("r", "r"): var},
+               "pair": (info, "text"), "same": (1, "a"), "symbols": symbols}
+    for symbol in symbols:
+        symbol.context = context
+    original = pickle.dumps(context)
+    for value in (context, symbols, context["variables"], info, (info, [info])):
+        mine, theirs = fast(value), copy.deepcopy(value)
+        assert pickle.dumps(mine) == pickle.dumps(theirs)  # pickle records values and sharing
+        kept = {id(obj) for obj in _objects(value)}
+        assert not any(id(obj) in kept for obj in _objects(mine) if not isinstance(obj, (str, int, tuple, type(None))))
+    copied = fast(context)
+    assert copied["variables"]["o"] is copied["variables"]["again"] is copied["pair"][0]
+    assert copied["same"] is context["same"]  # deepcopy keeps tuples of atoms
+    assert pickle.dumps(context) == original  # the original is untouched
+
+    alf.cache_pddl_translations()
+    cached = fast_downward.pddl2sas
+    alf.cache_pddl_translations()
+    assert fast_downward.pddl2sas is cached and cached.epo_cached
+    monkeypatch.setattr(alf, "PDDL_CACHE_GAMES", 1)
+    cached.cache.clear()
+    games = [json.loads((SHARED / "json_2.1.1" / task_id / "game.tw-pddl").read_text())
+             for task_id, _ in suite().games("train")[:2]]
+    first = cached(games[0]["pddl_domain"], games[0]["pddl_problem"])
+    assert cached(games[0]["pddl_domain"], games[0]["pddl_problem"]) is first
+    assert first[1] == cached.original(games[0]["pddl_domain"], games[0]["pddl_problem"])[1]
+    assert cached(games[0]["pddl_domain"], games[0]["pddl_problem"], optimize=True)[1] != first[1]
+    cached(games[1]["pddl_domain"], games[1]["pddl_problem"])
+    assert len(cached.cache) == 2 and (games[0]["pddl_domain"], games[0]["pddl_problem"], False) not in cached.cache
+
+
+def _objects(value, seen=None) -> list:
+    """Every object reachable from `value` through containers, slots and __dict__ (for sharing checks)."""
+    seen = {} if seen is None else seen
+    if id(value) in seen:
+        return []
+    seen[id(value)] = value
+    found = [value]
+    if isinstance(value, dict):
+        children = [*value.keys(), *value.values()]
+    elif isinstance(value, (list, tuple)):
+        children = list(value)
+    else:
+        children = [getattr(value, slot) for slot in getattr(type(value), "__slots__", ()) if hasattr(value, slot)]
+        children += list(getattr(value, "__dict__", {}).values())
+    for child in children:
+        found += _objects(child, seen)
+    return found
