@@ -8,6 +8,8 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= envs,loggers,sweep,lora,bench,dev
 PYTEST_ARGS ?=
+# `make test` runs the suite in this many pytest-xdist worker processes (1 = in this process)
+TEST_WORKERS ?= 2
 
 .PHONY: install test demo lint clean
 
@@ -23,7 +25,8 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 test: install
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	if [ "$(TEST_WORKERS)" -gt 1 ]; then xdist="-n $(TEST_WORKERS) --dist loadfile"; fi; \
+	$(BIN)/python -m pytest $$xdist $(PYTEST_ARGS)
 
 demo: install
 	$(BIN)/python scripts/demo.py

@@ -7,6 +7,11 @@ signals, launchers). `small_config` holds the overrides every short integration 
 model's behaviour-cloning warm starts are built once per test session: `warm_start` (the shipped
 1600-step preset, for tests that assert on success or learning) and `warm_start_short` (a few SFT steps:
 a policy that answers in the response format, for tests that only need one that acts).
+
+`make test` runs the suite in two pytest-xdist workers (`-n 2 --dist loadfile`: a file's tests stay on one
+worker, so its module fixtures are built once). Session fixtures that cost minutes (the warm starts) are
+built once for all workers (`build_once`), and `pytest_collection_modifyitems` orders the files so that
+one worker starts building the warm start while the other runs files that do not need it.
 """
 
 from __future__ import annotations
@@ -22,11 +27,12 @@ import subprocess
 import sys
 import traceback
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -59,10 +65,64 @@ def pytest_configure(config: pytest.Config) -> None:
         pass
 
 
+def session_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The temporary folder of this test session that every xdist worker shares (a worker's own basetemp
+    is a subfolder of it; without xdist it is the basetemp itself)."""
+    base = tmp_path_factory.getbasetemp()
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # also seen by a pytest that a test starts: check the name
+    return base.parent if worker and base.name == f"popen-{worker}" else base
+
+
+def build_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[], Path]) -> Path:
+    """`build()` once per test session, also when xdist runs the session in several worker processes: the
+    first worker to ask builds under a file lock and records the path; the others wait for it and reuse
+    it. A failed build records nothing, so a later request fails on its own build."""
+    root = session_root(tmp_path_factory)
+    record = root / f"{name}.path"
+    with FileLock(str(root / f"{name}.lock")):
+        if record.exists():
+            return Path(record.read_text())
+        path = build()
+        record.write_text(str(path))
+        return path
+
+
+#: the files that take minutes here (the rest take seconds), longest first: with two xdist workers, starting
+#: the long files first lets the workers finish together (only the order changes, never what runs)
+LONG_FILES = ("test_stop_and_resume.py", "test_distributed.py", "test_alfworld.py", "test_exp_entropy.py",
+              "test_sweep.py", "test_train.py", "test_cli_errors.py", "test_overlap.py", "test_config.py")
+#: the session fixtures that build a warm start (minutes of SFT)
+WARM_START_FIXTURES = ("warm_start", "warm_start_short")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Order the files (each file's tests keep their order): one file that needs a warm start first, so
+    that a worker starts building it at once; then the files that need none, while it builds; then the
+    other files that need one. Within each group the LONG_FILES come first, longest first. Every xdist
+    worker collects and orders the same way (the order is a function of the collected items only)."""
+    files: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(item.path.name, []).append(item)
+
+    def needs_warm_start(name: str) -> bool:
+        return any(f in item.fixturenames for item in files[name] for f in WARM_START_FIXTURES)
+
+    def by_length(names: list[str]) -> list[str]:
+        rank = {name: i for i, name in enumerate(LONG_FILES)}
+        return sorted(names, key=lambda name: rank.get(name, len(LONG_FILES)))  # stable: the rest in order
+
+    warm = by_length([name for name in files if needs_warm_start(name)])
+    other = by_length([name for name in files if not needs_warm_start(name)])
+    order = warm[:1] + other + warm[1:]
+    items[:] = [item for name in order for item in files[name]]
+
+
 @pytest.fixture(scope="session")
 def epo_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A model cache private to this test session (tiny tokenizers/models are built here, once)."""
-    path = Path(os.environ.get("EPO_TEST_CACHE") or tmp_path_factory.mktemp("epo_cache"))
+    """A model cache private to this test session, shared by its xdist workers (tiny tokenizers/models
+    are built here once; epo_cli.models.tiny builds each under a file lock and renames it into place)."""
+    path = Path(os.environ.get("EPO_TEST_CACHE") or session_root(tmp_path_factory) / "epo_cache")
+    path.mkdir(parents=True, exist_ok=True)
     os.environ["EPO_CACHE"] = str(path)
     return path
 
@@ -255,9 +315,13 @@ def warm_start(epo_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     if reuse:
         assert (Path(reuse) / "final").is_dir(), f"EPO_TEST_WARM_START={reuse} holds no final/ policy"
         return Path(reuse)
-    out = tmp_path_factory.mktemp("warm_start")
-    run_epo(["train", *WARM_START_ARGS, f"output_dir={out}", "name=warm"], cwd=out)
-    return only_run_dir(out)
+
+    def build() -> Path:
+        out = tmp_path_factory.mktemp("warm_start")
+        run_epo(["train", *WARM_START_ARGS, f"output_dir={out}", "name=warm"], cwd=out)
+        return only_run_dir(out)
+
+    return build_once(tmp_path_factory, "warm_start", build)
 
 
 @pytest.fixture(scope="session")
@@ -276,9 +340,13 @@ def warm_start_short(request: pytest.FixtureRequest, epo_cache: Path,
     if os.environ.get("EPO_TEST_WARM_START") or any("warm_start" in getattr(item, "fixturenames", ())
                                                     for item in request.session.items):
         return request.getfixturevalue("warm_start")
-    out = tmp_path_factory.mktemp("warm_start_short")
-    run_epo(["train", *WARM_START_SHORT_ARGS, f"output_dir={out}", "name=warm_short"], cwd=out)
-    return only_run_dir(out)
+
+    def build() -> Path:
+        out = tmp_path_factory.mktemp("warm_start_short")
+        run_epo(["train", *WARM_START_SHORT_ARGS, f"output_dir={out}", "name=warm_short"], cwd=out)
+        return only_run_dir(out)
+
+    return build_once(tmp_path_factory, "warm_start_short", build)
 
 
 @pytest.fixture(scope="session")

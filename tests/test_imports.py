@@ -282,3 +282,21 @@ def test_the_new_folders_import_nothing_in_their_init(package: str) -> None:
     __init__ that imports its modules would run them for every import of any one of them."""
     modules = module_files(PACKAGE)
     assert imports_of(f"epo_cli.{package}", modules) == []
+
+
+def test_deepspeed_is_imported_without_mlflow_which_stays_importable() -> None:
+    """Every epo process calls quiet_libraries() first: `import deepspeed` then no longer imports mlflow
+    through its autotuner (~1.7 s per process and rank), and mlflow still imports for logger=mlflow."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from epo_cli.console import quiet_libraries\n"
+            "quiet_libraries()\n"
+            "import deepspeed, deepspeed.autotuning.autotuner as autotuner\n"
+            "assert 'mlflow' not in sys.modules and autotuner.has_mlflow is False\n"
+            "import mlflow\n"
+            "assert mlflow.start_run\n"
+            "print('ok')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]

@@ -6,6 +6,8 @@
     SIGTERM to `epo train launcher=deepspeed` (2 CPU ranks) -> every rank stops after the same step
     trainer.resume=<run> | <run>/checkpoints | <run>/checkpoints/latest | <run>/checkpoints/step_N
     a path that is none of these -> exit 2 with the expected forms, nothing written
+The signal tests run the real console script (conftest.run_cli, a process to signal); the path forms run
+`epo train` in-process (conftest.run_epo: the same CLI without ~10 s of process start per command).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli, terminal_signal_dispositions
+from conftest import run_cli, run_epo, terminal_signal_dispositions
 
 pytestmark = pytest.mark.slow
 
@@ -133,7 +135,7 @@ def two_checkpoints(warm_start: Path, tmp_path_factory: pytest.TempPathFactory) 
     root = tmp_path_factory.mktemp("resume_forms")
     run = root / "run"
     args = [a for a in RL_ARGS if not a.startswith(("trainer.save_every", "trainer.total_steps", "algo="))]
-    run_cli(["train", "algo=grpo", *args, "trainer.save_every=1", "trainer.total_steps=3", "trainer.stop_after=2",
+    run_epo(["train", "algo=grpo", *args, "trainer.save_every=1", "trainer.total_steps=3", "trainer.stop_after=2",
              f"model.path={warm_start / 'final'}", f"run_dir={run}"], cwd=root)
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_2"
     return run
@@ -159,7 +161,7 @@ def test_resume_from_each_path_form(two_checkpoints: Path, tmp_path: Path, form:
     # from another directory, so nothing could be found relative to the working directory
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    proc = run_cli(["train", f"trainer.resume={given}"], cwd=elsewhere)
+    proc = run_epo(["train", f"trainer.resume={given}"], cwd=elsewhere)
     assert not list(elsewhere.iterdir()), "a resume must continue the run, not start a new one here"
     warned = [line for line in proc.stderr.splitlines() if line.startswith("warning:") and "metrics" in line]
     if form == "checkpoints":  # skipped with one warning, and the rewritten file is clean
@@ -193,7 +195,7 @@ def test_resume_path_that_is_not_a_run_is_exit_2(two_checkpoints: Path, tmp_path
         "incomplete step": run / "checkpoints" / "step_9",
     }
     for what, path in cases.items():
-        proc = run_cli(["train", f"trainer.resume={path}"], cwd=tmp_path, expect=None)
+        proc = run_epo(["train", f"trainer.resume={path}"], cwd=tmp_path, expect=None)
         assert "Traceback" not in proc.stderr, what
         if what == "incomplete step":
             assert proc.returncode == 1 and "incomplete" in proc.stderr, (what, proc.stderr)
