@@ -351,10 +351,6 @@ class EnvPool:
 
     # -- public API ------------------------------------------------------------------------------------
 
-    @property
-    def num_slots(self) -> int:
-        return len(self._tasks)
-
     def worker_pids(self) -> list[int]:
         """Pids of the running workers (for diagnostics and tests)."""
         return [w.process.pid for w in self._workers if w is not None and w.process.pid is not None]

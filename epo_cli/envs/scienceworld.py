@@ -53,6 +53,7 @@ from typing import Any
 from epo_cli.config import EnvConfig, num, one_of
 from epo_cli.envs.base import Env, EnvSuite, StepResult, Task
 from epo_cli.errors import ConfigError, UserError
+from epo_cli.seeding import derive_seed
 
 SPLITS = {"train": "train", "eval_in_distribution": "dev", "eval_out_of_distribution": "test"}
 #: always offered when valid (cheap, safe information-gathering actions)
@@ -351,7 +352,7 @@ class ScienceWorldGame(Env):
             return sorted(valid), len(valid)
         keep = [a for a in ALWAYS_ADMISSIBLE if a in valid]
         rest = [a for a in valid if a not in keep]
-        rng = random.Random(self._task.seed * 1_000_003 + self._turn)  # same list on every run
+        rng = random.Random(derive_seed(self._task.seed, "admissible_sample", self._turn))  # same on every run
         keep += rng.sample(rest, max(0, self.max_admissible - len(keep)))
         return sorted(keep), len(valid)
 

@@ -8,7 +8,6 @@ logger.mlflow.enabled (epo_cli.loggers.mlflow). Metric names: see epo_cli/logger
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +105,3 @@ class MetricsLogger:
 def _plain(cfg: Any) -> Any:
     return OmegaConf.to_container(cfg, resolve=True) if hasattr(cfg, "_metadata") else cfg
 
-
-def is_tty() -> bool:
-    return sys.stdout.isatty()
