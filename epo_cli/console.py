@@ -18,29 +18,45 @@ err_console = Console(stderr=True, highlight=False)
 
 
 def quiet_libraries() -> None:
-    """Keep the console for our own progress: no download bars, no accelerator-probing chatter."""
+    """Keep the console for our own progress: no download bars, no accelerator-probing chatter. Cheap: it
+    imports nothing heavy (`epo --help` and `epo config show` never import torch)."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    skip_mlflow_in_deepspeed_autotuner()
+    if not any(isinstance(finder, _DeepSpeedImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _DeepSpeedImport())
+
+
+def name_the_accelerator() -> None:
+    """DS_ACCELERATOR=cuda or cpu, unless set: DeepSpeed then skips probing for accelerators (and its
+    "Setting accelerator to CPU" warning)."""
     if "DS_ACCELERATOR" not in os.environ:
-        import torch  # lazy: only needed when the accelerator is not named already
+        import torch  # lazy: deepspeed, the only reader, imports torch anyway
 
         os.environ["DS_ACCELERATOR"] = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-class _AutotunerWithoutMlflow(importlib.abc.MetaPathFinder):
-    """Runs `deepspeed.autotuning.autotuner` with `import mlflow` failing, as if mlflow were not installed.
+class _DeepSpeedImport(importlib.abc.MetaPathFinder):
+    """Two settings applied when `deepspeed` is first imported, wherever that happens (installed by
+    quiet_libraries at every process start):
 
-    `import deepspeed` imports its autotuner, which imports mlflow when it can (~1.7 s here, in every `epo`
-    process and every rank) only to report `deepspeed --autotuning` experiments to it; epo never runs the
-    autotuner, and its own mlflow logger imports mlflow when `logger=mlflow` asks for it.
+    - DS_ACCELERATOR is named (name_the_accelerator) just before deepspeed reads it;
+    - `deepspeed.autotuning.autotuner` runs with `import mlflow` failing, as if mlflow were not installed:
+      `import deepspeed` imports its autotuner, which imports mlflow when it can (~1.7 s here, in every
+      `epo` process and every rank) only to report `deepspeed --autotuning` experiments to it. epo never
+      runs the autotuner, and its own mlflow logger imports mlflow when `logger=mlflow` asks for it.
+
+    It finds no module itself (it returns None or the ordinary PathFinder's spec), so imports are unchanged
+    otherwise.
     """
 
-    TARGET = "deepspeed.autotuning.autotuner"
+    AUTOTUNER = "deepspeed.autotuning.autotuner"
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if name != self.TARGET:
+        if name == "deepspeed":
+            name_the_accelerator()
+            return None
+        if name != self.AUTOTUNER:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
@@ -60,9 +76,3 @@ class _AutotunerWithoutMlflow(importlib.abc.MetaPathFinder):
 
         spec.loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
-
-
-def skip_mlflow_in_deepspeed_autotuner() -> None:
-    """Install _AutotunerWithoutMlflow (once per process; before deepspeed is imported, else no effect)."""
-    if not any(isinstance(finder, _AutotunerWithoutMlflow) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _AutotunerWithoutMlflow())

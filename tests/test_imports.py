@@ -284,19 +284,26 @@ def test_the_new_folders_import_nothing_in_their_init(package: str) -> None:
     assert imports_of(f"epo_cli.{package}", modules) == []
 
 
-def test_deepspeed_is_imported_without_mlflow_which_stays_importable() -> None:
-    """Every epo process calls quiet_libraries() first: `import deepspeed` then no longer imports mlflow
-    through its autotuner (~1.7 s per process and rank), and mlflow still imports for logger=mlflow."""
+def test_process_start_imports_no_torch_and_deepspeed_gets_its_settings_on_import() -> None:
+    """Every epo process calls quiet_libraries() first. It imports no torch (`epo --help` stays fast); the
+    first `import deepspeed` then names the accelerator (DS_ACCELERATOR, so DeepSpeed does not probe) and
+    no longer imports mlflow through its autotuner (~1.7 s per process and rank), and mlflow still
+    imports for logger=mlflow."""
+    import os
     import subprocess
     import sys
 
-    code = ("import sys\n"
+    code = ("import os, sys\n"
             "from epo_cli.console import quiet_libraries\n"
             "quiet_libraries()\n"
+            "assert 'torch' not in sys.modules and 'DS_ACCELERATOR' not in os.environ\n"
             "import deepspeed, deepspeed.autotuning.autotuner as autotuner\n"
+            "assert os.environ['DS_ACCELERATOR'] == 'cpu'\n"
             "assert 'mlflow' not in sys.modules and autotuner.has_mlflow is False\n"
             "import mlflow\n"
             "assert mlflow.start_run\n"
             "print('ok')\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+    assert "Setting accelerator" not in proc.stderr  # DeepSpeed did not have to guess
