@@ -2,6 +2,7 @@
 
     python scripts/bench_rollout.py [--model PATH] [--algo grpo] [--iterations 3] [OVERRIDES...]
     python scripts/bench_rollout.py --modes [--envs household,alfworld] [--iterations 2] [--model PATH]
+    python scripts/bench_rollout.py --iteration [--envs alfworld,household] [--iterations 2] [--model PATH]
 
 --modes: the rollout's speed-ups (rollout.overlap, rollout.shared_prefill) on each env, against lock-step
 rollouts of the same tasks in the same run (modes interleaved per iteration, so drift in the machine's
@@ -11,7 +12,18 @@ ALFWorld plays the shared games (--alfworld-data, default $ALFWORLD_DATA or ../s
 --alfworld-workers env workers (default 2). household-sleepy: household in as many workers, each step
 sleeping --sleep-ms (an env that waits instead of computing: what overlap hides when the CPU is busy).
 Targets (issue 12): overlap ratio <= 0.75 and rollout >= 1.4x faster on ALFWorld with 2 workers;
-household not slower.
+household not slower. The modes share one Trainer's env workers and replay the same games, so with
+env.cache_pddl=true (the default) the first mode of an iteration pays the resets the later ones find
+cached: compare modes with `env.cache_pddl=false`, or use --iteration (own workers per variant).
+
+--iteration: whole RL iterations (Trainer.rl_step: rollout, scoring, advantages, update) with the settings
+from before issue 12 ("before": rollout.overlap=false, rollout.shared_prefill=false, algo.pack_tokens=0,
+algo.reuse_scoring_forward=false, env.cache_pddl=false and TextWorld's parser cache alone, which is what
+env.fast_textgen was when issue 12 was filed), today's defaults ("today") and today's defaults with
+rollout.overlap=true ("today+overlap"); "before-stock" (before, stock TextWorld) on request (--variants).
+Each variant is its own Trainer (same seed, so the same tasks and, as long as the updates agree, the same
+episodes) with its own env workers, which install only that variant's ALFWorld patches (they are
+process-wide) and report what they installed; variants are interleaved per iteration.
 
 rollout overhead = wall time of a rollout / (time inside generate + time inside env.step)
 update overhead  = loss-stack update time / a plain causal-LM forward+backward(+step) over the same
@@ -64,16 +76,19 @@ MODES = [("lock-step", False, False), ("shared prefill", False, True), ("overlap
          ("overlap + shared prefill", True, True)]
 
 
+def env_data(args: argparse.Namespace) -> str:
+    shared = [Path(__file__).resolve().parents[1].parent / "shared" / "alfworld", Path("/work/shared/alfworld")]
+    found = [str(p) for p in shared if (p / "json_2.1.1").is_dir()]
+    return args.alfworld_data or os.environ.get("ALFWORLD_DATA") or (found[0] if found else str(shared[0]))
+
+
 def env_overrides(env: str, args: argparse.Namespace) -> list[str]:
     if env.startswith("household"):
         workers = args.household_workers if env == "household" else args.alfworld_workers
         return ["env=household", "env.level=small_pick_and_light", "env.prompt_template=compact",
-                f"env.num_workers={workers}", "env.max_turns=15"]
-    shared = [Path(__file__).resolve().parents[1].parent / "shared" / "alfworld", Path("/work/shared/alfworld")]
-    found = [str(p) for p in shared if (p / "json_2.1.1").is_dir()]
-    data = args.alfworld_data or os.environ.get("ALFWORLD_DATA") or (found[0] if found else str(shared[0]))
-    return ["env=alfworld", f"env.data_dir={data}", f"env.num_workers={args.alfworld_workers}",
-            f"env.max_turns={args.alfworld_turns}", "env.expert=false"]
+                f"env.num_workers={workers}", f"env.max_turns={args.household_turns}"]
+    return ["env=alfworld", f"env.data_dir={env_data(args)}", f"env.num_workers={args.alfworld_workers}",
+            f"env.max_turns={args.alfworld_turns}", f"env.expert={str(args.alfworld_expert).lower()}"]
 
 
 def compare_modes(env: str, args: argparse.Namespace) -> list[tuple[str, dict[str, float], bool]]:
@@ -164,24 +179,264 @@ def print_modes(results: dict[str, list[tuple[str, dict[str, float], bool]]], ar
     Console(width=160).print(table)
 
 
+# ----------------------------------------------------------------------------------------------------------
+# --iteration: whole RL iterations, before issue 12 / today / today + overlap
+# ----------------------------------------------------------------------------------------------------------
+
+#: the issue-12 speed-ups switched off (all envs)
+BEFORE = ["rollout.overlap=false", "rollout.shared_prefill=false", "algo.pack_tokens=0",
+          "algo.reuse_scoring_forward=false"]
+#: ALFWorld's env speed-ups switched off; "before" then installs TextWorld's parser cache alone in its
+#: workers (env.fast_textgen as it was when issue 12 was filed, before the exact deepcopy joined it)
+BEFORE_ALFWORLD = ["env.fast_textgen=false", "env.cache_pddl=false"]
+#: name -> (overrides, ALFWorld-only overrides, install the parser cache alone in the env workers)
+ITERATION_VARIANTS = {
+    "before": (BEFORE, BEFORE_ALFWORLD, True),
+    "before-stock": (BEFORE, BEFORE_ALFWORLD, False),
+    "today": ([], [], False),
+    "today+overlap": (["rollout.overlap=true"], [], False),
+}
+#: settings each variant prints, as the Trainer resolved them
+SHOWN_SETTINGS = ["rollout.overlap", "rollout.shared_prefill", "algo.pack_tokens", "algo.reuse_scoring_forward",
+                  "env.fast_textgen", "env.cache_pddl", "env.expert", "env.num_workers"]
+
+
+def textworld_patches() -> dict[str, bool]:
+    """Which of epo's ALFWorld patches this process has installed (the env workers report these)."""
+    import sys
+
+    if "textworld.envs.pddl.textgen" not in sys.modules:
+        return {}
+    import fast_downward
+    import textworld.logic as logic
+    from textworld.envs.pddl import textgen
+
+    return {"parser_cache": bool(getattr(textgen._parse_and_convert, "epo_memoized", False)
+                                 and getattr(logic._parse_and_convert, "epo_memoized", False)),
+            "exact_deepcopy": bool(getattr(textgen.deepcopy, "epo_exact", False)),
+            "pddl_cache": bool(getattr(fast_downward.pddl2sas, "epo_cached", False))}
+
+
+class ProbeEnv:
+    """An env that installs the parser cache alone first (when asked) and, after each reset, writes which
+    ALFWorld patches its process has, to `probe_dir/<variant>-<pid>.json`."""
+
+    def __init__(self, env, variant: str, parser_cache_only: bool, probe_dir: str) -> None:
+        self.env, self.variant, self.parser_cache_only, self.probe_dir = env, variant, parser_cache_only, probe_dir
+
+    def reset(self, task):
+        if self.parser_cache_only:
+            from epo_cli.envs.alfworld import memoize_textworld_parsers
+
+            memoize_textworld_parsers()  # idempotent; without fast_textgen_copies it copies with copy.deepcopy
+        out = self.env.reset(task)
+        import json
+
+        path = Path(self.probe_dir) / f"{self.variant}-{os.getpid()}.json"
+        path.write_text(json.dumps({"variant": self.variant, "pid": os.getpid(), **textworld_patches()}))
+        return out
+
+    def step(self, action):
+        return self.env.step(action)
+
+    def close(self) -> None:
+        self.env.close()
+
+
+class ProbeSuite:
+    """What the env pool's workers get (pickled into each): the variant's suite, wrapped in ProbeEnv."""
+
+    def __init__(self, suite, variant: str, parser_cache_only: bool, probe_dir: str) -> None:
+        self.suite, self.variant, self.parser_cache_only, self.probe_dir = suite, variant, parser_cache_only, probe_dir
+
+    def make_env(self) -> ProbeEnv:
+        return ProbeEnv(self.suite.make_env(), self.variant, self.parser_cache_only, self.probe_dir)
+
+
+def iteration_overrides(env: str, args: argparse.Namespace) -> list[str]:
+    overrides = [f"algo={args.algo}", *env_overrides(env, args), f"algo.tasks_per_step={args.tasks}",
+                 f"algo.group_size={args.group_size}", "env.eval_splits=[]", "logger.console=false",
+                 "logger.tensorboard=false", "trainer.total_steps=100", "model=tiny"]
+    if args.model:
+        overrides.append(f"model.path={args.model}")
+    if args.quick:
+        overrides.append("rollout.max_new_tokens=16")
+    return overrides
+
+
+def compare_iterations(env: str, args: argparse.Namespace) -> dict[str, dict]:
+    """Each variant's mean iteration figures on `env`, how many iterations it played the same episodes as
+    the first variant, its resolved settings and what its env workers installed."""
+    import json
+    import random
+
+    from epo_cli.compose import compose
+    from epo_cli.envs.pool import EnvPool
+    from epo_cli.training.trainer import Trainer
+
+    variants = [v.strip() for v in args.variants.split(",")]
+    unknown = [v for v in variants if v not in ITERATION_VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown --variants {unknown}; valid: {', '.join(ITERATION_VARIANTS)}")
+    probe_dir = Path(tempfile.mkdtemp(prefix=f"bench_iteration_probe_{env}_"))
+    trainers: dict[str, Trainer] = {}
+    played: dict[str, list] = {}
+    env_steps: dict[str, int] = {}
+    try:
+        for name in variants:
+            common, alfworld_only, parser_cache_only = ITERATION_VARIANTS[name]
+            overrides = [*iteration_overrides(env, args), *common, *(alfworld_only if env == "alfworld" else [])]
+            cfg = compose([*overrides, *args.overrides])
+            run = Path(tempfile.mkdtemp(prefix=f"bench_iteration_{env}_{name}_"))
+            cfg.run_dir = str(run)
+            trainer = Trainer(cfg, run)
+            if env == "alfworld":  # this variant's own workers, with only its patches
+                workers = trainer.pool.num_workers
+                trainer.pool.close()
+                trainer.pool = EnvPool(ProbeSuite(trainer.suite, name, parser_cache_only, str(probe_dir)),
+                                       num_workers=workers, step_timeout_s=cfg.env.step_timeout_s)
+            trainers[name] = trainer
+
+            def capture(step: int, total: int, _trainer: Trainer = trainer, _name: str = name):
+                episodes, batch, stats = Trainer.rollout(_trainer, step, total)
+                played[_name] = [(ep.traj_id, [(t.response_ids, t.observation) for t in ep.turns])
+                                 for ep in episodes]
+                env_steps[_name] = stats.env_steps
+                return episodes, batch, stats
+
+            trainer.rollout = capture  # rl_step's own rollout, its episodes kept for the comparison
+        # start the workers and build every slot's env before timing (a one-off cost of the first rollout);
+        # other tasks than the iterations' (a PDDL cache does not start warm)
+        n = args.tasks * args.group_size
+        for trainer in trainers.values():
+            trainer.pool.reset(trainer.suite.sample_tasks(trainer.cfg.env.train_split, n, random.Random(12345)))
+        keys = ["iteration_s", "perf/rollout_s", "perf/generate_s", "perf/env_s", "perf/env_wait_s",
+                "perf/score_s", "perf/update_s", "perf/padding_efficiency", "perf/scoring_reused"]
+        sums = {name: dict.fromkeys(keys, 0.0) for name in variants}
+        same: dict[str, list[bool]] = {name: [] for name in variants}  # per iteration
+        for it in range(args.iterations):
+            order = variants if it % 2 == 0 else variants[::-1]
+            for name in order:
+                trainer = trainers[name]
+                total = trainer.cfg.trainer.total_steps
+                t0 = time.perf_counter()
+                trainer._set_learning_rates(it, total)
+                metrics = trainer.rl_step(it, total)
+                metrics["iteration_s"] = time.perf_counter() - t0
+                for key in keys:
+                    sums[name][key] += metrics.get(key, 0.0) / args.iterations
+                print(f"  {env} iteration {it} {name}: {metrics['iteration_s']:.2f}s = rollout "
+                      f"{metrics['perf/rollout_s']:.2f}s (generate {metrics['perf/generate_s']:.2f}s, env "
+                      f"{metrics['perf/env_s']:.2f}s) + score {metrics['perf/score_s']:.2f}s + update "
+                      f"{metrics['perf/update_s']:.2f}s; {env_steps[name]} env steps, "
+                      f"{int(metrics['rollout/samples'])} samples, success {metrics.get('rollout/success', 0.0):.2f}",
+                      flush=True)
+            for name in variants:
+                same[name].append(played[name] == played[variants[0]])
+        settings = {name: {key: _select(trainers[name].cfg, key) for key in SHOWN_SETTINGS} for name in variants}
+    finally:
+        for trainer in trainers.values():
+            trainer.pool.close()  # the process group stays: DeepSpeed keeps its groups for the next Trainer
+    probes: dict[str, list[dict]] = {name: [] for name in variants}
+    for path in sorted(probe_dir.glob("*.json")):
+        probe = json.loads(path.read_text())
+        probes[probe.pop("variant")].append(probe)
+    for name in variants:
+        print(f"  {env} {name}: {settings[name]}" + (f"; env workers: {probes[name]}" if probes[name] else ""),
+              flush=True)
+    return {name: {"means": sums[name], "same": same[name], "settings": settings[name], "workers": probes[name]}
+            for name in variants}
+
+
+def _select(cfg, key: str):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.select(cfg, key, default=None)
+
+
+def same_column(same: list[bool]) -> str:
+    """'3/3', or '2/3 (not 2)': in how many iterations a variant played the same episodes as the reference,
+    and which did not (later iterations start from weights the variants' updates changed slightly
+    differently: packed vs padded sums round differently, and one flipped sampled token changes an episode)."""
+    text = f"{sum(same)}/{len(same)}"
+    differing = [str(i) for i, ok in enumerate(same) if not ok]
+    return text + (f" (not {','.join(differing)})" if differing else "")
+
+
+def print_iterations(results: dict[str, dict[str, dict]], args: argparse.Namespace) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"bench_rollout --iteration ({args.algo}, {args.tasks}x{args.group_size} envs, "
+                        f"{args.iterations} iterations, means)")
+    columns = ("env", "variant", "iteration s", "rollout s", "generate s", "env s", "waited s", "overlap ratio",
+               "score s", "update s", "padding eff.", "scoring reused", "vs " + args.variants.split(",")[0].strip(),
+               "same episodes")
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("env", "variant") else "right")
+    for env, rows in results.items():
+        base = next(iter(rows.values()))["means"]["iteration_s"]
+        for name, row in rows.items():
+            m = row["means"]
+            ratio = m["perf/rollout_s"] / max(m["perf/generate_s"] + m["perf/env_s"], 1e-9)
+            table.add_row(env, name, f"{m['iteration_s']:.2f}", f"{m['perf/rollout_s']:.2f}",
+                          f"{m['perf/generate_s']:.2f}", f"{m['perf/env_s']:.2f}", f"{m['perf/env_wait_s']:.2f}",
+                          f"{ratio:.3f}", f"{m['perf/score_s']:.2f}", f"{m['perf/update_s']:.2f}",
+                          f"{m['perf/padding_efficiency']:.3f}", f"{m['perf/scoring_reused']:.2f}",
+                          f"{base / m['iteration_s']:.2f}x", same_column(row["same"]))
+    Console(width=200).print(table)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="HF folder of a warm-started policy (default: tiny random model)")
     parser.add_argument("--algo", default="grpo")
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--modes", action="store_true", help="compare the rollout modes (see above)")
-    parser.add_argument("--envs", default="household,alfworld", help="--modes: envs to run, comma-separated")
-    parser.add_argument("--tasks", type=int, default=4, help="--modes: algo.tasks_per_step")
-    parser.add_argument("--group-size", type=int, default=4, help="--modes: algo.group_size")
-    parser.add_argument("--alfworld-data", help="--modes: ALFWorld games folder")
+    parser.add_argument("--iteration", action="store_true",
+                        help="compare whole RL iterations: before issue 12, today, today + overlap (see above)")
+    parser.add_argument("--variants", default="before,today,today+overlap",
+                        help="--iteration: variants to run, the first is the reference "
+                             f"({', '.join(ITERATION_VARIANTS)})")
+    parser.add_argument("--quick", action="store_true",
+                        help="--iteration: household only, 2x2 envs, 3 turns, 16 new tokens, 1 iteration "
+                             "(a smoke test)")
+    parser.add_argument("--json", help="--iteration: write the figures to this file")
+    parser.add_argument("--envs", default=None,
+                        help="--modes, --iteration: envs to run, comma-separated (default household,alfworld; "
+                             "--quick: household)")
+    parser.add_argument("--tasks", type=int, default=4, help="--modes, --iteration: algo.tasks_per_step")
+    parser.add_argument("--group-size", type=int, default=4, help="--modes, --iteration: algo.group_size")
+    parser.add_argument("--alfworld-data", help="--modes, --iteration: ALFWorld games folder")
     parser.add_argument("--alfworld-workers", type=int, default=2)
     parser.add_argument("--alfworld-turns", type=int, default=10)
+    parser.add_argument("--alfworld-expert", action="store_true",
+                        help="env.expert=true (the config's default, for SFT demos; ~10%% of a step); "
+                             "the benchmarks play with env.expert=false, as RL does not read it")
     parser.add_argument("--household-workers", type=int, default=0)
+    parser.add_argument("--household-turns", type=int, default=15)
     parser.add_argument("--sleep-ms", type=float, default=40.0,
                         help="--modes: env household-sleepy (household with --alfworld-workers workers): each step "
                              "sleeps this long (a reset 5x), like ALFWorld's ~15 steps/s but without the CPU")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    if args.envs is None and not args.quick:
+        args.envs = "household,alfworld"
+
+    if args.iteration:
+        import json
+
+        import torch
+
+        if args.quick:
+            args.envs = args.envs or "household"
+            args.tasks, args.group_size, args.iterations, args.household_turns = 2, 2, 1, 3
+        results = {env.strip(): compare_iterations(env.strip(), args) for env in args.envs.split(",")}
+        print_iterations(results, args)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+        torch.distributed.destroy_process_group()
+        return
 
     if args.modes:
         results = {}

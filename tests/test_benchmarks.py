@@ -30,3 +30,25 @@ def test_bench_vs_trl_quick(tmp_path: Path, epo_cache: Path) -> None:
         assert 4 <= figures[side]["tokens_per_iter"] <= 32
         assert figures[side]["s_per_iter"] > 0
     assert math.isfinite(figures["ratio_s_per_iter"]) and figures["ratio_s_per_iter"] > 0
+
+
+@pytest.mark.slow
+def test_bench_rollout_iteration_quick(tmp_path: Path, epo_cache: Path) -> None:
+    """--iteration --quick: whole RL iterations on household for before / today / today + overlap."""
+    out = tmp_path / "figures.json"
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_rollout.py"), "--iteration", "--quick",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "bench_rollout --iteration" in proc.stdout
+    rows = json.loads(out.read_text())["household"]
+    assert list(rows) == ["before", "today", "today+overlap"]
+    for name, row in rows.items():
+        means = row["means"]
+        assert means["iteration_s"] > 0 and means["perf/rollout_s"] > 0, name
+        assert means["iteration_s"] >= means["perf/rollout_s"] + means["perf/update_s"], name
+        assert row["same"] == [True], name  # same seed, same tasks: the same episodes as "before"
+    assert rows["before"]["settings"]["algo.pack_tokens"] == 0
+    assert rows["before"]["settings"]["rollout.shared_prefill"] is False
+    assert rows["today+overlap"]["settings"]["rollout.overlap"] is True
+    assert rows["today"]["means"]["perf/padding_efficiency"] == pytest.approx(1.0)
+    assert rows["today"]["means"]["perf/scoring_reused"] > 0
