@@ -47,6 +47,10 @@ def shared_dir() -> Path:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # xdist hands out whole files in the order pytest_collection_modifyitems leaves them (its default
+    # reorders them by test count, which would start the warm-start files late and on both workers)
+    if getattr(config.option, "dist", "no") in ("loadfile", "loadscope"):
+        config.option.loadscopereorder = False
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
