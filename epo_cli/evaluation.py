@@ -417,7 +417,9 @@ def run_eval(args: list[str]) -> dict[str, Any]:
     builder = PromptBuilder(cfg.env.prompt_template, cfg.env.history_length, cfg.rollout.max_prompt_tokens,
                             chat_encoder(tokenizer))
     tasks = eval_tasks(suite, split, episodes_n, cfg.seed)
-    pool = EnvPool(suite, num_workers=cfg.env.num_workers, step_timeout_s=cfg.env.step_timeout_s)
+    # the envs' expert (env.expert=null) runs only when it is the policy being scored
+    pool = EnvPool(make_suite(cfg.env, reads_expert=opts.policy == "expert"), num_workers=cfg.env.num_workers,
+                   step_timeout_s=cfg.env.step_timeout_s)
     try:
         with torch.no_grad():
             metrics, episodes = evaluate_split(policy, pool, builder, tokenizer, split, tasks,

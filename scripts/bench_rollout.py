@@ -411,8 +411,8 @@ def main() -> None:
     parser.add_argument("--alfworld-workers", type=int, default=2)
     parser.add_argument("--alfworld-turns", type=int, default=10)
     parser.add_argument("--alfworld-expert", action="store_true",
-                        help="env.expert=true (the config's default, for SFT demos; ~10%% of a step); "
-                             "the benchmarks play with env.expert=false, as RL does not read it")
+                        help="env.expert=true (the expert on every step, ~20%% of a step); the benchmarks play "
+                             "with env.expert=false, which is what RL rollouts use under the default env.expert=null")
     parser.add_argument("--household-workers", type=int, default=0)
     parser.add_argument("--household-turns", type=int, default=15)
     parser.add_argument("--sleep-ms", type=float, default=40.0,

@@ -105,6 +105,25 @@ def test_config_composition_imports_no_simulator() -> None:
     assert out.stdout.strip() == "[]"
 
 
+def test_rollouts_skip_the_expert_unless_it_is_read() -> None:
+    """env.expert=null (the default): the expert runs where its actions are read (SFT demos, eval
+    policy=expert, the tiny tokenizer's corpus: make_suite's default), not in RL rollouts (the trainer's
+    pool: reads_expert=False); an explicit true/false is kept either way."""
+    from epo_cli.compose import compose
+    from epo_cli.envs import make_suite
+
+    cfg = compose(["env=alfworld", f"env.data_dir={SHARED}"])
+    assert cfg.env.expert is None
+    assert make_suite(cfg.env).make_env().use_expert is True
+    assert make_suite(cfg.env, reads_expert=False).make_env().use_expert is False
+    for forced in (True, False):
+        cfg = compose(["env=alfworld", f"env.data_dir={SHARED}", f"env.expert={str(forced).lower()}"])
+        assert make_suite(cfg.env).make_env().use_expert is forced
+        assert make_suite(cfg.env, reads_expert=False).make_env().use_expert is forced
+    household = make_suite(compose(["env=household"]).env, reads_expert=False)  # no expert setting: as is
+    assert household.make_env() is not None
+
+
 def _task(suite_: AlfworldSuite, task_type: str, seed: int = 0) -> Task:
     task_id = next(t for t, tt in suite_.games("train") if tt == task_type)
     return Task(task_id, task_type, seed, "train")

@@ -34,6 +34,19 @@ def test_missing_java_gives_the_fix(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     assert "Java" in message and "PATH" in message and "openjdk-17" in message and "java -version" in message
 
 
+def test_rollouts_skip_the_gold_path_unless_it_is_read() -> None:
+    """env.expert=null (the default): gold paths are generated where they are read, not in RL rollouts."""
+    from epo_cli.compose import compose
+    from epo_cli.envs import make_suite
+
+    cfg = compose(["env=scienceworld"])
+    assert cfg.env.expert is None
+    assert make_suite(cfg.env).make_env().use_expert is True  # no JVM yet: it starts at the first reset
+    assert make_suite(cfg.env, reads_expert=False).make_env().use_expert is False
+    forced = compose(["env=scienceworld", "env.expert=true"])
+    assert make_suite(forced.env, reads_expert=False).make_env().use_expert is True
+
+
 def test_config_is_validated() -> None:
     with pytest.raises(ConfigError, match="Valid tasks: boil"):
         ScienceWorldSuite(ScienceWorldConfig(tasks=["boil-the-ocean"])).check()

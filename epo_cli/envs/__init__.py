@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from epo_cli.envs.base import Env, EnvSuite, StepResult, Task
 from epo_cli.errors import ConfigError
 
@@ -33,8 +35,14 @@ def env_config_class(name: str) -> type:
     return _load(name, 1)
 
 
-def make_suite(env_cfg: Any) -> EnvSuite:
-    """Build the suite named by `env_cfg.name` (cheap; call `.check()` before running)."""
+def make_suite(env_cfg: Any, reads_expert: bool = True) -> EnvSuite:
+    """Build the suite named by `env_cfg.name` (cheap; call `.check()` before running).
+
+    `reads_expert=False`: the caller never reads info["expert_action"] (RL rollouts), so an env whose
+    `expert` setting is null (the default: "where the run reads it") skips computing it; an explicit
+    env.expert=true|false is kept as given."""
+    if not reads_expert and getattr(env_cfg, "expert", False) is None:
+        env_cfg = OmegaConf.merge(env_cfg, {"expert": False})
     return _load(env_cfg.name, 0)(env_cfg)
 
 

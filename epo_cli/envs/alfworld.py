@@ -98,8 +98,10 @@ class AlfworldConfig(EnvConfig):
     max_turns: int = num(50, ge=1)
     #: worker processes; null = one per CPU (a reset takes ~0.5 s and a step ~10 ms)
     num_workers: int | None = num(None, ge=0)
-    #: compute info["expert_action"] every step (alfworld's handcoded expert; needs the state's facts)
-    expert: bool = True
+    #: compute info["expert_action"] every step (alfworld's handcoded expert; needs the state's facts; ~20%
+    #: of a step): null = where the run reads it (SFT from the expert, `epo eval policy=expert`, the tiny
+    #: tokenizer's corpus), not in RL rollouts; true/false = always/never
+    expert: bool | None = None
     #: cache TextWorld's grammar parsing and copy its derivation contexts with an exact, specialised deep
     #: copy (same games, same text; steps ~6x faster than stock TextWorld); false = stock TextWorld. Like
     #: cache_pddl it patches TextWorld process-wide, for every env of the process, from the first reset on
@@ -427,7 +429,7 @@ class AlfworldSuite(EnvSuite):
         return [Task(task_id, task_type, rng.randrange(2**31), split) for task_id, task_type in picked]
 
     def make_env(self) -> Env:
-        return AlfworldEnv(self.data_dir(), max_turns=self.cfg.max_turns, expert=self.cfg.expert,
+        return AlfworldEnv(self.data_dir(), max_turns=self.cfg.max_turns, expert=self.cfg.expert is not False,
                            fast_textgen=self.cfg.fast_textgen, cache_pddl=self.cfg.cache_pddl)
 
     def versions(self) -> dict[str, str]:

@@ -93,8 +93,10 @@ class ScienceWorldConfig(EnvConfig):
     num_workers: int | None = num(None, ge=0)
     #: cap on info.admissible_commands (0 = all valid action-object combinations)
     max_admissible: int = num(50, ge=0)
-    #: generate the gold path at each reset for info.expert_action
-    expert: bool = True
+    #: generate the gold path at each reset for info.expert_action: null = where the run reads it (SFT
+    #: from the gold paths, `epo eval policy=expert`, the tiny tokenizer's corpus), not in RL rollouts;
+    #: true/false = always/never
+    expert: bool | None = None
     #: JVM flags for each env's simulator, added to JAVA_TOOL_OPTIONS when it starts ("" = the JVM's defaults)
     jvm_options: str = "-XX:+UseSerialGC -XX:ActiveProcessorCount=1"
 
@@ -218,7 +220,7 @@ class ScienceWorldSuite(EnvSuite):
         cfg = self.cfg
         return ScienceWorldGame(simplification=cfg.simplification, max_turns=cfg.max_turns,
                                 dense=cfg.reward == "dense", max_admissible=cfg.max_admissible,
-                                expert=cfg.expert, jvm_options=cfg.jvm_options)
+                                expert=cfg.expert is not False, jvm_options=cfg.jvm_options)
 
     def versions(self) -> dict[str, str]:
         from importlib.metadata import PackageNotFoundError, version

@@ -215,7 +215,10 @@ class Trainer:
         resume_from = checkpoint.resolve_resume(cfg.trainer.resume, run)
         if resume_from is not None:
             self._load(resume_from)
-        self.pool = EnvPool(self.suite, num_workers=self._num_workers(), step_timeout_s=cfg.env.step_timeout_s)
+        # the envs' expert (env.expert=null) runs only where its actions are read: SFT from the expert
+        reads_expert = cfg.algo.name == "sft" and cfg.algo.demos == "expert"
+        self.pool = EnvPool(make_suite(cfg.env, reads_expert=reads_expert), num_workers=self._num_workers(),
+                            step_timeout_s=cfg.env.step_timeout_s)
         self.logger = MetricsLogger(cfg, run, enabled=self.dist.is_main, resume_ids=self.state.logger_ids)
         self.state.logger_ids = self.logger.run_ids
         if resume_from is not None and self.dist.is_main:
