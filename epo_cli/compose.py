@@ -22,7 +22,7 @@ import warnings
 from dataclasses import fields, is_dataclass
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import BooleanNode, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from epo_cli.config import (
@@ -159,6 +159,7 @@ def validate(raw: DictConfig) -> DictConfig:
     raw.pop("hydra", None)
     try:
         schema = _schema_for(raw)
+        _check_booleans(schema, raw, "")
         cfg = OmegaConf.merge(schema, raw)
         OmegaConf.resolve(cfg)
     except ConfigError:
@@ -180,6 +181,25 @@ def validate(raw: DictConfig) -> DictConfig:
     _check_components(cfg, registries)
     OmegaConf.set_readonly(cfg, False)
     return cfg
+
+
+def _check_booleans(schema: DictConfig, raw: Any, prefix: str) -> None:
+    """A true/false setting must be given as true or false: OmegaConf would turn `env.cache_pddl=3` (or
+    `=yes`, `=1`) into true without a word, so anything but a bool (or null where null is allowed) is a
+    type error here, before the merge."""
+    if not isinstance(raw, DictConfig):
+        return
+    for key in schema:
+        if key not in raw:
+            continue
+        node, given = schema._get_node(key), raw._get_node(key)
+        if isinstance(node, BooleanNode):
+            value = given._value()
+            if value is not None and not isinstance(value, bool) and not OmegaConf.is_interpolation(raw, key):
+                raise ConfigError(f"Wrong type for config key '{prefix}{key}': {value!r} is not a bool. "
+                                  f"Expected true or false{' (or null)' if node._is_optional() else ''}.")
+        elif isinstance(node, DictConfig):
+            _check_booleans(node, given, f"{prefix}{key}.")
 
 
 def _expected_type(err: ValidationError) -> str | None:

@@ -57,6 +57,10 @@ def test_epo_states_every_setting_and_base_switch() -> None:
     (["trainer.foo=1"], "Unknown config key 'trainer.foo'"),
     (["algo=foo"], "Unknown option 'foo' for config group 'algo'"),
     (["trainer.total_steps=abc"], "Wrong type for config key 'trainer.total_steps'"),
+    # OmegaConf alone would read these as true
+    (["env=alfworld", "env.cache_pddl=3"], "Wrong type for config key 'env.cache_pddl': 3 is not a bool"),
+    (["env=alfworld", "env.expert=yes"], "Wrong type for config key 'env.expert': 'yes' is not a bool"),
+    (["rollout.shared_prefill=1"], "Wrong type for config key 'rollout.shared_prefill'"),
     (["algo.loss_terms=[policy_clip,bogus]"], "Valid values: entropy"),
     (["algo.estimator=gea"], "Did you mean 'gae'"),
     (["algo=grpo", "algo.group_size=1"], "needs algo.group_size >= 2"),
