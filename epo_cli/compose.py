@@ -279,7 +279,9 @@ def _component_settings(node: Any, name: str, schema: type, registries: dict[str
     """algo.components.<name> merged into the component's settings dataclass and checked."""
     key = f"algo.components.{name}"
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(schema), node if node is not None else {})
+        defaults = OmegaConf.structured(schema)
+        _check_booleans(defaults, node, key + ".")
+        merged = OmegaConf.merge(defaults, node if node is not None else {})
     except ConfigKeyError as err:
         valid = [f.name for f in fields(schema)]
         close = difflib.get_close_matches(str(err.key), valid, n=1)

@@ -56,6 +56,28 @@ def _toy(settings: ToyConfig) -> LossTerm:
 TOY = ["algo=grpo", "algo.loss_terms=[policy_clip,kl,toy]"]
 
 
+@dataclass
+class ToyFlagConfig:
+    coef: float = num(0.5, ge=0)
+    squared: bool = True
+
+
+def _toy_flag(settings: ToyFlagConfig) -> LossTerm:
+    return ToyLoss(2 if settings.squared else 1, "token-mean")
+
+
+def test_a_component_bool_setting_takes_only_true_or_false(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Component settings get the schema's bool rule too: OmegaConf alone would read squared=3 as true.
+    (toy_flag is registered for this test only: other tests list the registry's names.)"""
+    monkeypatch.setattr(LOSS_TERMS, "_entries", dict(LOSS_TERMS._entries))  # restored after the test
+    LOSS_TERMS.register("toy_flag", config=ToyFlagConfig)(_toy_flag)
+    flag = ["algo=grpo", "algo.loss_terms=[policy_clip,kl,toy_flag]"]
+    assert compose([*flag, "algo.components.toy_flag.squared=false"]).algo.components.toy_flag.squared is False
+    for bad in ("3", "yes"):
+        with pytest.raises(ConfigError, match="'algo.components.toy_flag.squared': .* is not a bool"):
+            compose([*flag, f"algo.components.toy_flag.squared={bad}"])
+
+
 def test_config_module_does_not_import_torch() -> None:
     code = "import sys, epo_cli.config, epo_cli.registry; assert 'torch' not in sys.modules, 'torch imported'"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
