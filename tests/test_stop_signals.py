@@ -14,7 +14,12 @@ from epo_cli.training.stop import Interrupted, StopRequest, exit_code, write_rel
 
 @pytest.fixture
 def saved_dispositions():
+    """The dispositions a process started from a terminal has (whatever the suite inherited: a background job
+    of a non-interactive shell starts with SIGINT ignored), restored afterwards."""
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGUSR1, signal.SIG_DFL)
     yield
     for s, handler in saved.items():
         signal.signal(s, handler)
