@@ -201,6 +201,19 @@ class GiGPOConfig:
 
 
 @dataclass
+class IntrinsicConfig:
+    """Intrinsic reward (epo_cli/algos/intrinsic.py): an episodic count-based novelty bonus per turn,
+    r_int = coef * decay^k / sqrt(N_group(observation after the turn's action)), k = RL iteration."""
+
+    #: none | count
+    kind: str = one_of("none", ("none", "count"))
+    #: bonus for an observation the group has not seen before, at iteration 0
+    coef: float = num(0.1, ge=0)
+    #: per-iteration factor of the bonus (1 = constant)
+    decay: float = num(1.0, ge=0, le=1)
+
+
+@dataclass
 class MonitorConfig:
     """Entropy fluctuation monitor: sigma <- a*sigma + (1-a)*|H_t - mean(H over the last k steps, incl. H_t)|."""
 
@@ -272,6 +285,7 @@ class AlgoConfig:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     gigpo: GiGPOConfig = field(default_factory=GiGPOConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    intrinsic: IntrinsicConfig = field(default_factory=IntrinsicConfig)
     nll_aggregation: str = one_of("token-mean", registry="aggregations")
     #: settings of components the sections above do not cover (a loss term or estimator registered outside
     #: the built-ins): algo.components.<name>.<key>, checked at compose time against the component's own

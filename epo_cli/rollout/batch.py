@@ -42,6 +42,9 @@ class TurnBatch:
     anchor_obs: list[str] = field(default_factory=list)
     #: the admissible actions listed in that turn's prompt, one per line (GiGPO's optional anchor refinement)
     admissible: list[str] = field(default_factory=list)
+    #: the part of `reward` that is the intrinsic bonus (algo.intrinsic; epo_cli/algos/intrinsic.py), kept
+    #: apart for the metrics; None when the run has none
+    intrinsic: Tensor | None = None  # [N] float
     # --- filled by the old-policy forward pass (no extra pass for EPO's entropy history) ---------------
     old_logprobs: list[Tensor] = field(default_factory=list)  # N x [len(response)]
     entropy: list[Tensor] = field(default_factory=list)  # N x [len(response)], at sampling temperature
@@ -87,6 +90,7 @@ class TurnBatch:
             task_type=rows(self.task_type),
             anchor_obs=rows(self.anchor_obs),
             admissible=rows(self.admissible),
+            intrinsic=opt(self.intrinsic),
             old_logprobs=rows(self.old_logprobs),
             entropy=rows(self.entropy),
             ref_logprobs=rows(self.ref_logprobs),

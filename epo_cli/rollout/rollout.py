@@ -87,6 +87,7 @@ class Turn:
     subgoals: list[str]
     truncated_prompt: bool
     obs_trimmed: bool
+    result: str = ""  # the env's answer to `action` (the next observation); the intrinsic bonus counts it
 
 
 @dataclass
@@ -229,6 +230,7 @@ class _Play:
         memory.observations.append(self.observations[slot])
         memory.actions.append(self.actions.pop(slot))
         episode.turns[-1].subgoals = list(result.info.get("subgoals", []))
+        episode.turns[-1].result = result.observation
         self.observations[slot], self.infos[slot] = result.observation, result.info
         if result.info.get("won"):
             episode.won = True

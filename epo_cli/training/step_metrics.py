@@ -64,12 +64,18 @@ def rollout_metrics(reduced: dict[str, float]) -> dict[str, float]:
 def batch_metrics(batch: TurnBatch, reused_rows: int, subgoal_coef: float, max_turns: int) -> dict[str, float]:
     """What the update trained on, summed over ranks. Collectives: every rank calls this."""
     samples = float(all_reduce_sum(torch.tensor(float(len(batch)))))
+    # the intrinsic bonus (algo.intrinsic) is part of `reward` for the estimators; reported on its own
+    has_bonus = batch.intrinsic is not None  # set by the config: the same on every rank
+    intrinsic = batch.intrinsic.sum().double() if has_bonus else torch.zeros((), dtype=torch.float64)
+    out = {"rollout/intrinsic_reward": float(all_reduce_sum(intrinsic))} if has_bonus else {}
     return {
+        **out,
         "rollout/subgoal_coef": subgoal_coef,  # curriculum's reward per subgoal reached this step
         "rollout/max_turns": float(max_turns),  # curriculum's turn limit this step
-        # the task reward (outcome, once per trajectory) and the turn-local shaped reward, summed
+        # the task reward (outcome, once per trajectory) and the turn-local shaped reward (without the
+        # intrinsic bonus), summed
         "rollout/task_reward": float(all_reduce_sum(batch.outcome[batch.is_last_turn].sum().double())),
-        "rollout/shaped_reward": float(all_reduce_sum(batch.reward.sum().double())),
+        "rollout/shaped_reward": float(all_reduce_sum(batch.reward.sum().double() - intrinsic)),
         # share of samples whose old log-probs came from the update's first forward (no scoring pass)
         "perf/scoring_reused": float(all_reduce_sum(torch.tensor(float(reused_rows)))) / max(samples, 1.0),
         "rollout/samples": samples,  # turn samples in the update

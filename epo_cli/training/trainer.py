@@ -39,6 +39,7 @@ from epo_cli.algos.advantages import compute_advantages
 from epo_cli.algos.aggregation import AGGREGATIONS, normalized_weights
 from epo_cli.algos.dynamic_sampling import choose_groups, concat_batches, group_has_signal, rows_of_groups
 from epo_cli.algos.entropy import EntropyHistory, FluctuationMonitor, step_statistics
+from epo_cli.algos.intrinsic import intrinsic_rewards
 from epo_cli.algos.losses import (
     LossStack,
     PolicyOutputs,
@@ -352,6 +353,9 @@ class Trainer:
         episodes, rstats = run_episodes(policy, self.pool, slots, settings)
         batch = episodes_to_batch(episodes, algo.reward_scale, algo.invalid_action_penalty,
                                   self.curriculum.subgoal_coef(step, total))
+        if algo.intrinsic.kind != "none":  # novelty bonus per turn, counted per group (algos/intrinsic.py)
+            batch.intrinsic = intrinsic_rewards(episodes, algo.intrinsic, step)
+            batch.reward = batch.reward + batch.intrinsic
         return episodes, batch, rstats
 
     def rl_step(self, step: int, total: int) -> dict[str, float]:
