@@ -1,13 +1,17 @@
-"""`make demo`: the main job on the embedded environment, through the real CLI, in about 10 minutes.
+"""`make demo`: does RL learn? A warm start, then GRPO and EPO from it, evaluated on the same fixed tasks.
 
-    python scripts/demo.py [--out outputs/demo]
+    python scripts/demo.py [--out outputs/demo] [--quick]
 
-1. warm start   epo train experiment=warm_start                       (behaviour cloning, tiny model)
-2. EPO          epo train experiment=epo_household model.path=<1>/final
-3. evaluation   epo eval run=<1> ... and epo eval run=<2> ...  on the same fixed tasks
-4. report       epo report <2>                                        (entropy with its EPO band, success, ...)
-and a summary table with where the plots and metrics are. Each command is printed before it runs, so
-the demo doubles as a tour of the CLI.
+1. warm start   epo train experiment=WARM_PRESET                        (behaviour cloning, tiny model)
+2. RL, 2 arms   epo train experiment=RL_PRESET algo=grpo|epo model.path=<1>/final
+                the same seed, so both arms draw the same tasks; side by side (one core each)
+3. evaluation   epo eval run=<1|2a|2b> episodes=64 temperature=1.0 seed=0 env.level=... env.max_turns=...
+                all three policies on the same 64 fixed tasks of the RL level
+4. summary      one table (success with its 95% interval, episode length, entropy first/last, swing) and
+                one PNG (training success and entropy per iteration, EPO's band drawn), in <out>/
+Each command is printed before it runs, so the demo doubles as a tour of the CLI. `--quick` shrinks every
+step (a few SFT and RL steps, a few evaluation episodes) to check the pipeline in a minute: its numbers
+mean nothing.
 """
 
 from __future__ import annotations
@@ -18,73 +22,234 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 console = Console(highlight=False)
-
-
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
+WARM_PRESET = "warm_start"
+RL_PRESET = "search_household"
+#: what --quick changes (a pipeline check, not a result)
+QUICK_WARM = ["trainer.total_steps=4", "algo.demo_episodes=4", "trainer.eval_episodes=2"]
+QUICK_RL = ["trainer.total_steps=2", "algo.tasks_per_step=2", "algo.group_size=2", "env.max_turns=3",
+            "trainer.eval_every=0", "trainer.save_every=0"]
+ARMS = ("grpo", "epo")
 
-def epo(*args: str, cwd: Path) -> None:
+
+def command(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "epo_cli", *args]
+
+
+def show(args: list[str]) -> None:
     console.print(f"\n[bold cyan]$ epo {' '.join(args)}[/]", soft_wrap=True)
-    proc = subprocess.run([sys.executable, "-m", "epo_cli", *args], cwd=cwd)
+
+
+def epo(args: list[str], cwd: Path) -> None:
+    """Run one epo command in the foreground (its own progress on the terminal); stop on failure."""
+    show(args)
+    proc = subprocess.run(command(args), cwd=cwd)
     if proc.returncode != 0:
         sys.exit(proc.returncode)
 
 
-def newest_run(root: Path) -> Path:
-    return max((p for p in root.glob("*/*") if (p / "config.yaml").exists()), key=lambda p: p.stat().st_mtime)
+def only_run(root: Path) -> Path:
+    runs = [p for p in root.glob("*/*") if (p / "config.yaml").exists()]
+    if len(runs) != 1:
+        sys.exit(f"expected one run under {root}, found {len(runs)}: use a fresh --out")
+    return runs[0]
 
 
-def evaluate(run: Path, out: Path, episodes: int, cwd: Path) -> dict:
-    epo("eval", f"run={run}", f"episodes={episodes}", "temperature=1.0", f"out={out}", cwd=cwd)
-    return json.loads(next(out.glob("*.json")).read_text())
+def metrics_rows(run: Path | None) -> list[dict]:
+    path = run / "metrics.jsonl" if run else None
+    if not path or not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # the line being written
+            break
+    return rows
+
+
+@dataclass
+class Arm:
+    """One RL run started in the background; its console output goes to a log file."""
+
+    name: str
+    args: list[str]
+    root: Path
+    log: Path
+    proc: subprocess.Popen | None = None
+    run: Path | None = None
+    rows: list[dict] = field(default_factory=list)
+    total: int | None = None  # trainer.total_steps, from the run's config once it exists
+
+    def start(self, cwd: Path) -> None:
+        show(self.args)
+        console.print(f"  (output: {self.log})")
+        self.proc = subprocess.Popen(command(self.args), cwd=cwd, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
+
+    def poll(self) -> int | None:
+        if self.run is None:
+            runs = [p for p in self.root.glob("*/*") if (p / "config.yaml").exists()]
+            self.run = runs[0] if runs else None
+            self.total = _read_config(self.run)["trainer"]["total_steps"] if self.run else None
+        self.rows = metrics_rows(self.run)
+        return self.proc.poll() if self.proc else None
+
+
+def run_arms(arms: list[Arm], cwd: Path) -> None:
+    """Start every arm at once and show their iterations as they come; stop all if one fails."""
+    for arm in arms:
+        arm.start(cwd)
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.fields[last]}")]
+    with Progress(*columns, console=console) as progress:
+        tasks = {arm.name: progress.add_task(f"{arm.name:>5}", total=None, last="starting") for arm in arms}
+        while True:
+            codes = [arm.poll() for arm in arms]
+            for arm in arms:
+                last = arm.rows[-1] if arm.rows else None
+                text = (f"train success {last.get('rollout/success', float('nan')):.2f}  "
+                        f"entropy {last.get('policy/entropy', float('nan')):.3f}") if last else "starting"
+                progress.update(tasks[arm.name], total=arm.total, completed=len(arm.rows), last=text)
+            failed = [arm for arm, code in zip(arms, codes) if code not in (None, 0)]
+            if failed:
+                for arm in arms:
+                    if arm.proc and arm.proc.poll() is None:
+                        arm.proc.terminate()
+                for arm in failed:
+                    console.print(f"[bold red]{arm.name} failed[/] (exit {arm.proc.returncode}); last lines of "
+                                  f"{arm.log}:\n" + "\n".join(arm.log.read_text().splitlines()[-15:]))
+                sys.exit(failed[0].proc.returncode)
+            if all(code == 0 for code in codes):
+                break
+            time.sleep(1.0)
+
+
+def evaluate(label: str, run: Path, out: Path, opts: list[str], cwd: Path) -> dict:
+    epo(["eval", f"run={run}", *opts, f"out={out / label}"], cwd)
+    return json.loads(next((out / label).glob("*.json")).read_text())
+
+
+def entropy_swing(rows: list[dict]) -> float:
+    """Mean relative step-to-step change of the policy entropy, |H_k - H_{k-1}| / H_{k-1}."""
+    h = [r["policy/entropy"] for r in rows if "policy/entropy" in r]
+    swings = [abs(b - a) / a for a, b in zip(h, h[1:]) if a > 0]
+    return sum(swings) / len(swings) if swings else float("nan")
+
+
+def summary_rows(results: dict[str, dict], runs: dict[str, list[dict]]) -> list[list[str]]:
+    """The summary table's rows: policy, success [95% CI], episode length, entropy first/last, swing."""
+    out = []
+    for label, result in results.items():
+        lo, hi = result["success"]["ci95"]
+        rows = runs.get(label, [])
+        h = [r["policy/entropy"] for r in rows if "policy/entropy" in r]
+        out.append([label, f"{result['success']['rate']:.3f} [{lo:.2f}, {hi:.2f}]",
+                    f"{result['episode_len']['mean']:.1f}",
+                    f"{h[0]:.3f} / {h[-1]:.3f}" if h else "",
+                    f"{entropy_swing(rows):.3f}" if len(h) > 1 else ""])
+    return out
+
+
+def plot(runs: dict[str, Path], warm_success: float, path: Path) -> None:
+    """Training success and policy entropy per iteration of every arm, EPO's band [kappa_low, kappa_high] x
+    Href drawn around the EPO run's own reference (epo_cli.analysis.report draws both)."""
+    from epo_cli.analysis.report import Group, _pyplot, draw_entropy_band, draw_metric, load_run
+
+    plt = _pyplot()
+    groups = [Group(label, [load_run(run)]) for label, run in runs.items()]
+    fig, (ax_success, ax_entropy) = plt.subplots(1, 2, figsize=(12, 4.2))
+    draw_metric(ax_success, groups, "rollout/success", "training success per iteration (rollouts, T=1.0)")
+    ax_success.axhline(warm_success, color="gray", linestyle=":", label=f"warm start, eval {warm_success:.2f}")
+    ax_success.legend(fontsize=7)
+    draw_metric(ax_entropy, groups, "policy/entropy", "policy entropy (nats/token)")
+    draw_entropy_band(ax_entropy, groups)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="outputs/demo")
     parser.add_argument("--episodes", type=int, default=64, help="evaluation episodes per policy")
+    parser.add_argument("--quick", action="store_true", help="a pipeline check in about a minute (no result)")
     args = parser.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
+    episodes = 4 if args.quick else args.episodes
+    common = ["logger.tensorboard=false"] if args.quick else []
 
-    epo("train", "experiment=warm_start", f"output_dir={out / 'warm_start'}", cwd=out)
-    warm = newest_run(out / "warm_start")
-    epo("train", "experiment=epo_household", f"model.path={warm / 'final'}", f"output_dir={out / 'epo'}", cwd=out)
-    run = newest_run(out / "epo")
-    # the same fixed tasks for both policies, sampled at the training temperature
-    before = evaluate(warm, out / "eval" / "warm_start", args.episodes, out)
-    after = evaluate(run, out / "eval" / "epo", args.episodes, out)
-    epo("report", str(run), cwd=out)
+    # 1. warm start
+    epo(["train", f"experiment={WARM_PRESET}", *common, *(QUICK_WARM if args.quick else []),
+         f"output_dir={out / 'warm_start'}"], out)
+    warm = only_run(out / "warm_start")
 
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    table = Table(title="epo demo: household (tiny_open_pick_place), tiny model")
-    table.add_column("")
-    table.add_column("warm start (SFT)", justify="right")
-    table.add_column("after EPO", justify="right")
+    # 2. GRPO and EPO from it, side by side: same seed, same tasks
+    arms = []
+    for algo in ARMS:
+        rl_args = ["train", f"experiment={RL_PRESET}", f"algo={algo}", f"model.path={warm / 'final'}", *common,
+                   *(QUICK_RL if args.quick else []), f"output_dir={out / algo}"]
+        arms.append(Arm(algo, rl_args, out / algo, out / f"{algo}.log"))
+    rl_start = time.perf_counter()
+    run_arms(arms, out)
+    rl_seconds = time.perf_counter() - rl_start
+    runs = {arm.name: only_run(arm.root) for arm in arms}
 
-    def rate(result: dict) -> str:
-        lo, hi = result["success"]["ci95"]
-        return f"{result['success']['rate']:.3f} [{lo:.2f}, {hi:.2f}]"
+    # 3. all three on the same fixed tasks of the RL level, at the training temperature
+    level, max_turns = _rl_env(runs["grpo"])
+    opts = [f"episodes={episodes}", "temperature=1.0", "seed=0", "split=eval_in_distribution",
+            f"env.level={level}", f"env.max_turns={max_turns}"]
+    results = {"warm start": evaluate("warm_start", warm, out / "eval", opts, out)}
+    for arm in arms:
+        results[arm.name.upper()] = evaluate(arm.name, runs[arm.name], out / "eval", opts, out)
 
-    table.add_row(f"eval success, {args.episodes} fixed tasks, T=1.0 (95% CI)", rate(before), rate(after))
-    table.add_row("mean episode length", f"{before['episode_len']['mean']:.1f}", f"{after['episode_len']['mean']:.1f}")
-    table.add_row("train rollout success (first / last iteration)", f"{rows[0]['rollout/success']:.3f}",
-                  f"{rows[-1]['rollout/success']:.3f}")
-    table.add_row("policy entropy (first / last iteration)", f"{rows[0]['policy/entropy']:.3f}",
-                  f"{rows[-1]['policy/entropy']:.3f}")
+    # 4. summary
+    table = Table(title=f"epo demo: household ({level}, {max_turns} turns), {episodes} fixed tasks, T=1.0")
+    header = ["policy", "eval success [95% CI]", "episode length", "entropy first / last", "entropy swing"]
+    for h in header:
+        table.add_column(h, justify="left" if h == "policy" else "right")
+    rows = summary_rows(results, {arm.name.upper(): metrics_rows(runs[arm.name]) for arm in arms})
+    for row in rows:
+        table.add_row(*row)
     console.print(table)
-    console.print(f"warm start run: {warm}\nEPO run:        {run}")
-    console.print(f"metrics:        {run / 'metrics.jsonl'} (tensorboard --logdir {out})")
-    console.print(f"plots:          {run / 'plots' / 'index.md'}")
-    console.print(f"samples:        {run / 'samples'}")
+    png = out / "demo.png"
+    plot({arm.name.upper(): runs[arm.name] for arm in arms}, results["warm start"]["success"]["rate"], png)
+    md = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
+    (out / "summary.md").write_text("\n".join(md) + "\n")
+    (out / "summary.json").write_text(json.dumps({
+        "level": level, "max_turns": max_turns, "episodes": episodes, "rl_seconds": round(rl_seconds, 1),
+        "total_seconds": round(time.perf_counter() - start, 1),
+        "success": {k: v["success"] for k, v in results.items()},
+        "episode_len": {k: v["episode_len"]["mean"] for k, v in results.items()},
+        "runs": {"warm start": str(warm), **{k: str(v) for k, v in runs.items()}}}, indent=2))
+    console.print(f"warm start run: {warm}")
+    for name, run in runs.items():
+        console.print(f"{name.upper():>4} run:       {run}  (samples: {run / 'samples'})")
+    console.print(f"plot:           {png}\nsummary:        {out / 'summary.md'}")
+    console.print(f"RL wall time:   {rl_seconds:.0f} s (both arms side by side)")
     console.print(f"total time:     {time.perf_counter() - start:.0f} s")
+
+
+def _read_config(run: Path) -> dict:
+    from epo_cli.run_dir import read_yaml_data
+
+    return read_yaml_data(run / "config.yaml")
+
+
+def _rl_env(run: Path) -> tuple[str, int]:
+    """The level and turn limit an RL run trained with (its saved config)."""
+    env = _read_config(run)["env"]
+    return env["level"], int(env["max_turns"])
 
 
 if __name__ == "__main__":

@@ -167,7 +167,17 @@ LEVELS = (
     Level("large_all_tasks", TASK_TYPES, (12, 18), (8, 14), 0.5),
     Level("alfworld_size_all_tasks", TASK_TYPES, (24, 34), (15, 30), 0.6),
 )
-LEVEL_BY_NAME = {lvl.name: lvl for lvl in LEVELS}
+#: levels outside the curriculum ladder (not in `levels()`, so neither the staged/adaptive curricula nor the
+#: tiny tokenizer's corpus change when one is added); each is a variant of the ladder's knobs for a study
+LEVEL_VARIANTS = (
+    Level("tiny_closed_pick_place", ("pick_and_place",), (2, 4), (0, 2), 0.5),
+    Level("tiny_rarely_closed", ("pick_and_place",), (2, 4), (0, 2), 0.1),
+    Level("small_open_pick_place", ("pick_and_place",), (5, 8), (2, 4), 0.0),
+    Level("medium_open_pick_place", ("pick_and_place",), (8, 12), (3, 6), 0.0),
+    Level("tiny_pick_two", ("pick_two_obj_and_place",), (2, 4), (0, 2), 0.0),
+    Level("tiny_mixed_two", ("pick_and_place", "pick_two_obj_and_place"), (2, 4), (0, 2), 0.0),
+)
+LEVEL_BY_NAME = {lvl.name: lvl for lvl in LEVELS + LEVEL_VARIANTS}
 DEFAULT_LEVEL = LEVELS[1].name
 
 SPLITS = ("train", "eval_in_distribution", "eval_out_of_distribution")
