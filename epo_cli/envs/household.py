@@ -172,6 +172,8 @@ LEVELS = (
 LEVEL_VARIANTS = (
     Level("tiny_closed_pick_place", ("pick_and_place",), (2, 4), (0, 2), 0.5),
     Level("tiny_rarely_closed", ("pick_and_place",), (2, 4), (0, 2), 0.1),
+    Level("tiny_closed_3pct", ("pick_and_place",), (2, 4), (0, 2), 0.03),
+    Level("tiny_closed_5pct", ("pick_and_place",), (2, 4), (0, 2), 0.05),
     Level("small_open_pick_place", ("pick_and_place",), (5, 8), (2, 4), 0.0),
     Level("medium_open_pick_place", ("pick_and_place",), (8, 12), (3, 6), 0.0),
     Level("tiny_pick_two", ("pick_two_obj_and_place",), (2, 4), (0, 2), 0.0),
