@@ -172,3 +172,21 @@ def test_bad_cov_config_is_one_clear_error(overrides, needle):
     with pytest.raises(ConfigError) as err:
         compose(overrides)
     assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf"), float("inf")])
+def test_a_non_finite_log_prob_at_padding_changes_no_selection(bad):
+    # row 1's last position is padding; a masked log-softmax can leave anything there. The covariance
+    # means run over real tokens only, so the selections stay those of the clean batch: Clip-Cov's two
+    # in-band tokens (0,0) and (1,1) (the old (x * mask).sum() made every covariance NaN: no candidate at
+    # all), and KL-Cov's top-1 (1,1) (with NaN covariances topk picked a wrong token).
+    mb, out = batch()
+    with torch.no_grad():
+        out.logprobs[1, 2] = bad
+    clip_cov = ClipCovLoss(clip_cov_ratio=0.4)
+    expected = torch.tensor([[True, False, False], [False, True, False]])
+    assert torch.equal(clip_cov.select(mb, out, torch.zeros(2, 3, dtype=torch.bool)), expected)
+    assert torch.equal(KLCovLoss().select(mb, out), torch.tensor([[False, False, False], [False, True, False]]))
+    loss, metrics = clip_cov(mb, out)
+    close(loss, -0.4)  # the value of the clean batch (test_clip_cov_detaches_the_in_band_tokens)
+    close(metrics["policy/cov_clipfrac"], 2 / 5)

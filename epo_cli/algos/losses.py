@@ -136,15 +136,19 @@ class PolicyClipLoss(LossTerm):
 
 
 def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
-    return (x * mask).sum() / mask.sum().clamp(min=1)
+    """Mean of x over the positions where mask is True; x elsewhere may hold anything (inf, NaN)."""
+    return torch.where(mask, x, torch.zeros_like(x)).sum() / mask.sum().clamp(min=1)
 
 
 def _centred_covariance(adv: Tensor, logp: Tensor, mask: Tensor) -> Tensor:
     """Per-token (A - mean A) * (logp - mean logp), means over the micro-batch's real tokens (Cui et al.
-    2025 Eq. 11, as verl: the statistics of one forward pass), detached: it only selects tokens. [B, R]"""
-    m = mask.float()
+    2025 Eq. 11, as verl: the statistics of one forward pass), detached: it only selects tokens. [B, R]
+
+    Padding positions are masked with `where`, as weighted_sum does: a non-finite log-prob there (a masked
+    log-softmax) would otherwise make the means, and so every covariance, NaN. They come out as 0."""
     a, lp = adv.detach(), logp.detach()
-    return (a - _masked_mean(a, m)) * (lp - _masked_mean(lp, m))
+    cov = (a - _masked_mean(a, mask)) * (lp - _masked_mean(lp, mask))
+    return torch.where(mask, cov, torch.zeros_like(cov))
 
 
 class ClipCovLoss(PolicyClipLoss):
