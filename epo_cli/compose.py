@@ -246,6 +246,21 @@ def _check_policy_loss(algo: Any) -> None:
                       stacklevel=2)
 
 
+def _check_group_filter(algo: Any) -> None:
+    """Dynamic sampling filters groups of rollouts of one task (epo_cli/algos/group_filter.py)."""
+    if algo.group_size < 2:
+        raise ConfigError("algo.dynamic_sampling=true filters groups of rollouts of the same task and needs "
+                          f"algo.group_size >= 2 (got {algo.group_size}); use it with grpo, rloo or gigpo.")
+    if algo.group_filter == "signal" and algo.estimator == "gae":
+        raise ConfigError("algo.dynamic_sampling=true with algo.group_filter=signal keeps the groups the estimator "
+                          "gives a non-zero advantage, but gae has no groups: its advantages come from the critic "
+                          "and are non-zero for every group. Use algo.group_filter=top_variance (return variance), "
+                          "a group estimator (grpo, rloo, gigpo), or algo.dynamic_sampling=false.")
+    if algo.group_filter == "none":
+        warnings.warn("algo.dynamic_sampling=true with algo.group_filter=none: no group is ever dropped, so no "
+                      "round is ever replayed (no effect).", stacklevel=3)
+
+
 def _check_components(cfg: DictConfig, registries: dict[str, list[str]]) -> None:
     """Settings of the selected components that their registries define: each coefficient's schedule must
     find its parameters in its section, and algo.components.<name> (a component registered with its own
@@ -335,9 +350,8 @@ def _check_consistency(cfg: DictConfig) -> None:
     if sm.kappa_low >= sm.kappa_high:
         raise ConfigError(f"The smoothing band needs algo.entropy_smoothing.kappa_low < kappa_high (got "
                           f"{sm.kappa_low:g} and {sm.kappa_high:g}); the paper uses 0.0 and 2.0.")
-    if algo.dynamic_sampling and algo.group_size < 2:
-        raise ConfigError("algo.dynamic_sampling=true drops groups whose rollouts all scored the same and needs "
-                          f"algo.group_size >= 2 (got {algo.group_size}); use it with grpo, rloo or gigpo.")
+    if algo.dynamic_sampling:
+        _check_group_filter(algo)
     if algo.pack_tokens and cfg.model.attn_implementation not in ("sdpa", "flash_attention_2", "flash_attention_3"):
         raise ConfigError(f"algo.pack_tokens={algo.pack_tokens} needs an attention that keeps packed samples apart "
                           f"(model.attn_implementation=sdpa | flash_attention_2 | flash_attention_3, got "
@@ -398,6 +412,10 @@ def _warn_unused_settings(cfg: DictConfig) -> None:
         ("algo.gae", GAEConfig, None, algo.estimator == "gae", f"algo.estimator={algo.estimator} is not gae"),
         ("algo", AlgoConfig, ("demos", "demo_episodes", "demo_level"), algo.name == "sft",
          f"algo={algo.name} does not behaviour-clone"),
+        ("algo", AlgoConfig, ("group_filter", "group_filter_keep", "dynamic_sampling_max_rounds"),
+         algo.dynamic_sampling, "the group filter acts through algo.dynamic_sampling, which is false"),
+        ("algo", AlgoConfig, ("group_filter_keep",), not algo.dynamic_sampling or algo.group_filter == "top_variance",
+         f"algo.group_filter={algo.group_filter} keeps no share"),
         ("model.lora", LoraConfig, ("alpha", "dropout", "target_modules"), cfg.model.lora.rank > 0,
          "model.lora.rank=0 fine-tunes all weights"),
         ("launcher", LauncherConfig, ("num_gpus", "num_nodes", "num_procs", "hostfile"), cfg.launcher.name != "local",

@@ -247,12 +247,16 @@ class AlgoConfig:
     # rollout batch
     tasks_per_step: int = num(4, ge=1)
     group_size: int = num(1, ge=1)
-    #: DAPO dynamic sampling: replace groups whose scores are all equal by fresh rounds of tasks_per_step groups
+    #: DAPO dynamic sampling: replace the groups algo.group_filter drops by fresh rounds of tasks_per_step groups
     dynamic_sampling: bool = False
-    #: extra rounds at most per iteration (then the batch is topped up with zero-variance groups)
+    #: extra rounds at most per iteration (then the batch is topped up with groups that did not pass)
     dynamic_sampling_max_rounds: int = num(3, ge=0)
-    #: return (outcome + turn rewards, what GRPO normalises) | outcome (task reward only: DAPO's accuracy)
-    dynamic_sampling_metric: str = one_of("return", ("return", "outcome"))
+    #: the groups dynamic sampling keeps (epo_cli/algos/group_filter.py): signal (the estimator gives the group
+    #: a non-zero advantage) | top_variance (RAGEN-2: the top group_filter_keep share of each round by return
+    #: variance) | none
+    group_filter: str = one_of("signal", ("none", "signal", "top_variance"))
+    #: top_variance: share of each round's groups that passes (ceil(keep x groups))
+    group_filter_keep: float = num(0.5, gt=0, le=1)
     # reward shaping (verl-agent conventions)
     reward_scale: float = num(10.0, gt=0)
     invalid_action_penalty: float = num(0.1, ge=0)

@@ -5,7 +5,7 @@
 One RL iteration (`rl_step`, numbered as there):
     1 episodes   <- curriculum tasks (tasks_per_step x group_size; this rank plays whole groups), played by
                     run_episodes(policy, env pool, slots) -> one sample per turn (TurnBatch)
-                    (algo.dynamic_sampling: zero-variance groups replaced by fresh rounds, DAPO)
+                    (algo.dynamic_sampling: groups that fail algo.group_filter replaced by fresh rounds, DAPO)
     2 scoring    <- old log-probs, entropy (sampling temperature), reference log-probs, critic values
     3 entropy    <- per-turn statistics of the rollout's entropies (all-reduced; no extra forward pass),
                     fluctuation monitor
@@ -37,8 +37,9 @@ from omegaconf import DictConfig
 
 from epo_cli.algos.advantages import compute_advantages
 from epo_cli.algos.aggregation import AGGREGATIONS, normalized_weights
-from epo_cli.algos.dynamic_sampling import choose_groups, concat_batches, group_has_signal, rows_of_groups
+from epo_cli.algos.dynamic_sampling import choose_groups, concat_batches, rows_of_groups
 from epo_cli.algos.entropy import EntropyHistory, FluctuationMonitor, step_statistics
+from epo_cli.algos.group_filter import group_stats, passing_groups
 from epo_cli.algos.losses import (
     LossStack,
     PolicyOutputs,
@@ -293,9 +294,9 @@ class Trainer:
         """Step 1 of an RL iteration: the step's tasks (this rank's whole groups), played by the current
         policy into one sample per turn (rewards as configured, no scoring yet).
 
-        With algo.dynamic_sampling, groups without score variance are replaced by fresh rounds (see
-        epo_cli/algos/dynamic_sampling.py); the episodes returned are all those played (for the rollout
-        metrics: every round is an unbiased draw), the batch holds the chosen groups only."""
+        With algo.dynamic_sampling, the groups algo.group_filter drops are replaced by fresh rounds (see
+        epo_cli/algos/dynamic_sampling.py, group_filter.py); the episodes returned are all those played (for
+        the rollout metrics: every round is an unbiased draw), the batch holds the chosen groups only."""
         algo = self.cfg.algo
         groups = algo.tasks_per_step
         if groups % self.dist.world_size:
@@ -305,7 +306,7 @@ class Trainer:
         if not algo.dynamic_sampling:
             return self._play_round(step, total, 0)
         episodes, batches, stats = [], [], RolloutStats()
-        played: list[tuple[int, bool]] = []  # (global group id, has signal), in play order, on every rank
+        played: list[tuple[int, bool]] = []  # (global group id, passes algo.group_filter), in play order
         rounds = 0
         for r in range(1 + algo.dynamic_sampling_max_rounds):
             eps, batch, rstats = self._play_round(step, total, r)
@@ -314,8 +315,8 @@ class Trainer:
             batches.append(batch)
             for name in ("rollout_s", "generate_s", "env_s", "env_steps", "generated_tokens"):
                 setattr(stats, name, getattr(stats, name) + getattr(rstats, name))
-            signal = sorted(group_has_signal(batch, algo.dynamic_sampling_metric).items())
-            played += sorted(item for rank_items in all_gather_objects(signal) for item in rank_items)
+            round_stats = sorted(s for rank in all_gather_objects(group_stats(batch, algo)) for s in rank)
+            played += passing_groups(round_stats, algo.group_filter, algo.group_filter_keep)
             if sum(ok for _, ok in played) >= groups:
                 break
         chosen, topped_up = choose_groups(played, groups)
