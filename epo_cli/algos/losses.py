@@ -33,6 +33,13 @@ import torch
 from torch import Tensor, nn
 
 from epo_cli.algos.aggregation import weighted_sum
+from epo_cli.algos.cov_selection import (
+    SelectionRule,
+    TokenSelector,
+    micro_batch_rows,
+    select_tokens,
+    selection_mask,
+)
 from epo_cli.config import (
     EntropyTermConfig,
     KLConfig,
@@ -108,18 +115,7 @@ class PolicyClipLoss(LossTerm):
         """Per-token clipped surrogate [B, R], which tokens any clip bounds [B, R] bool, the token
         weights [B, R] and the detached diagnostics (without the loss value)."""
         w = _weights(mb, self.aggregation)  # [B, R]
-        old_logp = _require(mb.old_logprobs, "old_logprobs", self.name)  # [B, R]
-        adv = _require(mb.advantages, "advantages", self.name)[:, None]  # [B, 1]
-        log_ratio = out.logprobs - old_logp  # [B, R]
-        ratio = torch.exp(log_ratio)  # [B, R]
-        pg1 = -adv * ratio  # [B, R]
-        pg2 = -adv * torch.clamp(ratio, 1.0 - self.clip_low, 1.0 + self.clip_high)  # [B, R]
-        pg = torch.maximum(pg1, pg2)  # [B, R]
-        dual_active = torch.zeros_like(pg, dtype=torch.bool)  # [B, R]
-        if self.dual_clip is not None:
-            pg3 = -adv * self.dual_clip  # [B, 1]
-            dual_active = (adv < 0) & (pg > pg3)
-            pg = torch.where(dual_active, pg3.expand_as(pg), pg)
+        pg, pg1, pg2, dual_active, ratio, log_ratio = self._clipped(mb, out.logprobs)  # [B, R] each
         with torch.no_grad():
             metrics = {
                 "policy/clipfrac": weighted_sum(w, (pg2 > pg1).float()),
@@ -129,42 +125,53 @@ class PolicyClipLoss(LossTerm):
             }
         return pg, (pg2 > pg1) | dual_active, w, metrics
 
+    def _clipped(self, mb: MicroBatch, logprobs: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """(pg, pg1, pg2, dual_active, ratio, log_ratio), each [B, R], for the current log-probs [B, R]."""
+        old_logp = _require(mb.old_logprobs, "old_logprobs", self.name)  # [B, R]
+        adv = _require(mb.advantages, "advantages", self.name)[:, None]  # [B, 1]
+        log_ratio = logprobs - old_logp  # [B, R]
+        ratio = torch.exp(log_ratio)  # [B, R]
+        pg1 = -adv * ratio  # [B, R]
+        pg2 = -adv * torch.clamp(ratio, 1.0 - self.clip_low, 1.0 + self.clip_high)  # [B, R]
+        pg = torch.maximum(pg1, pg2)  # [B, R]
+        dual_active = torch.zeros_like(pg, dtype=torch.bool)  # [B, R]
+        if self.dual_clip is not None:
+            pg3 = -adv * self.dual_clip  # [B, 1]
+            dual_active = (adv < 0) & (pg > pg3)
+            pg = torch.where(dual_active, pg3.expand_as(pg), pg)
+        return pg, pg1, pg2, dual_active, ratio, log_ratio
+
     def forward(self, mb: MicroBatch, out: PolicyOutputs) -> tuple[Tensor, dict[str, Tensor]]:
         pg, _, w, metrics = self.surrogate(mb, out)  # [B, R], _, [B, R]
         loss = weighted_sum(w, pg)
         return loss, {"loss/policy_clip": loss.detach(), **metrics}
 
 
-def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
-    """Mean of x over the positions where mask is True; x elsewhere may hold anything (inf, NaN)."""
-    return torch.where(mask, x, torch.zeros_like(x)).sum() / mask.sum().clamp(min=1)
-
-
-def _centred_covariance(adv: Tensor, logp: Tensor, mask: Tensor) -> Tensor:
-    """Per-token (A - mean A) * (logp - mean logp), means over the micro-batch's real tokens (Cui et al.
-    2025 Eq. 11, as verl: the statistics of one forward pass), detached: it only selects tokens. [B, R]
-
-    Padding positions are masked with `where`, as weighted_sum does: a non-finite log-prob there (a masked
-    log-softmax) would otherwise make the means, and so every covariance, NaN. They come out as 0."""
-    a, lp = adv.detach(), logp.detach()
-    cov = (a - _masked_mean(a, mask)) * (lp - _masked_mean(lp, mask))
-    return torch.where(mask, cov, torch.zeros_like(cov))
+def _choose_within(selector: TokenSelector, mb: MicroBatch, logprobs: Tensor, seed: int) -> Tensor:
+    """The selector's tokens chosen within this micro-batch alone (it is the whole mini-batch: unit use, or
+    a caller that chose nothing over the mini-batch). [B, R] bool"""
+    rows = micro_batch_rows(selector, mb, logprobs, [(0, i) for i in range(mb.response_mask.shape[0])])
+    return selection_mask(dict(enumerate(select_tokens(rows, selector.selection_rule(), seed))),
+                          list(range(len(rows))), mb.response_mask)
 
 
 class ClipCovLoss(PolicyClipLoss):
     """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs", arXiv 2505.22617, Sec. 4.2;
     hyperparameter names and defaults from verl's `clip_cov`).
 
-        cov_i     = (A_i - mean A) * (logp_i - mean logp)            over the micro-batch's real tokens
+        cov_i     = (A_i - mean A) * (logp_i - mean logp)            over the mini-batch's real tokens
         candidates: real tokens not already clipped by the PPO clip with clip_cov_lb < cov_i < clip_cov_ub
-        selected  = max(1, floor(clip_cov_ratio * real tokens)) candidates drawn uniformly at random
+        selected  = clip_cov_ratio x the mini-batch's real tokens (in expectation), drawn uniformly at random
+                    among the candidates (epo_cli/algos/cov_selection.py: chosen over the whole mini-batch,
+                    all micro-batches and ranks; verl chooses max(1, floor(ratio x tokens)) per micro-batch)
         loss      = PPO clipped surrogate (as policy_clip, dual clip included), with the gradient of the
                     selected tokens detached (their loss value is kept; verl multiplies them by 0, which
                     gives the same gradient)
 
     The high-covariance tokens are those whose update lowers the entropy most (paper Eq. 9-10); freezing a
-    tiny random share of them is enough to stop the entropy collapse. `reseed` sets the generator of the
-    random draw (the trainer reseeds it per micro-batch from (seed, step, epoch, mini-batch, micro-batch)).
+    tiny random share of them is enough to stop the entropy collapse. The trainer hands every micro-batch
+    its share of the mini-batch's choice (`mb.token_select`); without one, the micro-batch is taken for the
+    whole mini-batch, with the draw seeded by `reseed`.
     """
 
     name = "policy_clip"
@@ -185,28 +192,28 @@ class ClipCovLoss(PolicyClipLoss):
         if clip_cov_lb >= clip_cov_ub:
             raise ValueError(f"clip_cov_lb ({clip_cov_lb}) must be < clip_cov_ub ({clip_cov_ub})")
         self.clip_cov_ratio, self.clip_cov_lb, self.clip_cov_ub = clip_cov_ratio, clip_cov_lb, clip_cov_ub
-        self.generator = torch.Generator().manual_seed(0)
+        self.seed = 0
 
     def reseed(self, seed: int) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
 
-    def select(self, mb: MicroBatch, out: PolicyOutputs, ppo_clipped: Tensor) -> Tensor:
+    def selection_rule(self) -> SelectionRule:
+        return SelectionRule(self.clip_cov_ratio, (self.clip_cov_lb, self.clip_cov_ub))
+
+    def eligible(self, mb: MicroBatch, logprobs: Tensor) -> Tensor:
+        """Real tokens the PPO clip (or dual clip) does not already bound. [B, R] bool"""
+        _, pg1, pg2, dual_active, _, _ = self._clipped(mb, logprobs.detach())
+        return mb.response_mask & ~((pg2 > pg1) | dual_active)
+
+    def select(self, mb: MicroBatch, out: PolicyOutputs, ppo_clipped: Tensor | None = None) -> Tensor:
         """Boolean [B, R] of the tokens whose gradient is detached."""
-        mask = mb.response_mask  # [B, R] bool
-        adv = _require(mb.advantages, "advantages", self.name)[:, None].expand_as(out.logprobs)  # [B, R]
-        cov = _centred_covariance(adv, out.logprobs, mask)  # [B, R]
-        candidates = mask & ~ppo_clipped & (cov > self.clip_cov_lb) & (cov < self.clip_cov_ub)  # [B, R]
-        selected = torch.zeros_like(mask)  # [B, R] bool
-        positions = torch.nonzero(candidates.cpu())  # [C, 2]
-        if len(positions):
-            n = max(int(self.clip_cov_ratio * int(mask.sum())), 1)
-            pick = positions[torch.randperm(len(positions), generator=self.generator)[:n]]  # [n, 2]
-            selected[pick[:, 0], pick[:, 1]] = True
-        return selected
+        if mb.token_select is not None:
+            return mb.token_select & mb.response_mask
+        return _choose_within(self, mb, out.logprobs, self.seed)
 
     def forward(self, mb: MicroBatch, out: PolicyOutputs) -> tuple[Tensor, dict[str, Tensor]]:
-        pg, ppo_clipped, w, metrics = self.surrogate(mb, out)  # [B, R], [B, R] bool, [B, R]
-        selected = self.select(mb, out, ppo_clipped)  # [B, R]
+        pg, _, w, metrics = self.surrogate(mb, out)  # [B, R], _, [B, R]
+        selected = self.select(mb, out)  # [B, R]
         pg = torch.where(selected, pg.detach(), pg)  # [B, R]
         loss = weighted_sum(w, pg)
         with torch.no_grad():
@@ -218,8 +225,10 @@ class KLCovLoss(LossTerm):
     """KL-Cov (Cui et al. 2025, arXiv 2505.22617, Sec. 4.2; names and defaults from verl's `kl_cov`, ratio
     2e-3 as the paper's 7B setting).
 
-        cov_i    = (A_i - mean A) * (logp_i - mean logp)             over the micro-batch's real tokens
-        selected = the top max(1, floor(kl_cov_ratio * real tokens)) real tokens by cov
+        cov_i    = (A_i - mean A) * (logp_i - mean logp)             over the mini-batch's real tokens
+        selected = the top kl_cov_ratio share (in expectation) of the mini-batch's real tokens by cov, chosen
+                   over the whole mini-batch (epo_cli/algos/cov_selection.py; verl: the top
+                   max(1, floor(ratio x tokens)) of each micro-batch)
         loss_i   = -A_i * ratio_i + ppo_kl_coef * |logp_i - old_logp_i| * [i selected]
 
     No ratio clip (the paper's KL-Cov objective): the KL penalty on the high-covariance tokens takes its
@@ -233,19 +242,22 @@ class KLCovLoss(LossTerm):
         if not 0.0 < kl_cov_ratio <= 1.0:
             raise ValueError(f"kl_cov_ratio must be in (0, 1] (got {kl_cov_ratio})")
         self.aggregation, self.kl_cov_ratio, self.ppo_kl_coef = aggregation, kl_cov_ratio, ppo_kl_coef
+        self.seed = 0
+
+    def reseed(self, seed: int) -> None:
+        self.seed = seed  # the stochastic rounding of the count
+
+    def selection_rule(self) -> SelectionRule:
+        return SelectionRule(self.kl_cov_ratio)
+
+    def eligible(self, mb: MicroBatch, logprobs: Tensor) -> Tensor:
+        return mb.response_mask
 
     def select(self, mb: MicroBatch, out: PolicyOutputs) -> Tensor:
         """Boolean [B, R] of the penalised tokens."""
-        mask = mb.response_mask  # [B, R] bool
-        adv = _require(mb.advantages, "advantages", self.name)[:, None].expand_as(out.logprobs)  # [B, R]
-        cov = _centred_covariance(adv, out.logprobs, mask)  # [B, R]
-        selected = torch.zeros_like(mask)  # [B, R] bool
-        n_real = int(mask.sum())
-        if n_real:
-            k = max(1, int(n_real * self.kl_cov_ratio))
-            flat = torch.where(mask, cov, torch.full_like(cov, -torch.inf)).flatten()  # [B*R]
-            selected.view(-1)[torch.topk(flat, k).indices] = True
-        return selected
+        if mb.token_select is not None:
+            return mb.token_select & mb.response_mask
+        return _choose_within(self, mb, out.logprobs, self.seed)
 
     def forward(self, mb: MicroBatch, out: PolicyOutputs) -> tuple[Tensor, dict[str, Tensor]]:
         w = _weights(mb, self.aggregation)  # [B, R]
@@ -510,6 +522,10 @@ class LossStack(nn.Module):
         for term in self.terms.values():
             if hasattr(term, "reseed"):
                 term.reseed(seed)
+
+    def token_selector(self) -> TokenSelector | None:
+        """The term that acts on tokens chosen over the mini-batch (Clip-Cov, KL-Cov), if any."""
+        return next((t for t in self.terms.values() if hasattr(t, "selection_rule")), None)
 
     def forward(
         self, mb: MicroBatch, out: PolicyOutputs, coefs: dict[str, float]

@@ -37,6 +37,7 @@ from omegaconf import DictConfig
 
 from epo_cli.algos.advantages import compute_advantages
 from epo_cli.algos.aggregation import AGGREGATIONS, normalized_weights
+from epo_cli.algos.cov_selection import mini_batch_selection, selection_mask
 from epo_cli.algos.dynamic_sampling import choose_groups, concat_batches, rows_of_groups
 from epo_cli.algos.entropy import EntropyHistory, FluctuationMonitor, step_statistics
 from epo_cli.algos.group_filter import group_stats, passing_groups
@@ -570,12 +571,18 @@ class Trainer:
         # global denominators of each aggregation mode over this mini-batch (all ranks)
         denominators = {mode: float(all_reduce_sum(shared.row_denominators[mode][rows].sum().to(device))
                                     .clamp(min=1e-12)) for mode in shared.modes}
+        # Clip-Cov / KL-Cov: the tokens they act on are chosen over the whole mini-batch (all micro-batches and
+        # ranks) from the current policy's log-probs, scored first without gradient (algos/cov_selection.py)
+        selector = self.loss_stack.token_selector()
+        chosen = None if selector is None else mini_batch_selection(
+            selector, (self._current_logprobs(shared, m, tally) for m in micro if m),
+            lambda r: (int(shared.batch.traj_id[r]), int(shared.batch.turn_index[r])),
+            derive_seed(self.cfg.seed, "cov_select", *position), all_reduce_sum, all_gather_objects)
         step_metrics: dict[str, float] = {}
-        for micro_index, m in enumerate(micro):
+        for m in micro:
             mb = collate(shared.batch, m, self.tokenizer.pad_token_id, device, num_rows=max(len(m), 1),
                          packed=self.packing)
-            # random token choices (Clip-Cov) are a function of the run's seed and position only
-            self.loss_stack.reseed(derive_seed(self.cfg.seed, "clip_cov", *position, micro_index, self.dist.rank))
+            mb.token_select = None if chosen is None else selection_mask(chosen, m, mb.response_mask)
             for mode in shared.modes:
                 mb.weights[mode] = normalized_weights(mode, mb.response_mask, mb.turn_index, mb.num_turns,
                                                       algo.entropy.decay, denominator=denominators[mode]).to(device)
@@ -600,6 +607,19 @@ class Trainer:
         reduced = all_reduce_sum(torch.tensor([step_metrics[k] for k in names], dtype=torch.float64,
                                               device=device)).tolist() if names else []
         tally.add_step(dict(zip(names, reduced)))
+
+    def _current_logprobs(self, shared: _UpdateInputs, rows: list[int],
+                          tally: UpdateTally) -> tuple[list[int], MicroBatch, torch.Tensor]:
+        """(rows, their micro-batch, the current policy's log-probs [B, R]), no grad: what the backward loop's
+        forward of this micro-batch will compute. Rows the first forward scores (on-policy reuse) have no old
+        log-probs yet: their ratio is 1 (the weights are the rollout's)."""
+        mb = collate(shared.batch, rows, self.tokenizer.pad_token_id, self.dist.device, packed=self.packing)
+        with torch.no_grad():
+            logprobs = policy_forward(self.engine, mb, self.cfg.rollout.temperature, self.vocab_limit,
+                                      with_entropy=False).logprobs
+        if rows[0] in shared.on_policy and tally.optimizer_steps == 0:
+            mb.old_logprobs = logprobs
+        return rows, mb, logprobs
 
     def _micro_batch_backward(self, mb: MicroBatch, rows: list[int], batch: TurnBatch, coefs: dict[str, float],
                               reuse: bool) -> dict[str, Any]:
