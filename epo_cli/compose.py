@@ -29,6 +29,7 @@ from epo_cli.config import (
     GROUPS,
     TINY_SIZE_KEYS,
     AlgoConfig,
+    DiagnosticsConfig,
     EntropyConfig,
     GAEConfig,
     KLConfig,
@@ -358,6 +359,11 @@ def _check_consistency(cfg: DictConfig) -> None:
                           f"'{cfg.model.attn_implementation}'); or set algo.pack_tokens=0 for padded micro-batches.")
     if "entropy_smoothing" in algo.loss_terms:
         _check_smoothing_weight(algo)
+    diag = algo.diagnostics
+    low, high = diag.alert_entropy_low, diag.alert_entropy_high
+    if low is not None and high is not None and low >= high:
+        raise ConfigError(f"algo.diagnostics.alert_entropy_low={diag.alert_entropy_low:g} must be below "
+                          f"alert_entropy_high={diag.alert_entropy_high:g} (the alert band around the reference).")
     if cfg.entropy.min_coef > cfg.entropy.max_coef:
         raise ConfigError(f"entropy.min_coef={cfg.entropy.min_coef:g} must be <= entropy.max_coef="
                           f"{cfg.entropy.max_coef:g}.")
@@ -412,6 +418,11 @@ def _warn_unused_settings(cfg: DictConfig) -> None:
         ("algo.gae", GAEConfig, None, algo.estimator == "gae", f"algo.estimator={algo.estimator} is not gae"),
         ("algo", AlgoConfig, ("demos", "demo_episodes", "demo_level"), algo.name == "sft",
          f"algo={algo.name} does not behaviour-clone"),
+        ("algo.diagnostics", DiagnosticsConfig, ("mi_every", "mi_samples", "alert_entropy_low", "alert_entropy_high",
+                                                 "alert_mi", "alert_diversity"),
+         algo.diagnostics.enabled, "algo.diagnostics.enabled=false"),
+        ("algo.diagnostics", DiagnosticsConfig, ("mi_samples", "alert_mi"), algo.diagnostics.mi_every > 0,
+         "algo.diagnostics.mi_every=0 never measures MI"),
         ("algo", AlgoConfig, ("group_filter", "group_filter_keep", "dynamic_sampling_max_rounds"),
          algo.dynamic_sampling, "the group filter acts through algo.dynamic_sampling, which is false"),
         ("algo", AlgoConfig, ("group_filter_keep",), not algo.dynamic_sampling or algo.group_filter == "top_variance",

@@ -214,6 +214,28 @@ class MonitorConfig:
 
 
 @dataclass
+class DiagnosticsConfig:
+    """Collapse diagnostics (epo_cli/algos/diagnostics.py, epo_cli/training/collapse.py): collapse/* metrics
+    and one `collapse` alert (console warning, status.json, `epo report`)."""
+
+    #: the per-iteration signals: group return std, advantage signal share, corridor hits, state diversity,
+    #: and the alert
+    enabled: bool = True
+    #: collapse/mi every this many iterations (0 = never: each measurement scores mi_samples^2 pairs)
+    mi_every: int = num(0, ge=0)
+    #: turn-samples in MI's seeded subsample (all ranks together)
+    mi_samples: int = num(16, ge=2)
+    #: alert when policy/entropy < alert_entropy_low x its reference (the mean of the past steps' entropies)
+    #: or > alert_entropy_high x it; null = that check is off
+    alert_entropy_low: float | None = num(0.5, ge=0)
+    alert_entropy_high: float | None = num(2.0, gt=0)
+    #: alert when collapse/mi (nats/token) < this; null = off
+    alert_mi: float | None = num(0.01, ge=0)
+    #: alert when collapse/state_diversity < this; null = off (a converged policy takes one action per state)
+    alert_diversity: float | None = num(None, ge=0, le=1)
+
+
+@dataclass
 class AlgoConfig:
     name: str = "sft"
     #: the RL base of the algorithm: none (sft) | ppo | grpo | gigpo
@@ -276,6 +298,7 @@ class AlgoConfig:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     gigpo: GiGPOConfig = field(default_factory=GiGPOConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
     nll_aggregation: str = one_of("token-mean", registry="aggregations")
     #: settings of components the sections above do not cover (a loss term or estimator registered outside
     #: the built-ins): algo.components.<name>.<key>, checked at compose time against the component's own

@@ -109,8 +109,12 @@ def write_config(run: Path, cfg: DictConfig, overrides: list[str], env_versions:
 COMMAND_LINE_ONLY = {"model.trust_remote_code": False}
 
 #: keys that earlier versions saved in config.yaml and that no longer exist: dropped when a run is read,
-#: so that its runs can still be resumed and evaluated (they had no effect)
-RETIRED_KEYS = ("trainer.log_every",)
+#: so that its runs can still be resumed and evaluated (they had no effect, or the note says what replaced them)
+RETIRED_KEYS = ("trainer.log_every", "algo.dynamic_sampling_metric")
+#: what replaced a retired key that had an effect: warned when a run that relied on it is read
+RETIRED_NOTES = {"algo.dynamic_sampling_metric": (
+    "algo.dynamic_sampling", "dynamic sampling now keeps the groups the estimator gives a non-zero advantage "
+    "(algo.group_filter=signal), not those whose returns or outcomes differ")}
 
 
 def load_run_config(run: Path, command_line: dict[str, Any] | None = None) -> DictConfig:
@@ -136,6 +140,8 @@ def load_run_config(run: Path, command_line: dict[str, Any] | None = None) -> Di
         node = OmegaConf.select(raw, section, default=None)
         if isinstance(node, DictConfig) and name in node:
             node.pop(name)
+            if key in RETIRED_NOTES and OmegaConf.select(raw, RETIRED_NOTES[key][0], default=False):
+                warnings.warn(f"{path} sets {key}, which is retired: {RETIRED_NOTES[key][1]}.", stacklevel=2)
     given = command_line or {}
     for key, safe in COMMAND_LINE_ONLY.items():
         saved = OmegaConf.select(raw, key, default=safe)
@@ -160,10 +166,26 @@ def read_yaml_data(path: Path) -> Any:
 
 
 def write_status(run: Path, status: str, **fields: Any) -> None:
+    """status.json: the run's state and `fields`; the alerts recorded so far (record_alert) are kept."""
     payload = {"status": status, "time": datetime.datetime.now().isoformat(timespec="seconds"), **fields}
+    alerts = read_status(run).get("alerts")
+    if alerts and "alerts" not in payload:
+        payload["alerts"] = alerts
     tmp = run / "status.json.tmp"
     tmp.write_text(json.dumps(payload, indent=2))
     tmp.replace(run / "status.json")
+
+
+def record_alert(run: Path, kind: str, step: int, reasons: list[str]) -> None:
+    """Note an alert of `kind` at `step` in status.json: alerts.<kind> = {first_step, last_step, count, reasons
+    (the last ones)}; the status itself is unchanged."""
+    current = read_status(run)
+    alerts = current.get("alerts") if isinstance(current.get("alerts"), dict) else {}
+    entry = alerts.get(kind) if isinstance(alerts.get(kind), dict) else {"first_step": step, "count": 0}
+    entry.update(last_step=step, count=int(entry.get("count", 0)) + 1, reasons=reasons)
+    alerts[kind] = entry
+    fields = {k: v for k, v in current.items() if k not in ("status", "time", "alerts")}
+    write_status(run, str(current.get("status", "running")), **fields, alerts=alerts)
 
 
 def read_status(run: Path) -> dict[str, Any]:

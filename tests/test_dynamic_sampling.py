@@ -170,6 +170,19 @@ def test_bad_dynamic_sampling_config(overrides, needle):
     assert needle in str(err.value)
 
 
+def test_a_run_saved_with_the_retired_metric_key_still_loads(tmp_path: Path) -> None:
+    from omegaconf import OmegaConf
+
+    from epo_cli.run_dir import load_run_config
+
+    saved = OmegaConf.to_container(compose(["algo=grpo", "algo.dynamic_sampling=true"]), resolve=True)
+    saved["algo"]["dynamic_sampling_metric"] = "outcome"
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(saved)))
+    with pytest.warns(UserWarning, match="dynamic_sampling_metric, which is retired: dynamic sampling now keeps"):
+        cfg = load_run_config(tmp_path)
+    assert "dynamic_sampling_metric" not in cfg.algo and cfg.algo.group_filter == "signal"
+
+
 def test_group_filter_settings_that_have_no_effect_warn():
     # PPO with groups: the return-variance filter is fine (no estimator involved)
     cfg = compose(["algo=ppo", "algo.group_size=4", "algo.dynamic_sampling=true", "algo.group_filter=top_variance"])

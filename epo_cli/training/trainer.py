@@ -15,8 +15,9 @@ One RL iteration (`rl_step`, numbered as there):
                     loss = sum_i coef_i * term_i   (e.g. policy_clip + 0.01*kl - lambda*entropy
                                                     + lambda*beta_k*entropy_smoothing)
                     engine.backward(loss); one engine.step() per mini-batch; critic likewise (ppo)
+   6b collapse   <- collapse/* diagnostics (epo_cli/training/collapse.py; algo.diagnostics)
     7 state      <- entropy history, entropy schedule, rollout copy of the weights, curriculum
-    8 metrics    <- epo_cli/training/step_metrics.py
+    8 metrics    <- epo_cli/training/step_metrics.py; the collapse alert
 then (`_after_step`): evaluate every eval_every, log, checkpoint every save_every.
 Every derived seed comes from epo_cli.seeding.derive_seed(cfg.seed, what, ...).
 """
@@ -89,6 +90,7 @@ from epo_cli.rollout.rollout import (
 from epo_cli.run_dir import write_status
 from epo_cli.seeding import derive_seed
 from epo_cli.training import checkpoint
+from epo_cli.training.collapse import PairScorer, collapse_alert, collapse_metrics
 from epo_cli.training.engine import (
     RolloutModule,
     all_gather_objects,
@@ -390,6 +392,14 @@ class Trainer:
         metrics.update(self.update(batch, coefs, step, self.history, on_policy=on_policy))
         update_s = time.perf_counter() - t0
 
+        # 6b. collapse diagnostics (algo.diagnostics; epo_cli/training/collapse.py): before step 7, so that EPO's
+        #     band is this step's and MI scores with the rollout's weights
+        scorer = PairScorer(self.policy.module, self.tokenizer.pad_token_id, self.dist.device,
+                            self.cfg.rollout.temperature, self.vocab_limit, self.packing, algo.micro_batch_size)
+        metrics.update(collapse_metrics(batch, episodes, self.history, self.cfg, step, subgoal_coef, max_turns,
+                                        scorer, all_reduce_sum, all_gather_objects, self.dist.rank,
+                                        self.dist.world_size))
+
         # 7. state: entropy history and schedule, the rollout's copy of the weights, the curriculum (true
         #    task success per level, all ranks)
         sums, counts, entropy_now, _ = stats or self._entropy_statistics(batch, step, max_turns, metrics)
@@ -405,6 +415,8 @@ class Trainer:
         metrics.update(self.sampling_metrics)
         metrics.update(batch_metrics(batch, len(on_policy), subgoal_coef, max_turns))
         metrics.update(perf_metrics(rstats, reduced, score_s, update_s, self.engine.optimizer.param_groups[0]["lr"]))
+        metrics.update(collapse_alert(metrics, algo.diagnostics, step + 1, self.logger.warn,
+                                      self.run if self.dist.is_main else None))
         return metrics
 
     def _entropy_reference_metrics(self) -> dict[str, float]:
