@@ -52,3 +52,18 @@ def test_bench_rollout_iteration_quick(tmp_path: Path, epo_cache: Path) -> None:
     assert rows["today+overlap"]["settings"]["rollout.overlap"] is True
     assert rows["today"]["means"]["perf/padding_efficiency"] == pytest.approx(1.0)
     assert rows["today"]["means"]["perf/scoring_reused"] > 0
+
+
+@pytest.mark.slow
+def test_bench_diagnostics_quick(tmp_path: Path, epo_cache: Path) -> None:
+    """--quick: one iteration each with the diagnostics off, at their defaults and with MI every iteration."""
+    out = tmp_path / "figures.json"
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench" / "bench_diagnostics.py"), "--quick",
+                           "--iterations", "1", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "bench_diagnostics" in proc.stdout
+    rows = json.loads(out.read_text())
+    assert list(rows) == ["off", "defaults", "mi"]
+    assert rows["off"]["perf/diagnostics_s"] == 0.0  # off: nothing measured, nothing spent
+    assert rows["defaults"]["perf/diagnostics_s"] > 0 and rows["defaults"]["perf/mi_s"] == 0.0
+    assert 0 < rows["mi"]["perf/mi_s"] <= rows["mi"]["perf/diagnostics_s"] < rows["mi"]["iteration_s"]
