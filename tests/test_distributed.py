@@ -7,10 +7,10 @@ epo_cli.launch.rank. The launcher path itself (`epo train launcher=deepspeed`: r
 failure handling, resume) is exercised through the real CLI by the killed-rank / resume test.
 
     runs (all from the behaviour-cloned warm start, 2 groups x 2 rollouts per iteration)
-    1 rank          grpo (2 iterations), ppo (2), epo (2), gigpo (1), grpo + dynamic sampling (1)
+    1 rank          grpo (2 iterations), ppo (2), epo (2), gigpo (1), grpo + dynamic sampling (1), Clip-Cov (1)
     2 ranks         grpo ZeRO-2 (1), grpo ZeRO-3 (2, checkpoint every step), ppo ZeRO-2 (1),
                     ppo ZeRO-3 (2), epo ZeRO-2 (2), grpo + LoRA ZeRO-2 (1), gigpo ZeRO-2 (1),
-                    grpo + dynamic sampling ZeRO-2 (1), then a collective that must time out
+                    grpo + dynamic sampling ZeRO-2 (1), Clip-Cov ZeRO-2 (1), then a collective that must time out
     CLI, 2 ranks    grpo ZeRO-3 whose rank 1 dies while saving step 2; then `trainer.resume=<run>`
     CLI, no ranks   batch/world-size checks, SLURM submission (a stand-in `sbatch` records the script)
     in-process      the multi-node deepspeed command from a hostfile; the failure message's choice of cause
@@ -42,6 +42,9 @@ RL_ARGS = [
     # Progress events add rewards; in 8 turns the warm start wins some of the second iteration's tasks.
     "curriculum.subgoal_rewards=true",
 ]
+#: Clip-Cov acting on 5% of the tokens, drawn among all (a band every covariance lies in)
+CLIP_COV = ["algo.policy_loss=clip_cov", "algo.policy_clip.clip_cov_ratio=0.05", "algo.policy_clip.clip_cov_lb=-1e6",
+            "algo.policy_clip.clip_cov_ub=1e6"]
 BASELINE_RUNS = {
     "grpo": ["algo=grpo", "trainer.total_steps=2"],
     "ppo": ["algo=ppo", "trainer.total_steps=2"],
@@ -49,6 +52,7 @@ BASELINE_RUNS = {
     "gigpo": ["algo=gigpo", "trainer.total_steps=1"],
     "grpo_ds": ["algo=grpo", "trainer.total_steps=1", "algo.dynamic_sampling=true",
                 "algo.dynamic_sampling_max_rounds=2"],
+    "clip_cov": ["algo=grpo", "trainer.total_steps=1", *CLIP_COV],
 }
 SHARDED_RUNS = {
     "grpo_z2": ["algo=grpo", "trainer.total_steps=1", "deepspeed=zero2"],
@@ -61,6 +65,8 @@ SHARDED_RUNS = {
     "gigpo_z2": ["algo=gigpo", "trainer.total_steps=1", "deepspeed=zero2"],
     "grpo_ds_z2": ["algo=grpo", "trainer.total_steps=1", "deepspeed=zero2", "algo.dynamic_sampling=true",
                    "algo.dynamic_sampling_max_rounds=2"],
+    # Clip-Cov's tokens are chosen over the whole mini-batch (both ranks' micro-batches): the same tokens
+    "clip_cov_z2": ["algo=grpo", "trainer.total_steps=1", "deepspeed=zero2", *CLIP_COV],
 }
 REL_TOL = 1e-4
 #: metrics that must be equal exactly (counts and success rates: the rollouts themselves are identical)
@@ -244,7 +250,7 @@ def sharded(warm_start: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple
 # ---- 2 ranks = 1 rank ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("algo,stage", [("grpo", 2), ("grpo", 3), ("ppo", 2), ("ppo", 3), ("epo", 2), ("gigpo", 2),
-                                        ("grpo_ds", 2)])
+                                        ("grpo_ds", 2), ("clip_cov", 2)])
 def test_two_ranks_match_one_rank(baseline: Path, sharded: tuple[Path, dict], algo: str, stage: int) -> None:
     root, facts = sharded
     name = f"{algo}_z{stage}"
