@@ -492,7 +492,7 @@ class RolloutConfig:
     generation_batch_size: int = num(0, ge=0)
     #: generate for the envs that have answered while env workers step the others (same episodes as
     #: lock-step; only with env.num_workers > 0, in-process envs cannot step meanwhile). Off by default:
-    #: not faster on a 2-core machine, where envs and generation share the CPU (README, Performance)
+    #: not faster on a 2-core machine, where envs and generation share the CPU (docs/performance.md)
     overlap: bool = False
     #: prefill each distinct prompt once per generate call, sharing its KV cache with the rows that have
     #: the same prompt (a GRPO group's first turn); same tokens as without
