@@ -53,9 +53,7 @@ from epo_cli.envs.base import EnvSuite, Task
 from epo_cli.envs.pool import EnvPool
 from epo_cli.errors import ConfigError, UserError
 from epo_cli.models.loading import apply_lora, load_causal_lm, load_tokenizer, model_source, resolve_dtype
-from epo_cli.rollout.generation import SamplingParams
-from epo_cli.rollout.prompts import PromptBuilder, chat_encoder, format_response
-from epo_cli.rollout.rollout import (
+from epo_cli.rollout.episodes import (
     Episode,
     ExpertPolicy,
     ModelPolicy,
@@ -65,6 +63,8 @@ from epo_cli.rollout.rollout import (
     episode_slots,
     run_episodes,
 )
+from epo_cli.rollout.generation import SamplingParams
+from epo_cli.rollout.prompts import PromptBuilder, chat_encoder, format_response
 from epo_cli.run_dir import load_run_config
 from epo_cli.safe_load import load_tensors, refused_message, restricted_torch_load
 from epo_cli.seeding import derive_seed

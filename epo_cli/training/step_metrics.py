@@ -12,7 +12,7 @@ import torch
 
 from epo_cli.algos.entropy import response_diversity
 from epo_cli.rollout.batch import TurnBatch
-from epo_cli.rollout.rollout import Episode, RolloutStats, episode_metrics
+from epo_cli.rollout.episodes import Episode, RolloutStats, episode_metrics
 from epo_cli.training.engine import all_gather_objects, all_reduce_sum
 
 _LEVEL_WINS, _LEVEL_EPISODES = "curriculum/level_wins/", "curriculum/level_episodes/"
@@ -32,7 +32,7 @@ def reduce_sums(sums: dict[str, tuple[float, float]], device: torch.device) -> d
 
 def rollout_sums(episodes: list[Episode], stats: RolloutStats) -> dict[str, tuple[float, float]]:
     """This rank's (sum, count) of every rollout quantity, for `reduce_sums`."""
-    sums = episode_metrics(episodes)  # rollout/success, episode_len, invalid_rate, ... (epo_cli.rollout)
+    sums = episode_metrics(episodes)  # rollout/success, episode_len, invalid_rate, ... (epo_cli.rollout.episodes)
     for ep in episodes:  # wins and episodes per curriculum level: counters, summed over ranks
         for key, value in ((f"{_LEVEL_WINS}{ep.task.level}", float(ep.won)),
                            (f"{_LEVEL_EPISODES}{ep.task.level}", 1.0)):

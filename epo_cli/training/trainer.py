@@ -71,9 +71,7 @@ from epo_cli.models.loading import (
 )
 from epo_cli.rollout.batch import MicroBatch, TurnBatch
 from epo_cli.rollout.demos import episodes_to_records, read_jsonl, records_to_batch, write_jsonl
-from epo_cli.rollout.generation import SamplingParams
-from epo_cli.rollout.prompts import PromptBuilder, chat_encoder
-from epo_cli.rollout.rollout import (
+from epo_cli.rollout.episodes import (
     Episode,
     EpisodeSlot,
     ExpertPolicy,
@@ -84,6 +82,8 @@ from epo_cli.rollout.rollout import (
     episodes_to_batch,
     run_episodes,
 )
+from epo_cli.rollout.generation import SamplingParams
+from epo_cli.rollout.prompts import PromptBuilder, chat_encoder
 from epo_cli.run_dir import write_status
 from epo_cli.seeding import derive_seed
 from epo_cli.training import checkpoint
