@@ -428,8 +428,8 @@ class AlfworldSuite(EnvSuite):
             picked.extend(rng.sample(games, min(len(games), n - len(picked))))
         return [Task(task_id, task_type, rng.randrange(2**31), split) for task_id, task_type in picked]
 
-    def make_env(self) -> Env:
-        return AlfworldEnv(self.data_dir(), max_turns=self.cfg.max_turns, expert=self.cfg.expert is not False,
+    def make_env(self, reads_expert: bool = True) -> Env:
+        return AlfworldEnv(self.data_dir(), max_turns=self.cfg.max_turns, expert=self.wants_expert(reads_expert),
                            fast_textgen=self.cfg.fast_textgen, cache_pddl=self.cfg.cache_pddl)
 
     def versions(self) -> dict[str, str]:

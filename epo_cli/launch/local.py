@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from epo_cli.analysis.run_summary import print_summary
 from epo_cli.compose import compose, validate
-from epo_cli.envs import make_suite
+from epo_cli.envs import EnvSuite, make_suite
 from epo_cli.errors import ConfigError, Stopped, UserError
 from epo_cli.run_dir import check_lengths, load_run_config, new_run_dir, write_config, write_status
 from epo_cli.training.checkpoint import latest_tag, locate_resume
@@ -50,11 +50,12 @@ def compose_for_train(overrides: list[str]) -> tuple[DictConfig, list[str]]:
     return compose(overrides), overrides
 
 
-def prepare_run_dir(cfg: DictConfig, overrides: list[str]) -> Path:
-    """Create the run directory and save the resolved config (with versions and command) in it."""
+def prepare_run_dir(cfg: DictConfig, overrides: list[str], suite: EnvSuite | None = None) -> Path:
+    """Create the run directory and save the resolved config (with versions and command) in it. `suite`:
+    the run's env suite where this process built it already (its package versions are recorded)."""
     run = new_run_dir(cfg)
     cfg.run_dir = str(run)
-    versions = make_suite(cfg.env).versions()
+    versions = (suite or make_suite(cfg.env)).versions()
     try:
         write_config(run, cfg, overrides, versions)
     except OSError as err:  # read-only, full, or a file where a folder must go: before any work
@@ -69,15 +70,16 @@ def run_local(cfg: DictConfig, overrides: list[str]) -> dict:
     resuming = bool(cfg.trainer.resume) and cfg.run_dir and (Path(cfg.run_dir) / "config.yaml").exists()
     STOP.install()  # SIGTERM/SIGINT/SIGUSR1: finish the step, checkpoint it, exit 128+N
     try:
+        suite = make_suite(cfg.env)  # the run's one env suite, handed down
         if resuming:
             # load the checkpoint first: if it is unusable, the run directory stays exactly as it was
             run = Path(cfg.run_dir)
-            trainer = Trainer(cfg, run)
-            prepare_run_dir(cfg, overrides)
+            trainer = Trainer(cfg, run, suite)
+            prepare_run_dir(cfg, overrides, suite)
         else:
-            run = prepare_run_dir(cfg, overrides)
+            run = prepare_run_dir(cfg, overrides, suite)
         try:
-            trainer = trainer if resuming else Trainer(cfg, run)
+            trainer = trainer if resuming else Trainer(cfg, run, suite)
             metrics = trainer.train()
         except (KeyboardInterrupt, Interrupted) as err:
             signum = err.signum if isinstance(err, Interrupted) else 2

@@ -1,6 +1,6 @@
 """Warm start benchmark: household env speed, SFT throughput and wall time, greedy success per level.
 
-    python scripts/bench_sft.py [--out DIR] [--episodes 32] [--skip-train RUN_DIR] [OVERRIDES...]
+    python scripts/bench/bench_sft.py [--out DIR] [--episodes 32] [--skip-train RUN_DIR] [OVERRIDES...]
 
 1. household env steps/s (expert and random admissible actions, one process)
 2. `epo train experiment=warm_start` (behaviour cloning of the tiny model on the easiest level):
