@@ -43,6 +43,7 @@ from epo_cli.config import (
     check_field_rules,
     config_dir,
     group_options,
+    is_sft,
 )
 from epo_cli.curriculum import CURRICULA
 from epo_cli.envs import env_config_class
@@ -312,8 +313,14 @@ def _check_consistency(cfg: DictConfig) -> None:
     if algo.estimator == "auto":
         algo.estimator = {"ppo": "gae", "grpo": "grpo", "gigpo": "gigpo", "none": "none"}[algo.base]
     _check_policy_loss(algo)
-    if algo.name != "sft" and algo.estimator == "none":
+    if not is_sft(algo) and algo.estimator == "none":
         raise ConfigError(f"algo={algo.name} needs an advantage estimator; set algo.estimator.")
+    rollout_terms = [t for t in ("policy_clip", "kl", "entropy_smoothing") if t in algo.loss_terms]
+    if is_sft(algo) and (algo.estimator != "none" or rollout_terms):
+        unused = f"algo.estimator={algo.estimator}" if algo.estimator != "none" else f"loss terms {rollout_terms}"
+        raise ConfigError(f"algo.base=none trains by behaviour cloning on demonstrations, which have no advantages, "
+                          f"rollout or reference log-probs, so {unused} cannot be used: give the algorithm an RL "
+                          "base (algo.base=ppo|grpo|gigpo), or train algo=sft.")
     if algo.estimator in ("grpo", "rloo", "gigpo") and algo.group_size < 2:
         raise ConfigError(
             f"algo.estimator={algo.estimator} compares rollouts of the same task and needs "
@@ -396,7 +403,7 @@ def _warn_unused_settings(cfg: DictConfig) -> None:
         ("algo.kl", KLConfig, ("coef", "estimator", "aggregation"), "kl" in terms, "'kl' is not in algo.loss_terms"),
         ("algo.value", ValueConfig, None, algo.estimator == "gae", f"algo.estimator={algo.estimator} has no critic"),
         ("algo.gae", GAEConfig, None, algo.estimator == "gae", f"algo.estimator={algo.estimator} is not gae"),
-        ("algo", AlgoConfig, ("demos", "demo_episodes", "demo_level"), algo.name == "sft",
+        ("algo", AlgoConfig, ("demos", "demo_episodes", "demo_level"), is_sft(algo),
          f"algo={algo.name} does not behaviour-clone"),
         ("model.lora", LoraConfig, ("alpha", "dropout", "target_modules"), cfg.model.lora.rank > 0,
          "model.lora.rank=0 fine-tunes all weights"),

@@ -335,7 +335,7 @@ def test_exact_deepcopy_and_pddl_cache_match_textworld(monkeypatch: pytest.Monke
     from textworld.generator.game import EntityInfo
     from textworld.logic import Placeholder, Variable
 
-    import epo_cli.envs.alfworld as speedups
+    import epo_cli.envs.textworld_speedups as speedups
 
     speedups.fast_textgen_copies()
     fast = textgen.deepcopy

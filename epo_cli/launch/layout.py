@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from epo_cli.config import is_sft
 from epo_cli.errors import ConfigError, UserError
 from epo_cli.training import checkpoint
 from epo_cli.training.engine import deepspeed_config
@@ -101,7 +102,7 @@ def check_world(cfg: DictConfig, layout: Layout) -> None:
     """The batch layout must split over the world: one clear message here instead of one per rank."""
     device = torch.device("cuda" if layout.gpu else "cpu")
     deepspeed_config(cfg, layout.world_size, device)  # ConfigError: mini/micro batch vs world size
-    if cfg.algo.name != "sft" and cfg.algo.tasks_per_step % layout.world_size:
+    if not is_sft(cfg.algo) and cfg.algo.tasks_per_step % layout.world_size:
         w = layout.world_size
         raise ConfigError(
             f"algo.tasks_per_step={cfg.algo.tasks_per_step} must be divisible by the number of ranks ({w}) "

@@ -54,12 +54,6 @@ def slurm_executor(cfg: DictConfig, run: Path, layout: Layout) -> Any:
     return executor
 
 
-def sbatch_script(cfg: DictConfig, run: Path, layout: Layout) -> str:
-    """The sbatch file that launcher=slurm submits (for inspection; nothing is submitted)."""
-    executor = slurm_executor(cfg, run, layout)
-    return executor._make_submission_file_text("python -u -m submitit.core._submit <folder>", "<uid>")
-
-
 def submit_slurm(cfg: DictConfig, overrides: list[str]) -> Any:
     """`epo train launcher=slurm ...`: write the run directory and submit one sbatch job whose SLURM tasks
     are the ranks."""

@@ -193,7 +193,8 @@ def speedup_child_main(args: argparse.Namespace) -> None:
     """One ALFWorld variant: waits for "go <round>", plays that round's games, reports times and a digest."""
     import hashlib
 
-    from epo_cli.envs.alfworld import AlfworldConfig, AlfworldSuite, memoize_textworld_parsers
+    from epo_cli.envs.alfworld import AlfworldConfig, AlfworldSuite
+    from epo_cli.envs.textworld_speedups import memoize_textworld_parsers
 
     overrides, parser_cache = SPEEDUP_VARIANTS[args.speedup_child]
     suite = AlfworldSuite(AlfworldConfig(data_dir=args.alfworld_data, max_turns=NO_LIMIT, **overrides))

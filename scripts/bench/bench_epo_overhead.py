@@ -5,7 +5,7 @@
 Both variants run in this process on the same batch, interleaved (A B A B ...) so machine noise hits
 both alike: `grpo` = [policy_clip, kl]; `epo` = [policy_clip, kl, entropy, entropy_smoothing] (the
 entropy of the full next-token distribution in the forward pass, the nested-mean entropy term, the
-smoothing hinge against the history). Target (issue): ratio <= 1.05.
+smoothing hinge against the history). Target: ratio <= 1.05.
 """
 
 from __future__ import annotations

@@ -11,15 +11,15 @@ overlap ratio = rollout_s / (generate_s + env_s); env_s = resets + time some env
 ALFWorld plays the shared games (--alfworld-data, default $ALFWORLD_DATA or ../shared/alfworld) with
 --alfworld-workers env workers (default 2). household-sleepy: household in as many workers, each step
 sleeping --sleep-ms (an env that waits instead of computing: what overlap hides when the CPU is busy).
-Targets (issue 12): overlap ratio <= 0.75 and rollout >= 1.4x faster on ALFWorld with 2 workers;
+Targets: overlap ratio <= 0.75 and rollout >= 1.4x faster on ALFWorld with 2 workers;
 household not slower. The modes share one Trainer's env workers and replay the same games, so with
 env.cache_pddl=true (the default) the first mode of an iteration pays the resets the later ones find
 cached: compare modes with `env.cache_pddl=false`, or use --iteration (own workers per variant).
 
 --iteration: whole RL iterations (Trainer.rl_step: rollout, scoring, advantages, update) with the settings
-from before issue 12 ("before": rollout.overlap=false, rollout.shared_prefill=false, algo.pack_tokens=0,
+from before the speed-ups ("before": rollout.overlap=false, rollout.shared_prefill=false, algo.pack_tokens=0,
 algo.reuse_scoring_forward=false, env.cache_pddl=false and TextWorld's parser cache alone, which is what
-env.fast_textgen was when issue 12 was filed), today's defaults ("today") and today's defaults with
+env.fast_textgen was before its exact deepcopy), today's defaults ("today") and today's defaults with
 rollout.overlap=true ("today+overlap"); "before-stock" (before, stock TextWorld) on request (--variants).
 Each variant is its own Trainer (same seed, so the same tasks and, as long as the updates agree, the same
 episodes) with its own env workers, which install only that variant's ALFWorld patches (they are
@@ -29,7 +29,7 @@ rollout overhead = wall time of a rollout / (time inside generate + time inside 
 update overhead  = loss-stack update time / a plain causal-LM forward+backward(+step) over the same
                    micro-batches (same padded tokens, HF's built-in cross-entropy on all positions)
 padding efficiency = real tokens / padded tokens in the update's micro-batches
-Targets (issue): rollout overhead <= 1.10, update overhead <= 1.15.
+Targets: rollout overhead <= 1.10, update overhead <= 1.15.
 """
 
 from __future__ import annotations
@@ -201,14 +201,14 @@ def print_modes(results: dict[str, list[tuple[str, dict[str, float], bool]]], ar
 
 
 # ----------------------------------------------------------------------------------------------------------
-# --iteration: whole RL iterations, before issue 12 / today / today + overlap
+# --iteration: whole RL iterations, before the speed-ups / today / today + overlap
 # ----------------------------------------------------------------------------------------------------------
 
-#: the issue-12 speed-ups switched off (all envs)
+#: the rollout and update speed-ups switched off (all envs)
 BEFORE = ["rollout.overlap=false", "rollout.shared_prefill=false", "algo.pack_tokens=0",
           "algo.reuse_scoring_forward=false"]
 #: ALFWorld's env speed-ups switched off; "before" then installs TextWorld's parser cache alone in its
-#: workers (env.fast_textgen as it was when issue 12 was filed, before the exact deepcopy joined it)
+#: workers (env.fast_textgen as it was before the exact deepcopy joined it)
 BEFORE_ALFWORLD = ["env.fast_textgen=false", "env.cache_pddl=false"]
 #: name -> (overrides, ALFWorld-only overrides, install the parser cache alone in the env workers)
 ITERATION_VARIANTS = {
@@ -247,7 +247,7 @@ class ProbeEnv:
 
     def reset(self, task):
         if self.parser_cache_only:
-            from epo_cli.envs.alfworld import memoize_textworld_parsers
+            from epo_cli.envs.textworld_speedups import memoize_textworld_parsers
 
             memoize_textworld_parsers()  # idempotent; without fast_textgen_copies it copies with copy.deepcopy
         out = self.env.reset(task)
@@ -416,7 +416,7 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--modes", action="store_true", help="compare the rollout modes (see above)")
     parser.add_argument("--iteration", action="store_true",
-                        help="compare whole RL iterations: before issue 12, today, today + overlap (see above)")
+                        help="compare whole RL iterations: before the speed-ups, today, today + overlap (see above)")
     parser.add_argument("--variants", default="before,today,today+overlap",
                         help="--iteration: variants to run, the first is the reference "
                              f"({', '.join(ITERATION_VARIANTS)})")

@@ -7,7 +7,7 @@
    wall time of the whole command, and perf/tokens_per_s of its SFT steps (mean over steps)
 3. `epo eval ... greedy=true` of the warm start on every household level, next to a random-admissible
    policy on the same tasks (the baseline SFT must beat)
-The issue's target: at least 50% greedy success on the easiest level within 5 minutes on 2 cores.
+Target: at least 50% greedy success on the easiest level within 5 minutes on 2 cores.
 """
 
 from __future__ import annotations

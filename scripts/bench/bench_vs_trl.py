@@ -13,7 +13,7 @@ Each side runs in its own child process (one torch thread each, same environment
 in this command; the first iteration of each warms up and is not timed. Printed: median seconds per
 iteration, generated tokens per iteration and the per-token time, and the ratios epo / TRL. Both stop
 only at EOS or the token limit (TRL cannot stop at a string; `--epo-stop` keeps epo's </action> stop).
-Target (issue 12): <= 0.8.
+Target: <= 0.8.
 
 TRL is an optional dependency: `pip install 'epo[bench]'` (make install includes it).
 """

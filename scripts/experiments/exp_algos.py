@@ -8,7 +8,7 @@ An ablation sweeps one more key and groups the table by its value (`--vary` name
     python scripts/experiments/exp_algos.py --out outputs/exp_ablation --algos epo --vary algo.loss_terms \
         'algo.loss_terms=[policy_clip,kl,entropy],[policy_clip,kl,entropy,entropy_smoothing]' entropy.coef=0.02
 
-Serves two checks of the issues:
+Serves two checks:
 - learning check (RL core): from the SFT warm start, do ppo and grpo raise household success above the
   warm start's? Success is measured the same way for every policy: `epo eval` on the same fixed tasks of
   eval_in_distribution at the sampling temperature (1.0) and greedily.
