@@ -16,7 +16,7 @@ One RL iteration (`rl_step`, numbered as there):
                     loss = sum_i coef_i * term_i   (e.g. policy_clip + 0.01*kl - lambda*entropy
                                                     + lambda*beta_k*entropy_smoothing)
                     engine.backward(loss); one engine.step() per mini-batch; critic likewise (ppo)
-    7 state      <- entropy history, entropy schedule, rollout copy of the weights, curriculum
+    7 state      <- entropy history and schedule (EntropyControl), rollout copy of the weights, curriculum
     8 metrics    <- epo_cli/training/step_metrics.py
 Around each step (`_loop`): the learning rate from its schedule before; evaluate every eval_every, log,
 checkpoint every save_every after (`_after_step`). SFT (training/sft.py) uses the same loop and update.
@@ -36,9 +36,8 @@ import torch
 from omegaconf import DictConfig
 
 from epo_cli.algos.advantages import compute_advantages
-from epo_cli.algos.entropy import EntropyHistory, FluctuationMonitor
 from epo_cli.algos.losses import LossStack, build_loss_terms, build_value_term, loss_coefficients
-from epo_cli.algos.schedules import build_entropy_schedule, build_kl_schedule, build_lr_schedule, build_phase_schedule
+from epo_cli.algos.schedules import build_kl_schedule, build_lr_schedule, build_phase_schedule
 from epo_cli.config import is_sft
 from epo_cli.curriculum import build_curriculum
 from epo_cli.envs import EnvSuite, make_suite
@@ -52,6 +51,7 @@ from epo_cli.run_dir import write_status
 from epo_cli.seeding import derive_seed
 from epo_cli.training import checkpoint
 from epo_cli.training.engine import all_reduce_max, all_reduce_sum, barrier, init_distributed
+from epo_cli.training.entropy_control import EntropyControl, EntropyStats
 from epo_cli.training.evaluate import TrainingEval
 from epo_cli.training.export import export_policy
 from epo_cli.training.group_sampler import GroupSampler
@@ -59,7 +59,6 @@ from epo_cli.training.models import build_models
 from epo_cli.training.sft import demonstrations, sft_step
 from epo_cli.training.step_metrics import (
     batch_metrics,
-    entropy_statistics,
     level_results,
     perf_metrics,
     reduce_sums,
@@ -94,11 +93,9 @@ class Trainer:
         self.loss_stack = LossStack(build_loss_terms(algo))
         value_term = build_value_term(algo) if self.models.critic_engine is not None else None
         self.update = PolicyUpdate(cfg, self.dist, self.models, self.loss_stack, value_term)
-        self.entropy_schedule = build_entropy_schedule(cfg.entropy)
+        self.entropy = EntropyControl(cfg)  # history, fluctuation monitor, lambda's schedule
         self.phase_schedule, self.kl_schedule = build_phase_schedule(algo.phase), build_kl_schedule(algo)
         self.lr_schedule = build_lr_schedule(algo)
-        self.history = EntropyHistory(algo.entropy_smoothing, max_turns=cfg.env.max_turns)
-        self.monitor = FluctuationMonitor(algo.monitor)
         self.builder = PromptBuilder(cfg.env.prompt_template, cfg.env.history_length,
                                      cfg.rollout.max_prompt_tokens, chat_encoder(self.models.tokenizer))
         self.state = TrainState()
@@ -201,28 +198,27 @@ class Trainer:
         #    monitor; after the update when it scores samples itself (only a monitor that clamps needs
         #    them before). The history is updated after the update: its references use steps 0..k-1 only
         #    (paper: Href(k)). The choice is made from the config, the same on every rank (collectives).
-        metrics = {"policy/entropy_ref": self.history.global_stream.value()} if self.history.num_steps else {}
-        stats = None if update.reuses_scoring() else self._entropy_statistics(batch, step, max_turns, metrics)
+        metrics = self.entropy.reference_metrics()
+        width = max(self.cfg.env.max_turns, max_turns)
+        stats = None if update.reuses_scoring() else self._entropy_statistics(batch, step, width, metrics)
 
         # 4. advantages
         if algo.estimator != "none":
             batch.advantages, batch.returns = compute_advantages(batch, algo, all_reduce_sum)
 
         # 5. coefficients from schedules: L = L_RL - lambda * (L_H - beta_k * L_smooth) + kl_weight * KL
-        coefs = self._coefficients(step, total, monitor_alert=bool(stats and stats[3]), metrics=metrics)
+        coefs = self._coefficients(step, total, monitor_alert=bool(stats and stats.alert), metrics=metrics)
 
         # 6. update (the batch comes back with the on-policy rows scored by the update's first forward)
         t0 = time.perf_counter()
-        result = self._tracked(update.run(batch, coefs, step, self.history, on_policy=on_policy))
+        result = self._tracked(update.run(batch, coefs, step, self.entropy.history, on_policy=on_policy))
         metrics.update(result.metrics)
         batch = result.batch
         update_s = time.perf_counter() - t0
 
         # 7. state: entropy history and schedule, the rollout's copy of the weights, the curriculum (true
         #    task success per level, all ranks)
-        sums, counts, entropy_now, _ = stats or self._entropy_statistics(batch, step, max_turns, metrics)
-        self.history.update(sums, counts)
-        self.entropy_schedule.observe(entropy_now)
+        self.entropy.observe(stats or self._entropy_statistics(batch, step, width, metrics))
         self.models.refresh()
         reduced = reduce_sums(rollout_sums(rollout.episodes, rollout.stats), self.dist.device)
         self.curriculum.observe(step, level_results(reduced))
@@ -246,7 +242,7 @@ class Trainer:
         """This step's loss coefficients (lambda, beta_k, KL weight from their schedules; the entropy terms
         scaled down when the monitor clamps); coef/* go into `metrics`."""
         algo = self.cfg.algo
-        lam, beta = self.entropy_schedule(step, total), self.phase_schedule(step, total)
+        lam, beta = self.entropy.schedule(step, total), self.phase_schedule(step, total)
         clamp = algo.monitor.clamp_scale if monitor_alert and algo.monitor.action == "clamp" else 1.0
         coefs = loss_coefficients(algo, lam, beta, self.kl_schedule(step, total), entropy_scale=clamp)
         if step == 0:
@@ -255,19 +251,11 @@ class Trainer:
         metrics.update({"coef/lambda": lam, "coef/beta": beta})
         return coefs
 
-    def _entropy_statistics(self, batch: TurnBatch, step: int, max_turns: int,
-                            metrics: dict[str, float]) -> tuple[torch.Tensor, torch.Tensor, float, bool]:
-        """Per-turn sums/counts of the rollout's token entropies (all ranks), their mean, and the fluctuation
-        monitor's verdict; the entropy metrics go into `metrics`."""
-        sums, counts, entropy_now, entropy_metrics = entropy_statistics(batch.entropy, batch.turn_index,
-                                                                        max(self.cfg.env.max_turns, max_turns))
-        metrics.update(entropy_metrics)
-        metrics.update(self.monitor.update(entropy_now))
-        if self.monitor.alert:
-            clamped = ": entropy terms clamped for this step" if self.cfg.algo.monitor.action == "clamp" else ""
-            self.logger.warn(f"entropy fluctuation above algo.monitor.threshold at step {step + 1} "
-                             f"(sigma={metrics['policy/entropy_fluctuation']:.4f})" + clamped)
-        return sums, counts, entropy_now, self.monitor.alert
+    def _entropy_statistics(self, batch: TurnBatch, step: int, width: int, metrics: dict[str, float]) -> EntropyStats:
+        """The rollout's entropy statistics over all ranks (EntropyControl.statistics); their metrics."""
+        stats = self.entropy.statistics(batch, step, width, self.logger.warn)
+        metrics.update(stats.metrics)
+        return stats
 
     def _tracked(self, result: UpdateResult) -> UpdateResult:
         """Count skipped updates; too many in a row stop the run (the weights were not changed by them)."""
@@ -286,16 +274,12 @@ class Trainer:
         return self.evaluation.all_splits(policy, done_steps, self.run / "samples" if self.dist.is_main else None)
 
     def _state_payload(self) -> dict[str, Any]:
-        return {"trainer": self.state.__dict__, "entropy_history": self.history.state_dict(),
-                "monitor": self.monitor.state_dict(), "entropy_schedule": self.entropy_schedule.state_dict(),
-                "curriculum": self.curriculum.state_dict()}
+        return {"trainer": self.state.__dict__, **self.entropy.state_dict(), "curriculum": self.curriculum.state_dict()}
 
     def _load(self, ckpt: Path) -> None:
         payload = checkpoint.load(ckpt, self.models.engine, self.models.critic_engine, self.dist.rank)
         self.state = TrainState(**payload["trainer"])
-        self.history.load_state_dict(payload["entropy_history"])
-        self.monitor.load_state_dict(payload["monitor"])
-        self.entropy_schedule.load_state_dict(payload.get("entropy_schedule", {}))
+        self.entropy.load_state_dict(payload)
         self.curriculum.load_state_dict(payload.get("curriculum", {}))
         self.models.refresh()
 

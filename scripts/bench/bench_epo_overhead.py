@@ -52,7 +52,7 @@ def main() -> None:
     batch.advantages, batch.returns = compute_advantages(batch, algo)
     # a non-empty history, so the smoothing term does its full work
     sums, counts = step_statistics(batch.entropy, batch.turn_index, cfg.env.max_turns)
-    trainer.history.update(sums, counts)
+    trainer.entropy.history.update(sums, counts)
 
     # two update parts on the same models: the EPO loss stack, and it without its entropy terms
     updates = {"epo": (trainer.update, list(algo.loss_terms))}
@@ -66,7 +66,7 @@ def main() -> None:
             algo.loss_terms = terms  # the update part reads cfg.algo (e.g. whether entropies are needed)
             coefs = loss_coefficients(algo, 0.001, 1.5, algo.kl.coef)
             t0 = time.perf_counter()
-            update.run(batch, coefs, step=rep, history=trainer.history)
+            update.run(batch, coefs, step=rep, history=trainer.entropy.history)
             if rep > 0:  # the first round warms up allocator and caches
                 times[name].append(time.perf_counter() - t0)
     epo_s, base_s = statistics.median(times["epo"]), statistics.median(times["grpo"])
