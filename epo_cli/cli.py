@@ -77,7 +77,7 @@ def eval_command(overrides: list[str] = OVERRIDES_ARG) -> None:
 
     Options: run, checkpoint (final|latest|best|step_N), split, episodes, temperature, greedy,
     policy (model|expert|look|random), out; any other key=value is a config override."""
-    from epo_cli.evaluation import run_eval  # torch: see the note at the imports
+    from epo_cli.eval_command import run_eval  # torch: see the note at the imports
 
     run_eval(list(overrides or []))
 

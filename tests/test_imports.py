@@ -23,7 +23,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "epo_cli"
 ALLOWED_FUNCTION_IMPORTS: dict[tuple[str, str], str] = {
     **{("epo_cli.cli", target): "`epo --help` stays fast: the command imports torch (and, for report, "
        "numpy) only when it runs"
-       for target in ("epo_cli.launch.local", "epo_cli.launch.deepspeed", "epo_cli.evaluation",
+       for target in ("epo_cli.launch.local", "epo_cli.launch.deepspeed", "epo_cli.eval_command",
                       "epo_cli.analysis.report")},
     ("epo_cli.cli", "epo_cli.launch.slurm"): "as above, and importing launch.rank sets OMP_NUM_THREADS=1, which "
                                              "only SLURM ranks may get",

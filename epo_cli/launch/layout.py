@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from epo_cli.checkpoint_paths import check_world_size, resolve_resume
 from epo_cli.errors import ConfigError, UserError
-from epo_cli.training import checkpoint
 from epo_cli.training.engine import deepspeed_config
 
 
@@ -114,9 +114,9 @@ def check_resume(cfg: DictConfig, layout: Layout) -> None:
     """A ZeRO checkpoint reloads only on the world size that saved it: say so before any rank starts."""
     if not cfg.trainer.resume or (cfg.trainer.resume == "auto" and not cfg.run_dir):
         return
-    folder = checkpoint.resolve_resume(cfg.trainer.resume, Path(cfg.run_dir or "."))
+    folder = resolve_resume(cfg.trainer.resume, Path(cfg.run_dir or "."))
     if folder is not None:
-        checkpoint.check_world_size(folder, layout.world_size)
+        check_world_size(folder, layout.world_size)
 
 
 def clear_rank_records(run: Path) -> None:

@@ -15,11 +15,11 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from epo_cli.analysis.run_summary import print_summary
+from epo_cli.checkpoint_paths import latest_tag, locate_resume
 from epo_cli.compose import compose, validate
 from epo_cli.envs import make_suite
 from epo_cli.errors import ConfigError, Stopped, UserError
 from epo_cli.run_dir import check_lengths, load_run_config, new_run_dir, write_config, write_status
-from epo_cli.training.checkpoint import latest_tag, locate_resume
 from epo_cli.training.stop import STOP, Interrupted, exit_code, signal_name
 from epo_cli.training.trainer import Trainer
 

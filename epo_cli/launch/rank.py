@@ -37,6 +37,7 @@ import torch.distributed as torch_dist  # noqa: E402
 from rich.markup import escape  # noqa: E402
 
 from epo_cli.analysis.run_summary import print_summary  # noqa: E402
+from epo_cli.checkpoint_paths import latest_tag  # noqa: E402
 from epo_cli.console import err_console, quiet_libraries  # noqa: E402
 from epo_cli.errors import UserError  # noqa: E402
 from epo_cli.run_dir import load_run_config, write_status  # noqa: E402
@@ -169,7 +170,7 @@ def run_rank(run: Path, resume_latest: bool = False, trust_remote_code: bool = F
 
 def _record_abandoned(run: Path, signum: int) -> None:
     try:
-        write_status(run, "stopped", signal=signal_name(signum), checkpoint=checkpoint.latest_tag(run),
+        write_status(run, "stopped", signal=signal_name(signum), checkpoint=latest_tag(run),
                      abandoned="a second signal abandoned the step in progress",
                      resume=f"epo train trainer.resume={run}")
     except Exception:  # noqa: BLE001 - best effort while leaving
