@@ -194,7 +194,7 @@ def test_a_setting_nothing_reads_is_warned() -> None:
     with pytest.warns(UserWarning, match=r"algo.entropy_smoothing.alpha=0.05: no effect in this run "
                                          r"\('entropy_smoothing' is not in algo.loss_terms\)"):
         compose_for_train(["algo=grpo", "algo.entropy_smoothing.alpha=0.05"])
-    with pytest.warns(UserWarning, match=r"algo.value.coef=1.0: no effect .*has no critic"):
+    with pytest.warns(UserWarning, match=r"algo.value.coef=1.0: no effect .*read only with algo.estimator=gae"):
         compose_for_train(["algo=grpo", "algo.value.coef=1.0"])
 
 

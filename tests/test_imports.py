@@ -4,8 +4,9 @@ The graph is read from the source with `ast` (nothing is imported): every `impor
 epo_cli module, at module level and inside functions (a function-level import is still an edge: it runs
 whenever the function does), without `if TYPE_CHECKING:` blocks (they never run). Relative imports and
 `from package import module` resolve to the module; importing `a.b.c` also runs the package `a.b`'s
-__init__. Registries that import by name (`"epo_cli.envs.household:HouseholdSuite"` strings handed to
-importlib.import_module) are edges too, since those imports run as soon as a name is looked up.
+__init__. Registries that import by name (`"epo_cli.envs.household:HouseholdSuite"` strings, which
+epo_cli.registry imports when the name is first used) are edges too, since those imports run as soon as a
+name is looked up.
 """
 
 from __future__ import annotations
@@ -27,13 +28,6 @@ ALLOWED_FUNCTION_IMPORTS: dict[tuple[str, str], str] = {
                       "epo_cli.analysis.report")},
     ("epo_cli.cli", "epo_cli.launch.slurm"): "as above, and importing launch.rank sets OMP_NUM_THREADS=1, which "
                                              "only SLURM ranks may get",
-    **{("epo_cli.algos", f"epo_cli.algos.{name}"): "registry_names() imports the torch modules only when a "
-       "config is validated, so composing a config stays torch-free"
-       for name in ("advantages", "aggregation", "losses", "schedules")},
-    **{("epo_cli.compose", target): "the component modules import torch: loaded when a config is validated, "
-       "so importing compose (the CLI, a sweep's parent process) stays torch-free"
-       for target in ("epo_cli.algos", "epo_cli.algos.advantages", "epo_cli.algos.losses",
-                      "epo_cli.algos.schedules")},
 }
 
 
@@ -74,7 +68,6 @@ def imports_of(module: str, modules: dict[str, Path]) -> list[Import]:
     path = modules[module]
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     tree = ast.parse(path.read_text(), str(path))
-    uses_importlib = "importlib" in path.read_text()
     found: list[Import] = []
 
     def add(name: str | None, node: ast.AST, in_function: bool, by_name: bool = False) -> None:
@@ -111,8 +104,7 @@ def imports_of(module: str, modules: dict[str, Path]) -> list[Import]:
             for alias in node.names:  # `from pkg import mod` imports the module pkg.mod
                 full = f"{source}.{alias.name}"
                 add(full if full in modules else source, node, in_function)
-        elif uses_importlib and isinstance(node, ast.Constant) and isinstance(node.value, str) \
-                and ":" in node.value:
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and ":" in node.value:
             name = node.value.split(":", 1)[0]
             if name in modules:
                 add(name, node, True, by_name=True)
