@@ -18,7 +18,7 @@ import pytest
 
 from epo_cli.config import RunConfig, _nested_schema
 from epo_cli.errors import EXIT_CONFIG, ConfigError
-from epo_cli.launch.local import compose_for_train
+from epo_cli.launch.setup import compose_for_train
 
 from conftest import run_epo
 

@@ -156,7 +156,7 @@ def _run_dir_trusting_remote_code(tmp_path: Path) -> Path:
 
 def test_a_saved_trust_remote_code_is_not_honoured(tmp_path: Path) -> None:
     from epo_cli.eval_command import EvalArgs, eval_config
-    from epo_cli.launch.local import compose_for_train
+    from epo_cli.launch.setup import compose_for_train
 
     run = _run_dir_trusting_remote_code(tmp_path)
     with pytest.warns(UserWarning, match="honoured only from the command line, not from a saved config"):
