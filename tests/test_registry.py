@@ -164,6 +164,31 @@ def test_toy_term_is_built_into_the_stack_with_its_coef() -> None:
 DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
+def test_every_declared_builtin_has_its_code() -> None:
+    """The algorithm registries are declared torch-free (epo_cli/algos/registries.py) and implemented where
+    their code is: once those modules are imported, no declared name is left without its component."""
+    import epo_cli.algos.advantages
+    import epo_cli.algos.aggregation
+    import epo_cli.algos.losses  # noqa: F401 - they implement the declared names
+    from epo_cli.algos import REGISTRIES
+    from epo_cli.registry import Registry
+
+    missing = [f"{reg.kind} '{name}'" for reg in REGISTRIES.values() for name in reg.names()
+               if reg.entry(name).build is None]
+    assert not missing, f"declared but never implemented: {missing}"
+    reg = Registry("thing")
+    reg.declare("a", reads=("x.y",))
+    with pytest.raises(ValueError, match="registered twice"):
+        reg.declare("a")
+    with pytest.raises(ValueError, match="implemented but not declared"):
+        reg.implement("b", print)
+    with pytest.raises(RuntimeError, match="declared but its code was never registered"):
+        reg.target("a")
+    assert reg.implement("a", len) is len and reg["a"] is len and reg.reads("a") == ("x.y",)
+    with pytest.raises(KeyError, match="unknown thing 'c'; valid: a"):
+        reg["c"]  # noqa: B018 - the lookup is what is tested
+
+
 # ---- a toy estimator and a toy schedule beside the toy term ----------------------------------------------
 
 @dataclass
