@@ -47,7 +47,8 @@ def num(default: Any, *, ge: float | None = None, gt: float | None = None, le: f
 def one_of(default: Any = None, valid: tuple[Any, ...] = (), *, registry: str | None = None,
            extra: tuple[Any, ...] = (), default_factory: Any = None) -> Any:
     """A field whose value (each item, for a list) is one of `valid`, or a name in the component registry
-    `registry` (the keys of epo_cli.algos.registry_names()) plus `extra`."""
+    `registry` (a key of epo_cli.algos.REGISTRIES, or "curricula") plus `extra`. Config validation also
+    reads these fields to find the components a config names (their checks, the keys they read)."""
     meta = {"choices": tuple(valid) + tuple(extra), "registry": registry}
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=meta)

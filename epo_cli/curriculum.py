@@ -27,8 +27,10 @@ Task.level unset get it set to the level string here, so that the trainer's per-
 (curriculum/level_success/<level>) comes back under the curriculum's names. Subgoal rewards ask the suite
 too (`suite.check_subgoal_rewards()`: an error with the fix, or a warning where the env reports no events).
 
-Each option is registered in `CURRICULA` (epo_cli/registry.py) with its settings dataclass: the fields it
-reads from the flat `curriculum` section (conf/curriculum/none.yaml holds every key with its default).
+Each option is registered in `CURRICULA` (an epo_cli.registry.Registry) with its settings dataclass: the
+fields it reads from the flat `curriculum` section (conf/curriculum/none.yaml holds every key with its
+default). Their ranges and valid values are CurriculumConfig's, checked by `check_curriculum` both when a
+config is composed and when a curriculum is built, so the two never disagree.
 
 Metrics (logged after each iteration's `observe`, i.e. the state the next iteration draws from):
 curriculum/level (staged: the stage index; adaptive and mixtures: the expected index under the weights),

@@ -2,8 +2,8 @@
 
 Every component a config names lives in a registry (epo_cli.registry.Registry): the algorithm's are
 declared in epo_cli/algos/registries.py, the schedules in schedules.py, neither of which imports torch.
-`registry_names()` is what config validation checks names against, so an unknown name fails at config time
-with the list of valid names, without loading the components' code.
+`REGISTRIES` is what config validation reads (names, and what each entry says about its component), so an
+unknown name fails at config time with the list of valid names, without loading the components' code.
 """
 
 from __future__ import annotations
@@ -30,8 +30,3 @@ REGISTRIES: dict[str, Registry] = {
     "schedules": SCHEDULES,
     "kl_schedules": KL_SCHEDULES,
 }
-
-
-def registry_names() -> dict[str, list[str]]:
-    """registry (as `one_of(registry=...)` names it in epo_cli/config.py) -> its component names."""
-    return {key: registry.names() for key, registry in REGISTRIES.items()}
