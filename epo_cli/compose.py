@@ -398,7 +398,8 @@ def _check_schedule(cfg: DictConfig, factor: str) -> None:
 @dataclass
 class _Part:
     """Something that reads `keys` (a key names itself and every key under it) only when this run uses it:
-    a component the config names at `choice` = (key, name), or something used when `on(cfg)` says so."""
+    a component, used when the key `choice[0]` names it (`choice[1]`) and that key is read itself; or
+    anything else, used when `on`."""
 
     keys: tuple[str, ...]
     choice: tuple[str, str] | None = None
@@ -497,11 +498,12 @@ def _warn_unused_settings(cfg: DictConfig) -> None:
                 used.add(i)
                 grew = True
 
-    def reason(key: str) -> str:
+    def reason(key: str, seen: frozenset[str] = frozenset()) -> str:
         unused = [parts[i] for i in owners(key) if i not in used]
-        named = [part for part in unused if chosen(part)]  # named, but by a key nothing reads: that is why
+        # named, but by a key nothing reads: that key's reason is this one's
+        named = [part.choice[0] for part in unused if chosen(part) and part.choice[0] not in seen]  # type: ignore[index]
         if named:
-            return "; ".join(dict.fromkeys(reason(part.choice[0]) for part in named))  # type: ignore[index]
+            return "; ".join(dict.fromkeys(reason(choice, seen | {key}) for choice in named))
         alternatives: dict[str, list[str]] = {}  # choice key -> the names that would read it
         texts = []
         for part in unused:
