@@ -59,8 +59,12 @@ def test_behaviour_cloning_is_an_algorithm_without_an_rl_base() -> None:
     assert not any(is_sft(compose([f"algo={a}"]).algo) for a in group_options("algo") if a != "sft")
     with pytest.raises(ConfigError, match="algo.base=none trains by behaviour cloning .* algo.estimator=grpo"):
         compose(["algo=grpo", "algo.base=none"])
-    with pytest.raises(ConfigError, match=r"loss terms \['policy_clip', 'kl', 'entropy_smoothing'\]"):
+    with pytest.raises(ConfigError, match="'policy_clip' but algo.estimator=none computes no advantages"):
         compose(["algo=epo", "algo.base=none"])  # its estimator is auto: none without an RL base
+    # terms that read what only an RL step computes (the update would fail on the first demonstration)
+    for term, what in (("kl", "reference log-probs"), ("entropy_smoothing", "entropy history")):
+        with pytest.raises(ConfigError, match=f"'{term}' but algo.base=none .* computes no {what}"):
+            compose(["algo=sft", f"algo.loss_terms=[nll,{term}]"])
 
 
 @pytest.mark.parametrize(("overrides", "needle"), [

@@ -43,7 +43,7 @@ def test_entropy_stats_start_end_min_max() -> None:
 
 
 def test_preset_composes_without_warnings_and_each_arm_changes_what_it_names() -> None:
-    from epo_cli.launch.local import compose_for_train
+    from epo_cli.launch.setup import compose_for_train
 
     def compose(key: str) -> dict:
         cfg = compose_for_train(["experiment=entropy_stress", *exp_entropy.ARMS[key].overrides])[0]

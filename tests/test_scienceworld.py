@@ -44,7 +44,6 @@ def test_rollouts_skip_the_gold_path_unless_it_is_read() -> None:
     suite = make_suite(cfg.env)
     assert suite.make_env().use_expert is True  # no JVM yet: it starts at the first reset
     assert suite.make_env(reads_expert=False).use_expert is False
-    assert make_suite(cfg.env, reads_expert=False).make_env().use_expert is False  # `epo eval`'s way
     forced = compose(["env=scienceworld", "env.expert=true"])
     assert make_suite(forced.env).make_env(reads_expert=False).use_expert is True
 

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from epo_cli import checkpoint_paths
 from epo_cli.algos.advantages import compute_advantages
 from epo_cli.algos.losses import LossStack, build_loss_terms, build_value_term, loss_coefficients
 from epo_cli.algos.schedules import build_kl_schedule, build_lr_schedule, build_phase_schedule
@@ -125,7 +126,7 @@ class Trainer:
     def _resume_and_open_outputs(self) -> None:
         """Load the checkpoint to resume from (if any), then start the env pool and the loggers."""
         cfg, run = self.cfg, self.run
-        resume_from = checkpoint.resolve_resume(cfg.trainer.resume, run)
+        resume_from = checkpoint_paths.resolve_resume(cfg.trainer.resume, run)
         if resume_from is not None:
             self._load(resume_from)
         # the envs' expert (env.expert=null) runs only where its actions are read: SFT from the expert
@@ -136,7 +137,7 @@ class Trainer:
         if resume_from is not None and self.dist.is_main:
             truncate_metrics_file(run, self.state.step)  # rows after the checkpoint are re-logged
             # from an earlier step_N: newer checkpoints belong to the abandoned branch (kept, moved aside)
-            for moved in checkpoint.supersede_newer(run, self.state.step):
+            for moved in checkpoint_paths.supersede_newer(run, self.state.step):
                 self.logger.warn(f"resuming from step {self.state.step}: the newer checkpoint was moved to "
                                  f"{moved} (nothing deleted)")
             self.logger.info(f"resumed from {resume_from} at step {self.state.step}")
@@ -154,9 +155,9 @@ class Trainer:
             else:
                 final = self._loop(self.rl_step)
         except (OSError, RuntimeError) as err:
-            if not checkpoint.is_disk_error(err):
+            if not checkpoint_paths.is_disk_error(err):
                 raise
-            raise UserError(checkpoint.disk_error_message(self.run, err)) from None
+            raise UserError(checkpoint_paths.disk_error_message(self.run, err)) from None
         finally:
             self.pool.close()
             self.logger.close()
@@ -263,7 +264,7 @@ class Trainer:
             self.logger.warn(f"{result.skipped}/{result.optimizer_steps} updates skipped: non-finite loss or gradient")
         self.state.consecutive_skips = skip_streak(self.state.consecutive_skips, result,
                                                    self.cfg.trainer.max_nonfinite_skips,
-                                                   lambda: checkpoint.latest_tag(self.run))
+                                                   lambda: checkpoint_paths.latest_tag(self.run))
         return result
 
     # ---- after each step: evaluation, checkpoints, stopping ------------------------------------------------
@@ -329,5 +330,6 @@ class Trainer:
             write_status(self.run, "finished", step=self.state.step)
         else:
             extra = {"signal": signal_name(self.stop_signal)} if self.stop_signal else {}
-            write_status(self.run, "stopped", step=self.state.step, **extra,
-                         checkpoint=checkpoint.latest_tag(self.run), resume=f"epo train trainer.resume={self.run}")
+            latest = checkpoint_paths.latest_tag(self.run)
+            write_status(self.run, "stopped", step=self.state.step, **extra, checkpoint=latest,
+                         resume=f"epo train trainer.resume={self.run}")
