@@ -48,6 +48,7 @@ from epo_cli.config import (
     check_field_rules,
     config_dir,
     group_options,
+    is_sft,
 )
 from epo_cli.curriculum import CURRICULA, check_curriculum
 from epo_cli.envs import env_config_class
@@ -235,8 +236,12 @@ def _check_sections(cfg: DictConfig) -> None:
     """Rules that span the keys of a section (each field's own range is declared next to it and checked
     before this; a component's own rules are its registry entry's `check`)."""
     algo = cfg.algo
-    if algo.name != "sft" and algo.estimator == "none":
+    if not is_sft(algo) and algo.estimator == "none":
         raise ConfigError(f"algo={algo.name} needs an advantage estimator; set algo.estimator.")
+    if is_sft(algo) and algo.estimator != "none":
+        raise ConfigError(f"algo.base=none trains by behaviour cloning on demonstrations, which have no rollouts "
+                          f"to estimate advantages from, so algo.estimator={algo.estimator} cannot be used: give "
+                          "the algorithm an RL base (algo.base=ppo|grpo|gigpo), or train algo=sft.")
     if algo.mini_batch_size % algo.micro_batch_size:
         raise ConfigError(
             f"algo.mini_batch_size={algo.mini_batch_size} must be divisible by algo.micro_batch_size="
@@ -413,7 +418,7 @@ def _switches(cfg: DictConfig) -> list[tuple[tuple[str, ...], bool, str]]:
     algo, cur, launcher, env = cfg.algo, cfg.curriculum, cfg.launcher.name, cfg.env
     in_process = "env.num_workers=0 steps the envs in the training process, so no worker runs meanwhile"
     return [
-        (("algo.demos", "algo.demo_episodes", "algo.demo_level"), algo.name == "sft",
+        (("algo.demos", "algo.demo_episodes", "algo.demo_level"), is_sft(algo),
          f"algo={algo.name} does not behaviour-clone"),
         (("algo.dynamic_sampling_max_rounds", "algo.dynamic_sampling_metric"), algo.dynamic_sampling,
          "algo.dynamic_sampling=false"),

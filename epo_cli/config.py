@@ -281,6 +281,12 @@ class AlgoConfig:
     components: dict[str, Any] = field(default_factory=dict)
 
 
+def is_sft(algo: Any) -> bool:
+    """The one rule for behaviour cloning: an algorithm without an RL base (algo.base=none, as algo=sft)
+    trains on demonstrations (no rollouts, advantages or epochs)."""
+    return algo.base == "none"
+
+
 @dataclass
 class LoraConfig:
     rank: int = num(0, ge=0)  # 0 = full fine-tuning

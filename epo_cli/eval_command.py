@@ -60,9 +60,9 @@ from epo_cli.evaluation import (
     write_samples,
 )
 from epo_cli.models.loading import apply_lora, load_causal_lm, load_tokenizer, model_source, resolve_dtype
+from epo_cli.rollout.episodes import ExpertPolicy, ModelPolicy, Policy
 from epo_cli.rollout.generation import SamplingParams
 from epo_cli.rollout.prompts import PromptBuilder, chat_encoder
-from epo_cli.rollout.rollout import ExpertPolicy, ModelPolicy, Policy
 from epo_cli.run_dir import load_run_config
 from epo_cli.safe_load import load_tensors, refused_message, restricted_torch_load
 
@@ -292,8 +292,8 @@ def run_eval(args: list[str]) -> dict[str, Any]:
                             chat_encoder(tokenizer))
     tasks = eval_tasks(suite, split, episodes_n, cfg.seed)
     # the envs' expert (env.expert=null) runs only when it is the policy being scored
-    pool = EnvPool(make_suite(cfg.env, reads_expert=opts.policy == "expert"), num_workers=cfg.env.num_workers,
-                   step_timeout_s=cfg.env.step_timeout_s)
+    pool = EnvPool(suite, num_workers=cfg.env.num_workers, step_timeout_s=cfg.env.step_timeout_s,
+                   reads_expert=opts.policy == "expert")
     try:
         with torch.no_grad():
             metrics, episodes = evaluate_split(policy, pool, builder, tokenizer, split, tasks,

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from epo_cli.envs.base import EnvSuite, Task
+from epo_cli.rollout.episodes import Episode, PlaySettings, Policy, episode_metrics, episode_slots, run_episodes
 from epo_cli.rollout.prompts import format_response
-from epo_cli.rollout.rollout import Episode, PlaySettings, Policy, episode_metrics, episode_slots, run_episodes
 from epo_cli.seeding import derive_seed
 
 #: z for a two-sided 95% interval

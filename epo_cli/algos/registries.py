@@ -33,6 +33,7 @@ from epo_cli.config import (
     PolicyClipConfig,
     SmoothingConfig,
     ValueConfig,
+    is_sft,
 )
 from epo_cli.errors import ConfigError
 from epo_cli.registry import Registry
@@ -101,10 +102,22 @@ def _policy_clip_needs_advantages(cfg: Any) -> None:
                           "set algo.estimator (gae, grpo, ...) or remove 'policy_clip'.")
 
 
+def _not_on_demonstrations(term: str, what: str) -> Any:
+    """A term that reads what only an RL step computes (`what`) cannot train behaviour cloning."""
+
+    def check(cfg: Any) -> None:
+        if is_sft(cfg.algo):
+            raise ConfigError(f"algo.loss_terms has '{term}' but algo.base=none trains by behaviour cloning, which "
+                              f"computes no {what}: remove '{term}', or give the algorithm an RL base.")
+
+    return check
+
+
 def _smoothing_band(cfg: Any) -> None:
     """The band must be a band; and warn when alpha * max(beta_k) >= 1. Above the band the objective's
     gradient in H is lambda * (1 - beta_k * alpha): below 1 the smoothing only damps the entropy bonus there
     (the regime EPO's analysis assumes); at or above 1 it outweighs the bonus and pushes entropy down."""
+    _not_on_demonstrations("entropy_smoothing", "entropy history")(cfg)
     sm = cfg.algo.entropy_smoothing
     if sm.kappa_low >= sm.kappa_high:
         raise ConfigError(f"The smoothing band needs algo.entropy_smoothing.kappa_low < kappa_high (got "
@@ -125,7 +138,7 @@ LOSS_TERMS.declare("entropy", config=EntropyTermConfig, sections=("entropy",), r
 LOSS_TERMS.declare("entropy_smoothing", config=SmoothingConfig, sections=("entropy_smoothing",),
                    coef="lambda*beta", check=_smoothing_band)
 LOSS_TERMS.declare("kl", config=KLConfig, sections=("kl",), reads=("algo.kl.estimator", "algo.kl.aggregation"),
-                   coef="kl")
+                   coef="kl", check=_not_on_demonstrations("kl", "reference log-probs"))
 LOSS_TERMS.declare("nll", sections=("nll_aggregation",), coef="1")
 
 

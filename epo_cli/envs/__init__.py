@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from epo_cli.envs.base import Env, EnvSuite, StepResult, Task
 from epo_cli.registry import Registry
 
@@ -29,14 +27,10 @@ def env_config_class(name: str) -> type:
     return ENV_SUITES.config_class(name)
 
 
-def make_suite(env_cfg: Any, reads_expert: bool = True) -> EnvSuite:
-    """Build the suite named by `env_cfg.name` (cheap; call `.check()` before running).
-
-    `reads_expert=False`: the caller never reads info["expert_action"] (RL rollouts), so an env whose
-    `expert` setting is null (the default: "where the run reads it") skips computing it; an explicit
-    env.expert=true|false is kept as given."""
-    if not reads_expert and getattr(env_cfg, "expert", False) is None:
-        env_cfg = OmegaConf.merge(env_cfg, {"expert": False})
+def make_suite(env_cfg: Any) -> EnvSuite:
+    """Build the suite named by `env_cfg.name` (cheap; call `.check()` before running). One per run: whether
+    an env computes its expert (env.expert=null: where it is read) is told to the suite's make_env, by the
+    EnvPool that builds the envs (`reads_expert`)."""
     return ENV_SUITES.build(env_cfg.name, env_cfg)
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from epo_cli.checkpoint_paths import check_world_size, resolve_resume
+from epo_cli.config import is_sft
 from epo_cli.errors import ConfigError, UserError
 from epo_cli.training.deepspeed_config import deepspeed_config
 
@@ -113,7 +114,7 @@ def layout_for(cfg: DictConfig) -> Layout:
 def check_world(cfg: DictConfig, layout: Layout) -> None:
     """The batch layout must split over the world: one clear message here instead of one per rank."""
     deepspeed_config(cfg, layout.world_size, "cuda" if layout.gpu else "cpu")  # ConfigError: batch vs world size
-    if cfg.algo.name != "sft" and cfg.algo.tasks_per_step % layout.world_size:
+    if not is_sft(cfg.algo) and cfg.algo.tasks_per_step % layout.world_size:
         w = layout.world_size
         raise ConfigError(
             f"algo.tasks_per_step={cfg.algo.tasks_per_step} must be divisible by the number of ranks ({w}) "

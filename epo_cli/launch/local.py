@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 
 from epo_cli.analysis.run_summary import print_summary
 from epo_cli.checkpoint_paths import latest_tag
+from epo_cli.envs import make_suite
 from epo_cli.errors import Stopped
 from epo_cli.launch.setup import prepare_run_dir, stopped_message
 from epo_cli.run_dir import write_status
@@ -23,15 +24,16 @@ def run_local(cfg: DictConfig, overrides: list[str]) -> dict:
     resuming = bool(cfg.trainer.resume) and cfg.run_dir and (Path(cfg.run_dir) / "config.yaml").exists()
     STOP.install()  # SIGTERM/SIGINT/SIGUSR1: finish the step, checkpoint it, exit 128+N
     try:
+        suite = make_suite(cfg.env)  # the run's one env suite, handed down
         if resuming:
             # load the checkpoint first: if it is unusable, the run directory stays exactly as it was
             run = Path(cfg.run_dir)
-            trainer = Trainer(cfg, run)
-            prepare_run_dir(cfg, overrides)
+            trainer = Trainer(cfg, run, suite)
+            prepare_run_dir(cfg, overrides, suite)
         else:
-            run = prepare_run_dir(cfg, overrides)
+            run = prepare_run_dir(cfg, overrides, suite)
         try:
-            trainer = trainer if resuming else Trainer(cfg, run)
+            trainer = trainer if resuming else Trainer(cfg, run, suite)
             metrics = trainer.train()
         except (KeyboardInterrupt, Interrupted) as err:
             signum = err.signum if isinstance(err, Interrupted) else 2

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from epo_cli.checkpoint_paths import latest_tag, locate_resume
 from epo_cli.compose import compose, validate
-from epo_cli.envs import make_suite
+from epo_cli.envs import EnvSuite, make_suite
 from epo_cli.errors import ConfigError, UserError
 from epo_cli.run_dir import check_lengths, load_run_config, new_run_dir, write_config
 from epo_cli.training.stop import signal_name
@@ -47,11 +47,12 @@ def compose_for_train(overrides: list[str]) -> tuple[DictConfig, list[str]]:
     return compose(overrides), overrides
 
 
-def prepare_run_dir(cfg: DictConfig, overrides: list[str]) -> Path:
-    """Create the run directory and save the resolved config (with versions and command) in it."""
+def prepare_run_dir(cfg: DictConfig, overrides: list[str], suite: EnvSuite | None = None) -> Path:
+    """Create the run directory and save the resolved config (with versions and command) in it. `suite`:
+    the run's env suite where this process built it already (launch.local: one per run, handed down)."""
     run = new_run_dir(cfg)
     cfg.run_dir = str(run)
-    versions = make_suite(cfg.env).versions()
+    versions = (suite or make_suite(cfg.env)).versions()
     try:
         write_config(run, cfg, overrides, versions)
     except OSError as err:  # read-only, full, or a file where a folder must go: before any work

@@ -22,28 +22,11 @@ from typing import Any
 
 import torch
 
-from epo_cli.checkpoint_paths import (  # the trainer calls these as checkpoint.<name>: see the note below
-    COMPLETE,
-    check_world_size,
-    disk_error_message,
-    is_disk_error,
-    latest_tag,
-    listing,
-    prune,
-    read_pointer,
-    resolve_resume,
-    supersede_newer,
-    write_pointer,
-)
+from epo_cli.checkpoint_paths import COMPLETE, check_world_size, listing, prune, read_pointer, write_pointer
 from epo_cli.errors import UserError
 from epo_cli.safe_load import load_tensors
 from epo_cli.training import rng_state
 from epo_cli.training.engine import barrier
-
-# training/trainer.py reaches resolve_resume, supersede_newer, is_disk_error, disk_error_message and
-# latest_tag through this module; they live in epo_cli.checkpoint_paths (new code imports them there).
-__all__ = ["CHECKPOINT_FORMAT", "disk_error_message", "is_disk_error", "latest_tag", "load", "resolve_resume",
-           "save", "supersede_newer"]
 
 #: written into trainer_state.json; checkpoints of other formats are refused with a message
 CHECKPOINT_FORMAT = "epo-checkpoint/2"
