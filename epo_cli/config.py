@@ -47,7 +47,8 @@ def num(default: Any, *, ge: float | None = None, gt: float | None = None, le: f
 def one_of(default: Any = None, valid: tuple[Any, ...] = (), *, registry: str | None = None,
            extra: tuple[Any, ...] = (), default_factory: Any = None) -> Any:
     """A field whose value (each item, for a list) is one of `valid`, or a name in the component registry
-    `registry` (the keys of epo_cli.algos.registry_names()) plus `extra`."""
+    `registry` (a key of epo_cli.algos.REGISTRIES, or "curricula") plus `extra`. Config validation also
+    reads these fields to find the components a config names (their checks, the keys they read)."""
     meta = {"choices": tuple(valid) + tuple(extra), "registry": registry}
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=meta)
@@ -276,7 +277,7 @@ class AlgoConfig:
     #: the groups dynamic sampling keeps (epo_cli/algos/group_filter.py): signal (the estimator gives the group
     #: a non-zero advantage) | top_variance (RAGEN-2: the top group_filter_keep share of each round by return
     #: variance) | none
-    group_filter: str = one_of("signal", ("none", "signal", "top_variance"))
+    group_filter: str = one_of("signal", registry="group_filters")
     #: top_variance: share of each round's groups that passes (ceil(keep x groups))
     group_filter_keep: float = num(0.5, gt=0, le=1)
     # reward shaping (verl-agent conventions)
@@ -305,6 +306,12 @@ class AlgoConfig:
     #: settings dataclass (its registry entry's `config`) with the same field rules; a loss term's
     #: coefficient is its `coef`
     components: dict[str, Any] = field(default_factory=dict)
+
+
+def is_sft(algo: Any) -> bool:
+    """The one rule for behaviour cloning: an algorithm without an RL base (algo.base=none, as algo=sft)
+    trains on demonstrations (no rollouts, advantages or epochs)."""
+    return algo.base == "none"
 
 
 @dataclass
@@ -374,15 +381,16 @@ class CurriculumConfig:
     window: int = num(3, ge=1)
     promote_at: float = num(0.7, ge=0, le=1)
     demote_at: float | None = num(None, ge=0, le=1)
-    replay_share: float = num(0.2, ge=0, le=1)
+    #: share of each staged batch replaying earlier levels (below 1: the current level must be trained too)
+    replay_share: float = num(0.2, ge=0, lt=1)
     #: adaptive: progress (change in success) | closeness (to 0.5)
     adaptive_signal: str = one_of("progress", ("progress", "closeness"))
     exploration_floor: float = num(0.1, ge=0, le=1)
-    #: horizon: max turns grow from start_turns to env.max_turns over `horizon_share` of training
-    #: (can be combined with any curriculum)
+    #: horizon: max turns grow from start_turns to env.max_turns over `horizon_share` of training (0: the full
+    #: env.max_turns from the start); can be combined with any curriculum
     horizon: bool = False
     start_turns: int = num(10, ge=1)
-    horizon_share: float = num(0.5, gt=0, le=1)
+    horizon_share: float = num(0.5, ge=0, le=1)
     #: intermediate rewards from progress events (can be combined with any curriculum)
     subgoal_rewards: bool = False
     subgoal_coef: float = num(1.0, ge=0)

@@ -14,10 +14,12 @@ from torch import nn
 
 from epo_cli.algos.diagnostics import (
     advantage_signal,
+    alert_crossings,
     collapse_reasons,
     corridor_counts,
     cross_prompt_mi,
     group_return_std,
+    measured_signals,
     state_diversity,
 )
 from epo_cli.compose import compose
@@ -192,33 +194,69 @@ def test_corridor_counts_by_hand():
 
 def test_collapse_reasons_follow_the_thresholds():
     s = DiagnosticsConfig(alert_entropy_low=0.5, alert_entropy_high=2.0, alert_mi=0.05, alert_diversity=0.2)
-    assert collapse_reasons({"policy/entropy": 0.1}, s) == []  # no reference yet (first step)
-    assert collapse_reasons({"policy/entropy": 0.1, "policy/entropy_ref": 0.15}, s) == []
-    low = collapse_reasons({"policy/entropy": 0.07, "policy/entropy_ref": 0.15}, s)
-    assert len(low) == 1 and "entropy 0.07 < 0.5 x" in low[0]
-    assert "> 2 x" in collapse_reasons({"policy/entropy": 0.31, "policy/entropy_ref": 0.15}, s)[0]
+    assert collapse_reasons({"policy/entropy": 0.1}, s) == {}  # no reference yet (first step)
+    assert collapse_reasons({"policy/entropy": 0.1, "policy/entropy_ref": 0.15}, s) == {}
+    low = collapse_reasons({"policy/entropy": 0.07, "policy/entropy_ref": 0.15}, s)  # 0.07 < 0.5 x 0.15 = 0.075
+    assert list(low) == ["entropy_low"] and "entropy 0.07 < 0.5 x" in low["entropy_low"]
+    high = collapse_reasons({"policy/entropy": 0.31, "policy/entropy_ref": 0.15}, s)  # 0.31 > 2 x 0.15 = 0.3
+    assert list(high) == ["entropy_high"] and "> 2 x" in high["entropy_high"]
     both = collapse_reasons({"collapse/mi": 0.01, "collapse/state_diversity": 0.1}, s)
-    assert len(both) == 2 and both[0].startswith("MI 0.01 < 0.05") and both[1].startswith("state diversity")
+    assert both["mi"].startswith("MI 0.01 < 0.05") and both["diversity"].startswith("state diversity")
     off = DiagnosticsConfig(alert_entropy_low=None, alert_entropy_high=None, alert_mi=None, alert_diversity=None)
-    assert collapse_reasons({"policy/entropy": 9.0, "policy/entropy_ref": 0.1, "collapse/mi": 0.0}, off) == []
+    assert collapse_reasons({"policy/entropy": 9.0, "policy/entropy_ref": 0.1, "collapse/mi": 0.0}, off) == {}
+    # what a step measures: entropy once a reference exists, MI in its steps, each only with its threshold on
+    assert measured_signals({"policy/entropy": 0.1}, s) == set()
+    assert measured_signals({"policy/entropy": 0.1, "policy/entropy_ref": 0.2, "collapse/mi": 0.3}, s) == {
+        "entropy_low", "entropy_high", "mi"}
+    assert measured_signals({"collapse/mi": 0.3, "collapse/state_diversity": 0.5}, DiagnosticsConfig()) == {"mi"}
+
+
+def test_the_alert_fires_on_crossings_not_on_every_step_beyond():
+    s = DiagnosticsConfig(alert_mi=0.05)  # entropy: 0.5x / 2x of the reference; diversity off
+    beyond: list[str] = []
+    fired = []
+    steps = [  # (entropy, reference, MI or None): entropy falls for good from step 2; MI measured at 1, 3, 5
+        (1.0, 1.0, 0.2), (0.4, 1.0, None), (0.3, 0.9, 0.01), (0.2, 0.8, None), (0.2, 0.7, 0.3), (0.6, 0.7, None),
+        (0.3, 0.7, None)]
+    levels = []
+    for h, ref, mi in steps:  # steps 1..7
+        metrics = {"policy/entropy": h, "policy/entropy_ref": ref, **({"collapse/mi": mi} if mi is not None else {})}
+        reasons = collapse_reasons(metrics, s)
+        beyond, crossed = alert_crossings(beyond, reasons, measured_signals(metrics, s), s)
+        fired.append(crossed)
+        levels.append(bool(beyond))
+    # step 2: 0.4 < 0.5 x 1.0 crosses; steps 3-5 stay below (0.3 < 0.45, 0.2 < 0.4, 0.2 < 0.35): no new alert;
+    # step 6: 0.6 >= 0.35, back within; step 7: 0.3 < 0.35 crosses again. MI: 0.01 < 0.05 crosses at step 3,
+    # keeps its verdict at step 4 (not measured), is back within at step 5.
+    assert fired == [[], ["entropy_low"], ["mi"], [], [], [], ["entropy_low"]]
+    assert levels == [False, True, True, True, True, False, True]
+    # a signal whose threshold is turned off is dropped (a run resumed with another setting)
+    assert alert_crossings(["mi"], {}, set(), DiagnosticsConfig(alert_mi=None)) == ([], [])
 
 
 def test_collapse_alert_warns_and_notes_it_in_status_json(tmp_path: Path):
     write_status(tmp_path, "running")
     warned: list[str] = []
     s = DiagnosticsConfig(alert_mi=0.05)
-    assert collapse_alert({"collapse/mi": 0.2}, s, 3, warned.append, tmp_path) == {"collapse/alert": 0.0}
-    assert collapse_alert({"collapse/mi": 0.01}, s, 4, warned.append, tmp_path) == {"collapse/alert": 1.0}
-    assert collapse_alert({"collapse/mi": 0.02}, s, 6, warned.append, None) == {"collapse/alert": 1.0}  # rank > 0
+    assert collapse_alert({"collapse/mi": 0.2}, s, 3, [], warned.append, tmp_path) == ({"collapse/alert": 0.0}, [])
+    metrics, beyond = collapse_alert({"collapse/mi": 0.01}, s, 4, [], warned.append, tmp_path)
+    assert metrics == {"collapse/alert": 1.0} and beyond == ["mi"]
+    # still beyond: on, but no second warning nor note
+    assert collapse_alert({"collapse/mi": 0.02}, s, 5, beyond, warned.append, tmp_path) == (
+        {"collapse/alert": 1.0}, ["mi"])
+    assert collapse_alert({"collapse/mi": 0.02}, s, 6, [], warned.append, None) == (
+        {"collapse/alert": 1.0}, ["mi"])  # rank > 0: warns (the logger shows rank 0's only), writes nothing
     assert len(warned) == 2 and warned[0].startswith("collapse alert at step 4: MI 0.01 < 0.05")
     status = read_status(tmp_path)
     assert status["status"] == "running" and status["alerts"]["collapse"]["first_step"] == 4
+    assert status["alerts"]["collapse"]["count"] == 1
     record_alert(tmp_path, "collapse", 7, ["x"])
     write_status(tmp_path, "finished", step=9)  # the end of the run keeps the alerts
     status = json.loads((tmp_path / "status.json").read_text())
     assert status["status"] == "finished" and status["step"] == 9
     assert status["alerts"]["collapse"] == {"first_step": 4, "last_step": 7, "count": 2, "reasons": ["x"]}
-    assert collapse_alert({"collapse/mi": 0.0}, DiagnosticsConfig(enabled=False), 8, warned.append, None) == {}
+    assert collapse_alert({"collapse/mi": 0.0}, DiagnosticsConfig(enabled=False), 8, ["mi"], warned.append,
+                          None) == ({}, [])
 
 
 # ---- settings ------------------------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ over all ranks is sum(sums) / sum(counts).
     advantage_signal    collapse/adv_signal_share: the share of turn-samples with a non-zero advantage
     corridor_counts     collapse/corridor_above|below[_turn/<t>]: samples outside EPO's band
     state_diversity     collapse/state_diversity: distinct actions taken from one state within a group
-    collapse_reasons    the `collapse` alert: which signal crossed its threshold
+    collapse_reasons    the `collapse` alert: which signals are beyond their thresholds
+    alert_crossings     ... and which crossed into it this step (the alert fires on those)
 """
 
 from __future__ import annotations
@@ -106,26 +107,56 @@ def state_diversity(visits: Iterable[tuple[int, Any, str]]) -> tuple[float, int]
     return total, shared
 
 
-def collapse_reasons(metrics: Mapping[str, float], settings: Any) -> list[str]:
-    """Why this step's signals say collapse (empty: no alert), from the step's metrics and
+#: the signals the collapse alert watches, each with its threshold in algo.diagnostics
+ALERT_SIGNALS = {"entropy_low": "alert_entropy_low", "entropy_high": "alert_entropy_high", "mi": "alert_mi",
+                 "diversity": "alert_diversity"}
+
+
+def collapse_reasons(metrics: Mapping[str, float], settings: Any) -> dict[str, str]:
+    """The signals beyond their thresholds in this step's metrics, each with why (empty: none), from
     algo.diagnostics' thresholds (null: that check is off):
 
-        entropy  policy/entropy < alert_entropy_low x Href or > alert_entropy_high x Href
-                 (Href = policy/entropy_ref, the mean of the past steps' entropies: EPO's reference)
-        mi       collapse/mi < alert_mi (only in steps that measured it)
-        diversity collapse/state_diversity < alert_diversity
+        entropy_low, entropy_high  policy/entropy < alert_entropy_low x Href or > alert_entropy_high x Href
+                                   (Href = policy/entropy_ref, the mean of the past steps' entropies: EPO's
+                                   reference)
+        mi                         collapse/mi < alert_mi (only in steps that measured it)
+        diversity                  collapse/state_diversity < alert_diversity
     """
-    reasons = []
+    reasons = {}
     h, ref = metrics.get("policy/entropy"), metrics.get("policy/entropy_ref")
     if h is not None and ref is not None and ref > 0:
         if settings.alert_entropy_low is not None and h < settings.alert_entropy_low * ref:
-            reasons.append(f"entropy {h:.4g} < {settings.alert_entropy_low:g} x its reference {ref:.4g}")
+            reasons["entropy_low"] = f"entropy {h:.4g} < {settings.alert_entropy_low:g} x its reference {ref:.4g}"
         if settings.alert_entropy_high is not None and h > settings.alert_entropy_high * ref:
-            reasons.append(f"entropy {h:.4g} > {settings.alert_entropy_high:g} x its reference {ref:.4g}")
+            reasons["entropy_high"] = f"entropy {h:.4g} > {settings.alert_entropy_high:g} x its reference {ref:.4g}"
     mi = metrics.get("collapse/mi")
     if mi is not None and settings.alert_mi is not None and mi < settings.alert_mi:
-        reasons.append(f"MI {mi:.4g} < {settings.alert_mi:g} nats/token (responses stop depending on prompts)")
+        reasons["mi"] = f"MI {mi:.4g} < {settings.alert_mi:g} nats/token (responses stop depending on prompts)"
     div = metrics.get("collapse/state_diversity")
     if div is not None and settings.alert_diversity is not None and div < settings.alert_diversity:
-        reasons.append(f"state diversity {div:.4g} < {settings.alert_diversity:g}")
+        reasons["diversity"] = f"state diversity {div:.4g} < {settings.alert_diversity:g}"
     return reasons
+
+
+def measured_signals(metrics: Mapping[str, float], settings: Any) -> set[str]:
+    """The alert's signals this step's metrics measure, among those whose threshold is on (MI: only the
+    steps that measure it; entropy: once a reference exists)."""
+    present = {"entropy_low": metrics.get("policy/entropy") is not None and
+               (metrics.get("policy/entropy_ref") or 0) > 0,
+               "mi": metrics.get("collapse/mi") is not None,
+               "diversity": metrics.get("collapse/state_diversity") is not None}
+    present["entropy_high"] = present["entropy_low"]
+    return {s for s, key in ALERT_SIGNALS.items() if present[s] and getattr(settings, key) is not None}
+
+
+def alert_crossings(beyond_before: Iterable[str], reasons: Mapping[str, str], measured: set[str],
+                    settings: Any) -> tuple[list[str], list[str]]:
+    """(the signals beyond their thresholds after this step, those that crossed into it this step), sorted.
+
+    The alert fires on a crossing, not on every step a signal stays beyond: in a long run whose entropy falls
+    for good, `entropy_low` fires once. A signal this step does not measure (MI between its measurements)
+    keeps its last verdict; one whose threshold is off is dropped. `reasons`: collapse_reasons of the step."""
+    on = {s for s, key in ALERT_SIGNALS.items() if getattr(settings, key) is not None}
+    before = set(beyond_before) & on
+    now = (before - measured) | set(reasons)
+    return sorted(now), sorted(set(reasons) - before)

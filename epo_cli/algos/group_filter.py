@@ -20,7 +20,8 @@ dynamic_sampling.py). The filters:
                   when fewer than that share have any variance.
 
 Every rank computes `group_stats` for the groups it played; the gathered stats of a round, in play order,
-go through `passing_groups` identically on every rank.
+go through `passing_groups` identically on every rank. The filters are the GROUP_FILTERS registry's
+(declared, with their config checks, in epo_cli/algos/registries.py; implemented here).
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ import math
 from typing import Any
 
 from epo_cli.algos.advantages import compute_advantages
+from epo_cli.algos.registries import GROUP_FILTERS
 from epo_cli.rollout.batch import TurnBatch
 
-#: algo.group_filter
-GROUP_FILTERS = ("none", "signal", "top_variance")
+#: (group id, has signal, return variance) of one group: what the filters decide on
+GroupStats = tuple[int, bool, float]
 #: |A| above this counts as signal (estimators return exact zeros for groups without one)
 SIGNAL_TOL = 1e-6
 
@@ -63,10 +65,10 @@ def group_signal(batch: TurnBatch, algo: Any, tol: float = SIGNAL_TOL) -> dict[i
     """group id -> whether algo.estimator gives any of its turns |A| > tol.
 
     grpo, rloo and gigpo compute each group's advantages from that group's rows alone, so running the
-    estimator on a batch of whole groups gives every group exactly the advantages it gets in the update."""
-    if algo.estimator not in ("grpo", "rloo", "gigpo"):
-        raise ValueError(f"algo.group_filter=signal needs a group estimator (grpo, rloo, gigpo), not "
-                         f"'{algo.estimator}'")
+    estimator on a batch of whole groups gives every group exactly the advantages it gets in the update.
+    (gae's come from the critic, which this batch has not been scored by: compose refuses it.)"""
+    if algo.estimator in ("gae", "none"):
+        raise ValueError(f"algo.group_filter=signal needs a group estimator, not '{algo.estimator}'")
     adv, _ = compute_advantages(batch, algo)  # [N]
     signal: dict[int, bool] = {}
     for g, a in zip(batch.group_id.tolist(), adv.abs().tolist()):
@@ -74,7 +76,7 @@ def group_signal(batch: TurnBatch, algo: Any, tol: float = SIGNAL_TOL) -> dict[i
     return signal
 
 
-def group_stats(batch: TurnBatch, algo: Any) -> list[tuple[int, bool, float]]:
+def group_stats(batch: TurnBatch, algo: Any) -> list[GroupStats]:
     """(group id, has signal, return variance) of every group in `batch`, by group id; `has signal` is
     only computed for algo.group_filter=signal (False otherwise)."""
     variance = group_return_variance(batch)
@@ -82,17 +84,24 @@ def group_stats(batch: TurnBatch, algo: Any) -> list[tuple[int, bool, float]]:
     return [(g, signal.get(g, False), variance[g]) for g in sorted(variance)]
 
 
-def passing_groups(stats: list[tuple[int, bool, float]], group_filter: str,
-                   keep: float = 1.0) -> list[tuple[int, bool]]:
+def passing_groups(stats: list[GroupStats], group_filter: str, keep: float = 1.0) -> list[tuple[int, bool]]:
     """(group id, passes) for one round's groups; `stats` (every rank's group_stats) in play order."""
-    if group_filter == "none":
-        return [(g, True) for g, _, _ in stats]
-    if group_filter == "signal":
-        return [(g, ok) for g, ok, _ in stats]
-    if group_filter == "top_variance":
-        n_keep = math.ceil(keep * len(stats) - 1e-9)  # ceil, robust to 0.5 * 4 = 2.0000000001
-        order = sorted(range(len(stats)), key=lambda i: (-stats[i][2], i))  # ties: play order
-        kept = set(order[:n_keep])
-        return [(g, i in kept) for i, (g, _, _) in enumerate(stats)]
-    raise ValueError(f"unknown algo.group_filter '{group_filter}' ({' | '.join(GROUP_FILTERS)})")
+    return GROUP_FILTERS[group_filter](stats, keep)
 
+
+@GROUP_FILTERS.implement("none")
+def _every_group(stats: list[GroupStats], keep: float) -> list[tuple[int, bool]]:
+    return [(g, True) for g, _, _ in stats]
+
+
+@GROUP_FILTERS.implement("signal")
+def _groups_with_signal(stats: list[GroupStats], keep: float) -> list[tuple[int, bool]]:
+    return [(g, ok) for g, ok, _ in stats]
+
+
+@GROUP_FILTERS.implement("top_variance")
+def _top_variance(stats: list[GroupStats], keep: float) -> list[tuple[int, bool]]:
+    n_keep = math.ceil(keep * len(stats) - 1e-9)  # ceil, robust to 0.5 * 4 = 2.0000000001
+    order = sorted(range(len(stats)), key=lambda i: (-stats[i][2], i))  # ties: play order
+    kept = set(order[:n_keep])
+    return [(g, i in kept) for i, (g, _, _) in enumerate(stats)]

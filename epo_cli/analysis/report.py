@@ -10,10 +10,11 @@ index page (Markdown) that shows them with a small table. Default output: <first
     lr.png                   perf/lr
     collapse.png             the collapse panel: on one step axis, entropy with EPO's band, collapse/mi, the
                              groups' return std and zero-std share, state diversity and the samples outside the
-                             band (above solid, below dashed); steps where the collapse alert fired are shaded
+                             band (above solid, below dashed); steps with collapse/alert = 1 are shaded
     entropy_turns.png        per-turn entropy (policy/entropy_turn/<t>): turn index x step, one heatmap per
                              configuration (mean over its seeds)
-    index.md                 the table, a line per run whose collapse alert fired, and the images
+    index.md                 the table, a line per run whose collapse alert fired (the steps it went on), and
+                             the images
 
 Runs whose overrides differ only in `seed` are one configuration: its seeds are drawn as the mean with a
 shaded band of +- one standard deviation. The EPO reference is recomputed from the logged policy/entropy
@@ -294,9 +295,15 @@ COLLAPSE_ROWS = (
 
 
 def alert_steps(rows: list[dict[str, Any]]) -> list[int]:
-    """Steps at which the collapse alert fired (collapse/alert = 1)."""
+    """Steps with collapse/alert = 1 (a signal beyond its threshold)."""
     steps, values = series(rows, "collapse/alert")
     return [int(s) for s, v in zip(steps, values) if v > 0]
+
+
+def alert_onsets(rows: list[dict[str, Any]]) -> list[int]:
+    """Steps where collapse/alert went from 0 (or not logged) to 1."""
+    steps, values = series(rows, "collapse/alert")
+    return [int(s) for i, (s, v) in enumerate(zip(steps, values)) if v > 0 and (i == 0 or values[i - 1] <= 0)]
 
 
 def collapse_panel(groups: list[Group], runs: list[RunData]) -> tuple[Any, bool]:
@@ -403,14 +410,14 @@ def write_index(groups: list[Group], written: dict[str, tuple[str, bool]], out: 
                      f"{_fmt([_last(r.rows, 'eval/success') for r in g.runs])} | "
                      f"{_fmt([_last(r.rows, 'policy/entropy') for r in g.runs])} | {', '.join(statuses)} |")
     lines.append("")
-    alerted = [(r, alert_steps(r.rows)) for g in groups for r in g.runs]
-    for r, steps in alerted:
-        if steps:
-            shown = ", ".join(str(s) for s in steps[:20]) + (", ..." if len(steps) > 20 else "")
-            lines.append(f"**Collapse alert** in `{r.path.name}` at step{'s' if len(steps) > 1 else ''} {shown} "
-                         f"(what crossed which threshold: the run's console log and `status.json`; "
-                         f"see [collapse.png](collapse.png))  ")
-    if any(steps for _, steps in alerted):
+    alerted = [(r, alert_onsets(r.rows), len(alert_steps(r.rows))) for g in groups for r in g.runs]
+    for r, onsets, on in alerted:
+        if onsets:
+            shown = ", ".join(str(s) for s in onsets[:20]) + (", ..." if len(onsets) > 20 else "")
+            lines.append(f"**Collapse alert** in `{r.path.name}` from step{'s' if len(onsets) > 1 else ''} {shown} "
+                         f"(on for {on} step{'s' if on > 1 else ''}; what crossed which threshold: the run's "
+                         f"console log and `status.json`; see [collapse.png](collapse.png))  ")
+    if any(onsets for _, onsets, _ in alerted):
         lines.append("")
     for name, (title, drawn) in written.items():
         note = "" if drawn else " (not logged by these runs)"

@@ -1,9 +1,14 @@
 """The collapse/* metrics of one RL iteration and the `collapse` alert (settings: algo.diagnostics).
 
+    watch = CollapseWatch(cfg, dist, models, run_or_None, warn)          # the Trainer's part
+    metrics.update(watch.metrics(batch, episodes, history, step, subgoal_coef, turns))   # step 6b
+    alert, signals = watch.alert(metrics, step + 1, signals)                            # end of step 8
+
 The math is in epo_cli/algos/diagnostics.py; this module gathers its inputs from the iteration (the played
 episodes, the trained batch, EPO's entropy history before this step's update), sums over ranks and, for the
-mutual information, scores prompt/response pairs with the rollout policy. Every value is over all ranks and
-the same on any number of ranks (groups are whole on one rank; MI's subsample is drawn from global ids).
+mutual information, scores prompt/response pairs with the policy after this iteration's update. Every value
+is over all ranks and the same on any number of ranks (groups are whole on one rank; MI's subsample is drawn
+from global ids).
 
     collapse/reward_std           mean over the played groups of the std of their trajectories' returns
     collapse/zero_std_groups      share of the played groups whose returns are all equal
@@ -17,7 +22,8 @@ the same on any number of ranks (groups are whole on one rank; MI's subsample is
                                   (visits - 1): 0 = every visit took the same action
     collapse/mi                   cross-prompt mutual information of prompts and responses, nats per token
                                   (every algo.diagnostics.mi_every iterations)
-    collapse/alert                1 when a signal crossed its threshold (algo.diagnostics.alert_*)
+    collapse/alert                1 while a signal is beyond its threshold (algo.diagnostics.alert_*); the
+                                  console warning and status.json note come when one crosses into it
 """
 
 from __future__ import annotations
@@ -33,19 +39,23 @@ from torch import Tensor, nn
 
 from epo_cli.algos.diagnostics import (
     advantage_signal,
+    alert_crossings,
     collapse_reasons,
     corridor_counts,
     cross_prompt_mi,
     group_return_std,
+    measured_signals,
     state_diversity,
 )
 from epo_cli.algos.entropy import EntropyHistory
 from epo_cli.algos.group_filter import trajectory_returns
 from epo_cli.rollout.batch import TurnBatch
-from epo_cli.rollout.rollout import Episode, episodes_to_batch
+from epo_cli.rollout.episodes import Episode, episodes_to_batch
 from epo_cli.run_dir import record_alert
 from epo_cli.seeding import derive_seed
+from epo_cli.training.engine import DistInfo, all_gather_objects, all_reduce_sum
 from epo_cli.training.forward import collate, policy_forward
+from epo_cli.training.models import Models
 
 AllReduce = Callable[[Tensor], Tensor]
 AllGather = Callable[[Any], list[Any]]
@@ -120,7 +130,7 @@ def collapse_metrics(batch: TurnBatch, episodes: list[Episode], history: Entropy
                      all_gather: AllGather, rank: int = 0, world: int = 1) -> dict[str, float]:
     """The collapse/* metrics of one iteration (see the module docstring); {} when algo.diagnostics.enabled is
     false. Call after the update (every sample's entropy is known) and before the entropy history records this
-    step and the rollout copy takes the new weights. Collectives: every rank calls it."""
+    step; `scorer` scores MI's pairs. Collectives: every rank calls it."""
     settings, algo = cfg.algo.diagnostics, cfg.algo
     if not settings.enabled:
         return {}
@@ -154,7 +164,7 @@ def collapse_metrics(batch: TurnBatch, episodes: list[Episode], history: Entropy
             n = float(corridor[t, 0])
             out[f"collapse/corridor_above_turn/{t}"] = float(corridor[t, 1]) / n
             out[f"collapse/corridor_below_turn/{t}"] = float(corridor[t, 2]) / n
-    if settings.mi_every > 0 and step % settings.mi_every == 0:
+    if mi_due(settings, step):
         t_mi = time.perf_counter()
         mi = mutual_information(scorer, batch, step, cfg.seed, settings.mi_samples, all_reduce_sum, all_gather,
                                 rank, world)
@@ -165,15 +175,52 @@ def collapse_metrics(batch: TurnBatch, episodes: list[Episode], history: Entropy
     return out
 
 
-def collapse_alert(metrics: dict[str, float], settings: Any, step: int, warn: Callable[[str], None],
-                   run: Path | None) -> dict[str, float]:
-    """collapse/alert for this step's metrics; when it fires, one console warning naming the signals and a
-    note in <run>/status.json (`run`: rank 0's run directory, None on other ranks). {} when disabled."""
+def mi_due(settings: Any, step: int) -> bool:
+    """Whether step `step` measures collapse/mi (every algo.diagnostics.mi_every steps; 0: never)."""
+    return settings.enabled and settings.mi_every > 0 and step % settings.mi_every == 0
+
+
+def collapse_alert(metrics: dict[str, float], settings: Any, step: int, beyond_before: list[str],
+                   warn: Callable[[str], None], run: Path | None) -> tuple[dict[str, float], list[str]]:
+    """({collapse/alert: 1 while a signal is beyond its threshold, else 0}, the signals beyond after this step)
+    for this step's metrics and the signals beyond before it. When a signal crosses into its threshold: one
+    console warning naming the signals that crossed, and a note in <run>/status.json (`run`: rank 0's run
+    directory, None on other ranks). ({}, []) when disabled."""
     if not settings.enabled:
-        return {}
+        return {}, []
     reasons = collapse_reasons(metrics, settings)
-    if reasons:
-        warn(f"collapse alert at step {step}: " + "; ".join(reasons))
+    beyond, crossed = alert_crossings(beyond_before, reasons, measured_signals(metrics, settings), settings)
+    if crossed:
+        why = [reasons[s] for s in crossed]
+        warn(f"collapse alert at step {step}: " + "; ".join(why))
         if run is not None:
-            record_alert(run, "collapse", step, reasons)
-    return {"collapse/alert": float(bool(reasons))}
+            record_alert(run, "collapse", step, why)
+    return {"collapse/alert": float(bool(beyond))}, beyond
+
+
+class CollapseWatch:
+    """The Trainer's part for the collapse diagnostics (algo.diagnostics): step 6b's collapse/* metrics and
+    the collapse alert at the end of step 8. `run`: rank 0's run directory (None on other ranks), where the
+    alert is noted in status.json; `warn`: the console."""
+
+    def __init__(self, cfg: Any, dist: DistInfo, models: Models, run: Path | None,
+                 warn: Callable[[str], None]) -> None:
+        self.cfg, self.dist, self.models, self.run, self.warn = cfg, dist, models, run, warn
+
+    def metrics(self, batch: TurnBatch, episodes: list[Episode], history: EntropyHistory, step: int,
+                subgoal_coef: float, max_turns: int) -> dict[str, float]:
+        """collapse_metrics of this iteration (after the update, before the entropy history records it).
+        MI scores with the updated weights: under ZeRO 0-2 `policy.module` is the engine's module, which has
+        them; under ZeRO-3 its copy takes them here (a collective, in the steps that measure MI only)."""
+        models, cfg = self.models, self.cfg
+        if mi_due(cfg.algo.diagnostics, step):
+            models.policy.refresh()
+        scorer = PairScorer(models.policy.module, models.tokenizer.pad_token_id, self.dist.device,
+                            cfg.rollout.temperature, models.vocab_limit, models.packing, cfg.algo.micro_batch_size)
+        return collapse_metrics(batch, episodes, history, cfg, step, subgoal_coef, max_turns, scorer,
+                                all_reduce_sum, all_gather_objects, self.dist.rank, self.dist.world_size)
+
+    def alert(self, metrics: dict[str, float], step: int, beyond_before: list[str]) -> tuple[dict[str, float],
+                                                                                             list[str]]:
+        """collapse_alert of this step (`step`: the number of steps done, as logged)."""
+        return collapse_alert(metrics, self.cfg.algo.diagnostics, step, beyond_before, self.warn, self.run)

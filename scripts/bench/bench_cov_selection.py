@@ -41,6 +41,7 @@ def main() -> None:
     from epo_cli.algos.losses import LossStack, build_loss_terms, loss_coefficients
     from epo_cli.compose import compose
     from epo_cli.training.trainer import Trainer
+    from epo_cli.training.update import PolicyUpdate
 
     overrides = ["algo=epo", "env.level=small_pick_and_light", "env.prompt_template=compact",
                  "algo.tasks_per_step=4", "algo.group_size=4", "env.max_turns=15", "env.eval_splits=[]",
@@ -50,29 +51,29 @@ def main() -> None:
     run = Path(tempfile.mkdtemp(prefix="bench_cov_selection_"))
     cfg.run_dir = str(run)
     trainer = Trainer(cfg, run)
-    _, batch, _ = trainer.rollout(0, cfg.trainer.total_steps)
+    batch = trainer.sampler.sample(trainer.models.sampling_policy(cfg.rollout), 0, cfg.trainer.total_steps).batch
     trainer.pool.close()
     tokens = sum(len(r) for r in batch.response_ids)
     print(f"batch: {len(batch)} turn-samples, {tokens} response tokens, mini-batches of {cfg.algo.mini_batch_size}")
-    stacks = {}
+    updates = {}  # one update part per policy loss, over the trainer's models (so the same weights)
     for name in LOSSES:
         algo = copy.deepcopy(cfg.algo)
         OmegaConf.set_readonly(algo, False)
         algo.policy_loss = name
-        stacks[name] = LossStack(build_loss_terms(algo))
+        updates[name] = PolicyUpdate(cfg, trainer.dist, trainer.models, LossStack(build_loss_terms(algo)))
     initial = copy.deepcopy(trainer.engine.module.state_dict())
     cpu: dict[str, list[float]] = {name: [] for name in LOSSES}
     for r in range(args.repeats):
         for name in LOSSES:
             trainer.engine.module.load_state_dict(initial)
-            trainer.loss_stack = stacks[name]
+            update = updates[name]
             b = batch.select(list(range(len(batch))))
-            on_policy = trainer.on_policy_rows(b, 0)
-            trainer.score(b, skip_policy=on_policy)
+            on_policy = update.on_policy_rows(b, 0)
+            b = update.score(b, skip_policy=on_policy).apply(b)
             b.advantages, b.returns = compute_advantages(b, cfg.algo)
             coefs = loss_coefficients(cfg.algo, 0.001, 2.0, cfg.algo.kl.coef)
             c0 = time.process_time()
-            trainer.update(b, coefs, 0, trainer.history, on_policy=on_policy)
+            update.run(b, coefs, 0, trainer.entropy.history, on_policy=on_policy)
             cpu[name].append(time.process_time() - c0)
             print(f"repeat {r} {name}: update {cpu[name][-1]:.3f} CPU s", flush=True)
     base = statistics.median(cpu["clip"])

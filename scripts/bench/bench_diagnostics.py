@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
                 trainer = trainers[name]
                 total = trainer.cfg.trainer.total_steps
                 t0 = time.perf_counter()
-                trainer._set_learning_rates(it, total)
+                trainer.set_learning_rates(it, total)
                 metrics = trainer.rl_step(it, total)
                 metrics["iteration_s"] = time.perf_counter() - t0
                 for key in KEYS:
