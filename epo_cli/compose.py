@@ -41,6 +41,7 @@ from epo_cli.config import (
     SmoothingConfig,
     ValueConfig,
     check_field_rules,
+    check_number_sizes,
     config_dir,
     group_options,
 )
@@ -157,6 +158,7 @@ def validate(raw: DictConfig) -> DictConfig:
     env_name = str(OmegaConf.select(raw, "env.name", default="household"))
     OmegaConf.set_struct(raw, False)
     raw.pop("hydra", None)
+    check_number_sizes(OmegaConf.to_container(raw, resolve=False))  # before the merge: see its docstring
     try:
         schema = _schema_for(raw)
         _check_booleans(schema, raw, "")
@@ -280,6 +282,7 @@ def _component_settings(node: Any, name: str, schema: type, registries: dict[str
     key = f"algo.components.{name}"
     try:
         defaults = OmegaConf.structured(schema)
+        check_number_sizes(OmegaConf.to_container(node) if node is not None else {}, key + ".")
         _check_booleans(defaults, node, key + ".")
         merged = OmegaConf.merge(defaults, node if node is not None else {})
     except ConfigKeyError as err:

@@ -88,10 +88,28 @@ def load_causal_lm(source: str, model_cfg: Any, dtype: torch.dtype) -> nn.Module
         if "safetensors" in str(err).lower() or "header" in str(err).lower() or "size mismatch" in str(err):
             raise UserError(f"The model files in '{source}' are corrupt or incomplete: {err}") from None
         raise
+    bad = nonfinite_parameters(model)
+    if bad:  # e.g. the export of a run that diverged: refused before anything samples from it
+        raise UserError(f"The model in '{source}' holds non-finite weights (nan or inf, e.g. in {', '.join(bad)}): "
+                        "it cannot be sampled from or trained. It was probably exported by a run that diverged; "
+                        "use an earlier checkpoint of that run (checkpoint=step_N) or another model.")
     if model_cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
     return model
+
+
+def nonfinite_parameters(module: nn.Module, limit: int = 3) -> list[str]:
+    """Names of (at most `limit`) parameters holding nan or inf, found in one pass and one device sync.
+    ZeRO-3 keeps each rank's share of a parameter in `ds_tensor` (the parameter is a placeholder there)."""
+    tensors = []
+    for name, p in module.named_parameters():
+        shard = getattr(p, "ds_tensor", None)
+        tensors.append((name, (p if shard is None else shard).detach()))
+    if not tensors:
+        return []
+    finite = torch.stack([torch.isfinite(t).all() for _, t in tensors]).cpu().tolist()
+    return [name for (name, _), ok in zip(tensors, finite) if not ok][:limit]
 
 
 def _hub_message(source: str, err: Exception) -> str:

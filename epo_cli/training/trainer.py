@@ -100,6 +100,7 @@ from epo_cli.training.engine import (
     set_lr,
     step_was_skipped,
 )
+from epo_cli.training.finite import check_finite_weights
 from epo_cli.training.forward import collate, plan_micro_batches, policy_forward, value_forward
 from epo_cli.training.packing import default_budget, enable_packing, plan_packs
 from epo_cli.training.step_metrics import (
@@ -555,6 +556,8 @@ class Trainer:
         if batch.old_values is not None and batch.returns is not None:
             out_metrics.update(critic_metrics(batch.old_values, batch.returns, self.dist.device))
         self._track_skips(tally.skipped, tally.optimizer_steps)
+        check_finite_weights(self.engine.module, step + 1, self.cfg, self.run, checkpoint.latest_tag(self.run),
+                             all_reduce_max)  # before this step's checkpoint and the next rollout
         return out_metrics
 
     def _mini_batch_step(self, shared: _UpdateInputs, rows: list[int], position: tuple[int, int, int],
