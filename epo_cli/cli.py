@@ -116,14 +116,16 @@ def config_show(overrides: list[str] = OVERRIDES_ARG) -> None:
     sys.stdout.write(to_yaml(cfg))
 
 
-_python_showwarning = warnings.showwarning
-
-
 def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
                   file: Any = None, line: str | None = None) -> None:
-    """epo's own warnings as one line on stderr, like its errors; other packages' as Python shows them."""
+    """epo's own warnings as one line on stderr, like its errors; other packages' as Python shows them
+    (written here, as Python's default does: whatever warnings.showwarning was when this module was
+    imported, e.g. a test runner's recorder, is not what a user's process has)."""
     if not filename.startswith(str(Path(__file__).parent)):
-        _python_showwarning(message, category, filename, lineno, file, line)
+        try:
+            (file or sys.stderr).write(warnings.formatwarning(message, category, filename, lineno, line))
+        except OSError:  # stderr gone: nothing to show it on, as in Python's own showwarning
+            pass
         return
     err_console.print("[bold yellow]warning:[/] " + escape(str(message)), soft_wrap=True)
 

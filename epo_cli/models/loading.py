@@ -20,7 +20,7 @@ from torch import nn
 from epo_cli.envs.base import EnvSuite
 from epo_cli.errors import UserError
 from epo_cli.models.tiny import build_tiny
-from epo_cli.safe_load import refused_message
+from epo_cli.safe_load import quiet_unpickler, refused_message
 
 
 def resolve_dtype(model_cfg: Any, device: torch.device) -> torch.dtype:
@@ -73,13 +73,14 @@ def load_causal_lm(source: str, model_cfg: Any, dtype: torch.dtype) -> nn.Module
     from transformers import AutoModelForCausalLM
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            source,
-            dtype=dtype,
-            trust_remote_code=model_cfg.trust_remote_code,
-            attn_implementation=model_cfg.attn_implementation,
-            weights_only=True,  # a pytorch_model.bin from elsewhere is never fully unpickled
-        )
+        with quiet_unpickler():  # a refused pytorch_model.bin: epo's message only
+            model = AutoModelForCausalLM.from_pretrained(
+                source,
+                dtype=dtype,
+                trust_remote_code=model_cfg.trust_remote_code,
+                attn_implementation=model_cfg.attn_implementation,
+                weights_only=True,  # a pytorch_model.bin from elsewhere is never fully unpickled
+            )
     except OSError as err:
         raise UserError(_hub_message(source, err)) from None
     except pickle.UnpicklingError as err:  # the restricted unpickler refused a weights file
