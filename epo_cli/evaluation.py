@@ -65,7 +65,7 @@ from epo_cli.rollout.rollout import (
     episode_slots,
     run_episodes,
 )
-from epo_cli.run_dir import load_run_config
+from epo_cli.run_dir import load_run_config, override_keys
 from epo_cli.safe_load import load_tensors, refused_message, restricted_torch_load
 from epo_cli.seeding import derive_seed
 from epo_cli.training.checkpoint import resolve_checkpoint
@@ -274,7 +274,7 @@ def eval_config(opts: EvalArgs, overrides: list[str]) -> DictConfig:
     if not opts.run.is_dir():
         raise UserError(f"Run directory '{opts.run}' does not exist. Pass the folder `epo train` made, e.g. "
                         "run=outputs/<date>/<time>-<name>, or evaluate a model folder with model.path=DIR.")
-    base = load_run_config(opts.run)
+    base = load_run_config(opts.run, overridden=override_keys(overrides))
     groups = [o for o in overrides if o.split("=", 1)[0] in GROUPS]
     rest = [o for o in overrides if o not in groups]
     plain = OmegaConf.create(OmegaConf.to_container(base, resolve=True))

@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from epo_cli.compose import validate
 from epo_cli.errors import ConfigError, UserError
+from epo_cli.trust import drop_saved_settings
 
 CORE_PACKAGES = ("epo", "torch", "transformers", "deepspeed", "hydra-core", "omegaconf", "tokenizers")
 
@@ -104,20 +105,17 @@ def write_config(run: Path, cfg: DictConfig, overrides: list[str], env_versions:
     (run / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(data)))
 
 
-#: keys a saved config cannot turn on: only the command line of the current invocation can (a run
-#: directory is data that anyone may have written; trust_remote_code runs the model repository's code)
-COMMAND_LINE_ONLY = {"model.trust_remote_code": False}
-
 #: keys that earlier versions saved in config.yaml and that no longer exist: dropped when a run is read,
 #: so that its runs can still be resumed and evaluated (they had no effect)
 RETIRED_KEYS = ("trainer.log_every",)
 
 
-def load_run_config(run: Path, command_line: dict[str, Any] | None = None) -> DictConfig:
+def load_run_config(run: Path, command_line: dict[str, Any] | None = None,
+                    overridden: set[str] | frozenset[str] = frozenset()) -> DictConfig:
     """The resolved config a run was started with (validated again against today's schemas), with the
-    COMMAND_LINE_ONLY keys reset to their safe values (one warning each) or set to what `command_line`
-    (this invocation's own values for them, e.g. from a launcher's flags) says; overrides of this
-    invocation applied on top can set them too."""
+    settings that can start code (epo_cli.trust.COMMAND_LINE_ONLY) reset to their defaults (one warning
+    each) or set to what `command_line` (this invocation's own values for them, e.g. from a launcher's
+    flags) says; the caller's overrides (`overridden`: their keys, which get no warning) apply on top."""
     path = Path(run) / "config.yaml"
     if not path.exists():
         raise UserError(f"'{run}' is not a run directory (no config.yaml). Pass the folder `epo train` made, "
@@ -136,14 +134,7 @@ def load_run_config(run: Path, command_line: dict[str, Any] | None = None) -> Di
         node = OmegaConf.select(raw, section, default=None)
         if isinstance(node, DictConfig) and name in node:
             node.pop(name)
-    given = command_line or {}
-    for key, safe in COMMAND_LINE_ONLY.items():
-        saved = OmegaConf.select(raw, key, default=safe)
-        if saved != safe and key not in given:
-            warnings.warn(f"{path} sets {key}={saved}, which is honoured only from the command line, not from "
-                          f"a saved config; pass {key}=true on the command line if you trust that model's code.",
-                          stacklevel=2)
-        OmegaConf.update(raw, key, given.get(key, safe), force_add=True)
+    drop_saved_settings(raw, path, command_line, overridden)
     return validate(raw)
 
 
@@ -171,3 +162,8 @@ def read_status(run: Path) -> dict[str, Any]:
         return json.loads((Path(run) / "status.json").read_text())
     except (OSError, json.JSONDecodeError):
         return {"status": "unknown"}
+
+
+def override_keys(overrides: list[str] | tuple[str, ...]) -> set[str]:
+    """The dotted keys that `key=value` overrides set (`++key=value`, `+key=value` too)."""
+    return {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o}

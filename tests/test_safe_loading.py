@@ -183,12 +183,14 @@ def test_ranks_get_trust_remote_code_from_the_launcher_not_from_config_yaml(tmp_
     from epo_cli.compose import compose
     from epo_cli.launch.deepspeed import deepspeed_command
     from epo_cli.launch.layout import layout_for
+    from epo_cli.trust import decode
 
     for trust in (False, True):
         cfg = compose(["algo=grpo", "launcher=deepspeed", "launcher.num_procs=2",
                        f"model.trust_remote_code={str(trust).lower()}"])
         cmd = deepspeed_command(cfg, tmp_path / "run", layout_for(cfg))
-        assert ("--trust-remote-code" in cmd) is trust
+        settings = decode(cmd[cmd.index("--command-line-settings") + 1])
+        assert settings["model.trust_remote_code"] is trust
 
 
 # ---- through the CLI ---------------------------------------------------------------------------------------

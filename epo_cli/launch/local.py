@@ -18,7 +18,7 @@ from epo_cli.analysis.run_summary import print_summary
 from epo_cli.compose import compose, validate
 from epo_cli.envs import make_suite
 from epo_cli.errors import ConfigError, Stopped, UserError
-from epo_cli.run_dir import check_lengths, load_run_config, new_run_dir, write_config, write_status
+from epo_cli.run_dir import check_lengths, load_run_config, new_run_dir, override_keys, write_config, write_status
 from epo_cli.training.checkpoint import latest_tag, locate_resume
 from epo_cli.training.stop import STOP, Interrupted, exit_code, signal_name
 from epo_cli.training.trainer import Trainer
@@ -32,8 +32,8 @@ def compose_for_train(overrides: list[str]) -> tuple[DictConfig, list[str]]:
     if resume and resume not in ("auto", "null", "None", ""):
         # a run dir, <run>/checkpoints[/latest|best|step_N]: always THAT run's saved config, never defaults
         target = locate_resume(resume)
-        base = load_run_config(target.run)
         rest = [o for o in overrides if not o.startswith("trainer.resume=")]
+        base = load_run_config(target.run, overridden=override_keys(rest))
         groups = [o for o in rest if "." not in o.split("=", 1)[0] and o.split("=", 1)[0] not in ("seed", "name")]
         if groups:
             raise ConfigError(f"When resuming, config groups cannot change ({', '.join(groups)}); only "

@@ -18,6 +18,7 @@ from epo_cli.errors import UserError
 from epo_cli.launch.layout import Layout, check_resume, check_world, clear_rank_records, layout_for
 from epo_cli.launch.local import prepare_run_dir
 from epo_cli.launch.rank import SlurmRank
+from epo_cli.trust import command_line_values
 
 
 def slurm_parameters(cfg: DictConfig, layout: Layout) -> dict[str, Any]:
@@ -73,8 +74,8 @@ def submit_slurm(cfg: DictConfig, overrides: list[str]) -> Any:
     run = prepare_run_dir(cfg, overrides).resolve()
     clear_rank_records(run)
     executor = slurm_executor(cfg, run, layout)
-    trust = {"trust_remote_code": True} if cfg.model.trust_remote_code else {}  # see launch.deepspeed.deepspeed_command
-    job = executor.submit(SlurmRank(), str(run), **trust)
+    # settings that can start code come from this command line, not config.yaml (see epo_cli.trust)
+    job = executor.submit(SlurmRank(), str(run), command_line=command_line_values(cfg))
     print(f"submitted SLURM job {job.job_id}: {layout.num_nodes} node(s) x {layout.ranks_per_node} "
           f"{'GPU' if layout.gpu else 'CPU'} rank(s)\n  run directory: {run}\n"
           f"  logs: {run / 'slurm'}/{job.job_id}_<task>_log.out (rank 0: task 0)\n"
