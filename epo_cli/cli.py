@@ -18,7 +18,7 @@ from rich.markup import escape
 from epo_cli.analysis.sweep_summary import summarize_command
 from epo_cli.config import GROUPS, config_dir, group_options, to_yaml
 from epo_cli.console import err_console, quiet_libraries
-from epo_cli.errors import Stopped, UserError
+from epo_cli.errors import Stopped, UserError, file_system_message
 from epo_cli.launch.sweep import run_sweep
 from epo_cli.training.stop import Interrupted
 
@@ -144,6 +144,12 @@ def main() -> None:
     except KeyboardInterrupt:
         err_console.print("[yellow]interrupted[/]")
         sys.exit(130)
+    except OSError as err:  # a path the file system refused (read-only, full, a file where a folder goes...)
+        message = file_system_message(err)
+        if message is None:
+            raise
+        err_console.print("[bold red]error:[/] " + escape(message), soft_wrap=True)
+        sys.exit(1)
     except Interrupted as err:
         err_console.print(f"[yellow]{escape(str(err))}[/]")
         sys.exit(err.exit_code)

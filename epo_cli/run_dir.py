@@ -158,10 +158,15 @@ def write_status(run: Path, status: str, **fields: Any) -> None:
 
 
 def read_status(run: Path) -> dict[str, Any]:
+    """status.json as a mapping; {"status": "unknown"} when it is missing or damaged (also a JSON value that
+    is not an object, or a status that is not a string)."""
     try:
-        return json.loads((Path(run) / "status.json").read_text())
-    except (OSError, json.JSONDecodeError):
+        data = json.loads((Path(run) / "status.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return {"status": "unknown"}
+    if not isinstance(data, dict) or not isinstance(data.get("status"), str):
+        return {"status": "unknown"}
+    return data
 
 
 def override_keys(overrides: list[str] | tuple[str, ...]) -> set[str]:

@@ -18,6 +18,7 @@ from epo_cli.analysis.run_summary import print_summary
 from epo_cli.compose import compose, validate
 from epo_cli.envs import make_suite
 from epo_cli.errors import ConfigError, Stopped, UserError
+from epo_cli.models.loading import check_attention, planned_device
 from epo_cli.run_dir import check_lengths, load_run_config, new_run_dir, override_keys, write_config, write_status
 from epo_cli.training.checkpoint import latest_tag, locate_resume
 from epo_cli.training.stop import STOP, Interrupted, exit_code, signal_name
@@ -67,6 +68,7 @@ def prepare_run_dir(cfg: DictConfig, overrides: list[str]) -> Path:
 def run_local(cfg: DictConfig, overrides: list[str]) -> dict:
     """Train in this process (a world of one)."""
     resuming = bool(cfg.trainer.resume) and cfg.run_dir and (Path(cfg.run_dir) / "config.yaml").exists()
+    check_attention(cfg.model, planned_device(cfg.trainer.device))  # before the run directory is written
     STOP.install()  # SIGTERM/SIGINT/SIGUSR1: finish the step, checkpoint it, exit 128+N
     try:
         if resuming:

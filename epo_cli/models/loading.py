@@ -10,6 +10,7 @@ local model first (epo_cli/models/tiny.py) and then loads it through the very sa
 from __future__ import annotations
 
 import copy
+import importlib.util
 import pickle
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,9 @@ from torch import nn
 
 from epo_cli.envs.base import EnvSuite
 from epo_cli.errors import UserError
-from epo_cli.models.tiny import build_tiny
+from epo_cli.models.tiny import build_tiny, cache_root
 from epo_cli.safe_load import quiet_unpickler, refused_message
+from epo_cli.writable import prepare_output_dir
 
 
 def resolve_dtype(model_cfg: Any, device: torch.device) -> torch.dtype:
@@ -53,6 +55,7 @@ def model_source(model_cfg: Any, suite: EnvSuite, seed: int) -> str:
                 )
             return str(local)
         return path
+    prepare_output_dir(cache_root(model_cfg), "model.cache_dir (or $EPO_CACHE)")  # the tiny model is built there
     return str(build_tiny(model_cfg, suite, seed=0))
 
 
@@ -63,6 +66,10 @@ def load_tokenizer(source: str, model_cfg: Any):
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=model_cfg.trust_remote_code)
     except OSError as err:
         raise UserError(_hub_message(source, err)) from None
+    except (ValueError, KeyError) as err:
+        if not _known_refusal(err):
+            raise
+        raise UserError(_unloadable_message(source, err)) from None
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -85,10 +92,15 @@ def load_causal_lm(source: str, model_cfg: Any, dtype: torch.dtype) -> nn.Module
         raise UserError(_hub_message(source, err)) from None
     except pickle.UnpicklingError as err:  # the restricted unpickler refused a weights file
         raise UserError(refused_message(Path(source), err)) from None
-    except (ValueError, RuntimeError) as err:
+    except ImportError as err:  # an attention implementation whose package is missing (see check_attention)
+        raise UserError(f"model.attn_implementation={model_cfg.attn_implementation} cannot be used here: "
+                        f"{str(err).splitlines()[0]} Use model.attn_implementation=sdpa (the default).") from None
+    except (ValueError, RuntimeError, KeyError) as err:
         if "safetensors" in str(err).lower() or "header" in str(err).lower() or "size mismatch" in str(err):
             raise UserError(f"The model files in '{source}' are corrupt or incomplete: {err}") from None
-        raise
+        if not _known_refusal(err):
+            raise
+        raise UserError(_unloadable_message(source, err)) from None
     bad = nonfinite_parameters(model)
     if bad:  # e.g. the export of a run that diverged: refused before anything samples from it
         raise UserError(f"The model in '{source}' holds non-finite weights (nan or inf, e.g. in {', '.join(bad)}): "
@@ -111,6 +123,51 @@ def nonfinite_parameters(module: nn.Module, limit: int = 3) -> list[str]:
         return []
     finite = torch.stack([torch.isfinite(t).all() for _, t in tensors]).cpu().tolist()
     return [name for (name, _), ok in zip(tensors, finite) if not ok][:limit]
+
+
+#: what transformers says when a folder's config names code (auto_map) or an architecture it does not know
+_CUSTOM_CODE = ("trust_remote_code", "custom code")
+_UNKNOWN_ARCHITECTURE = ("does not recognize this architecture", "Unrecognized configuration class",
+                         "Unrecognized model", "model_type")
+
+
+def _known_refusal(err: Exception) -> bool:
+    """transformers refusing a folder (its code, its architecture); other errors are bugs and keep their traceback."""
+    return any(s in str(err) for s in _CUSTOM_CODE + _UNKNOWN_ARCHITECTURE)
+
+
+def _unloadable_message(source: str, err: Exception) -> str:
+    text = str(err)
+    if any(s in text for s in _CUSTOM_CODE):
+        return (f"'{source}' holds its own model code (auto_map in its config.json), which must run to load it; "
+                "epo runs a model folder's code only when this command line says model.trust_remote_code=true "
+                "(a saved config cannot). Pass it if you trust that code, or use another model.")
+    return (f"'{source}' is not a model transformers can load: {text.splitlines()[0]} Pass a folder written "
+            "by save_pretrained of a supported architecture (e.g. <run>/final), or a hub id.")
+
+
+def planned_device(trainer_device: str) -> torch.device:
+    """The device a run with trainer.device=`trainer_device` will use on this machine."""
+    use_cuda = trainer_device == "cuda" or (trainer_device == "auto" and torch.cuda.is_available())
+    return torch.device("cuda" if use_cuda else "cpu")
+
+
+def check_attention(model_cfg: Any, device: torch.device) -> None:
+    """model.attn_implementation's package and device, before any work (transformers would fail only when the
+    model loads). flash_attention_2/3 need their packages and a CUDA GPU; sdpa, eager and flex run anywhere."""
+    needs = {"flash_attention_2": ("flash_attn", "flash-attn"), "flash_attention_3": ("flash_attn_interface",
+                                                                                      "flash-attn 3 (hopper)")}
+    if model_cfg.attn_implementation not in needs:
+        return
+    module, package = needs[model_cfg.attn_implementation]
+    problems = []
+    if importlib.util.find_spec(module) is None:
+        problems.append(f"the {package} package is not installed")
+    if device.type != "cuda":
+        problems.append("it runs on CUDA GPUs only and this run is on the CPU")
+    if problems:
+        raise UserError(f"model.attn_implementation={model_cfg.attn_implementation} cannot be used here: "
+                        f"{' and '.join(problems)}. Use model.attn_implementation=sdpa (the default).")
 
 
 def _hub_message(source: str, err: Exception) -> str:
@@ -136,7 +193,15 @@ def apply_lora(model: nn.Module, lora_cfg: Any) -> nn.Module:
         target_modules=list(lora_cfg.target_modules),
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, config)
+    try:
+        return get_peft_model(model, config)
+    except ValueError as err:  # peft: a target name that matches no module of this model
+        if "not found in the base model" not in str(err) and "Target modules" not in str(err):
+            raise
+        linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
+        raise UserError(f"model.lora.target_modules={list(lora_cfg.target_modules)} matches no module of this model. "
+                        f"Its linear layers are named: {', '.join(linear)}. Fix: "
+                        f"model.lora.target_modules=[{','.join(linear[:4])}] (or some of them).") from None
 
 
 class ValueModel(nn.Module):
