@@ -76,7 +76,7 @@ from epo_cli.run_dir import load_run_config, override_keys
 from epo_cli.safe_load import load_tensors, refused_message, restricted_torch_load
 from epo_cli.seeding import derive_seed
 from epo_cli.training.checkpoint import resolve_checkpoint
-from epo_cli.writable import prepare_output_dir
+from epo_cli.writable import check_output_dir
 
 #: z for a two-sided 95% interval
 Z95 = 1.959963984540054
@@ -418,7 +418,7 @@ def run_eval(args: list[str]) -> dict[str, Any]:
     temperature = 0.0 if opts.greedy else (opts.temperature if opts.temperature is not None
                                           else cfg.rollout.eval_temperature)
 
-    out = prepare_output_dir(opts.out or ((opts.run / "eval") if opts.run is not None else Path(cfg.output_dir)
+    out = check_output_dir(opts.out or ((opts.run / "eval") if opts.run is not None else Path(cfg.output_dir)
                              / "eval" / datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")), "out")
     device = _device(cfg)
     if opts.policy == "model":
@@ -442,6 +442,7 @@ def run_eval(args: list[str]) -> dict[str, Any]:
 
     # --- write -------------------------------------------------------------------------------------------
     name = eval_name(info.label, split, temperature)
+    out.mkdir(parents=True, exist_ok=True)
     samples = out / f"{name}.samples.md"
     write_samples(samples, episodes[: max(cfg.rollout.num_samples_to_save, 1)])
     payload: dict[str, Any] = {

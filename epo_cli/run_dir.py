@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import sys
 import warnings
@@ -151,10 +152,22 @@ def read_yaml_data(path: Path) -> Any:
 
 
 def write_status(run: Path, status: str, **fields: Any) -> None:
+    """status.json, replaced atomically (a reader never sees half a file). On a full disk no new file can be
+    written, so the existing status.json is rewritten in place instead (its block is already allocated): a
+    run that fails because the disk filled up still says `failed`."""
     payload = {"status": status, "time": datetime.datetime.now().isoformat(timespec="seconds"), **fields}
+    text = json.dumps(payload, indent=2)
     tmp = run / "status.json.tmp"
-    tmp.write_text(json.dumps(payload, indent=2))
-    tmp.replace(run / "status.json")
+    try:
+        tmp.write_text(text)
+        tmp.replace(run / "status.json")
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT) or not (run / "status.json").is_file():
+            raise
+        tmp.unlink(missing_ok=True)
+        with open(run / "status.json", "r+") as f:
+            f.write(text)
+            f.truncate()
 
 
 def read_status(run: Path) -> dict[str, Any]:

@@ -12,20 +12,28 @@ from pathlib import Path
 from epo_cli.errors import UserError
 
 
-def prepare_output_dir(path: Path, key: str) -> Path:
-    """Create the folder a command writes its results into and make sure it can: one UserError naming the
-    setting (`key`) and the path when it is a file, or cannot be created or written (a read-only run
-    directory, a full disk), before any work starts."""
+def check_output_dir(path: Path, key: str) -> Path:
+    """Make sure the folder a command will write its results into can be made and written, without creating
+    anything yet: one UserError naming the setting (`key`) and the path when it, or the nearest part of it
+    that exists, is a file, or when that part cannot be written (a read-only run directory, a full disk)."""
     path = Path(path).expanduser()
-    if path.exists() and not path.is_dir():
-        raise UserError(f"{key}: '{path}' is a file, not a folder. Choose a folder ({key}=DIR).")
+    existing = next((p for p in (path, *path.parents) if p.exists()), Path("/"))
+    if not existing.is_dir():
+        shown = f"'{path}' is a file" if existing == path else f"'{existing}' (in '{path}') is a file"
+        raise UserError(f"{key}: {shown}, not a folder. Choose a folder ({key}=DIR).")
+    probe = existing / f".epo-write-check-{os.getpid()}"
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".epo-write-check-{os.getpid()}"
         probe.write_text("")
         probe.unlink()
     except OSError as err:
         why = err.strerror or type(err).__name__
-        raise UserError(f"{key}: cannot write into '{path}' ({why}: {err.filename or path}). Choose a writable "
-                        f"folder ({key}=DIR), or make this one writable / free disk space.") from None
+        raise UserError(f"{key}: cannot write into '{existing}' ({why}), so '{path}' cannot be written. Choose "
+                        f"a writable folder ({key}=DIR), or make this one writable / free disk space.") from None
+    return path
+
+
+def prepare_output_dir(path: Path, key: str) -> Path:
+    """check_output_dir, then create the folder."""
+    path = check_output_dir(path, key)
+    path.mkdir(parents=True, exist_ok=True)
     return path

@@ -193,6 +193,9 @@ def run_overrides(path: Path) -> list[str]:
     record = read_json_file(job, "the job's overrides are read from its other files") if job.exists() else None
     if record is not None and isinstance(record.get("overrides"), list):
         return [str(o) for o in record["overrides"]]
+    if record is not None:
+        warnings.warn(f"'{job}' holds no `overrides` list; the job's overrides are read from its other files.",
+                      stacklevel=2)
     if (path / ".hydra" / "overrides.yaml").exists():
         listed = read_yaml_data(path / ".hydra" / "overrides.yaml")
         return [str(o) for o in listed] if isinstance(listed, list) else []

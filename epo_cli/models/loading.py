@@ -22,7 +22,7 @@ from epo_cli.envs.base import EnvSuite
 from epo_cli.errors import UserError
 from epo_cli.models.tiny import build_tiny, cache_root
 from epo_cli.safe_load import quiet_unpickler, refused_message
-from epo_cli.writable import prepare_output_dir
+from epo_cli.writable import check_output_dir
 
 
 def resolve_dtype(model_cfg: Any, device: torch.device) -> torch.dtype:
@@ -55,7 +55,7 @@ def model_source(model_cfg: Any, suite: EnvSuite, seed: int) -> str:
                 )
             return str(local)
         return path
-    prepare_output_dir(cache_root(model_cfg), "model.cache_dir (or $EPO_CACHE)")  # the tiny model is built there
+    check_output_dir(cache_root(model_cfg), "model.cache_dir (or $EPO_CACHE)")  # the tiny model is built there
     return str(build_tiny(model_cfg, suite, seed=0))
 
 
