@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from epo_cli.compose import validate
 from epo_cli.errors import ConfigError, UserError
+from epo_cli.saved_state import check_saved_config
 from epo_cli.trust import drop_saved_settings
 
 CORE_PACKAGES = ("epo", "torch", "transformers", "deepspeed", "hydra-core", "omegaconf", "tokenizers")
@@ -130,6 +131,7 @@ def load_run_config(run: Path, command_line: dict[str, Any] | None = None,
     if not isinstance(raw, DictConfig):
         raise UserError(f"'{path}' is not a run config (expected a mapping of sections); nothing was loaded.")
     raw.pop("meta", None)
+    check_saved_config(raw, path)  # every section and key present: a file cut short is refused
     for key in RETIRED_KEYS:
         section, _, name = key.rpartition(".")
         node = OmegaConf.select(raw, section, default=None)

@@ -85,6 +85,7 @@ from epo_cli.rollout.rollout import (
     run_episodes,
 )
 from epo_cli.run_dir import write_status
+from epo_cli.saved_state import refusing_damaged
 from epo_cli.seeding import derive_seed
 from epo_cli.training import checkpoint
 from epo_cli.training.engine import (
@@ -741,11 +742,12 @@ class Trainer:
 
     def _load(self, ckpt: Path) -> None:
         payload = checkpoint.load(ckpt, self.engine, self.critic_engine, self.dist.rank)
-        self.state = TrainState(**payload["trainer"])
-        self.history.load_state_dict(payload["entropy_history"])
-        self.monitor.load_state_dict(payload["monitor"])
-        self.entropy_schedule.load_state_dict(payload.get("entropy_schedule", {}))
-        self.curriculum.load_state_dict(payload.get("curriculum", {}))
+        with refusing_damaged(ckpt):  # a part's state of the wrong shape: one message, not a traceback
+            self.state = TrainState(**payload["trainer"])
+            self.history.load_state_dict(payload["entropy_history"])
+            self.monitor.load_state_dict(payload["monitor"])
+            self.entropy_schedule.load_state_dict(payload.get("entropy_schedule", {}))
+            self.curriculum.load_state_dict(payload.get("curriculum", {}))
         self.policy.refresh()
         if self.critic_engine is not None:
             self.critic.refresh()
