@@ -105,6 +105,11 @@ class RecordingEngine:
         return "loaded", {}
 
 
+#: the smallest trainer_state.json that passes the saved-state checks (epo_cli/saved_state.py) at step 2
+VALID_STATE = {"format": checkpoint.CHECKPOINT_FORMAT, "trainer": {"step": 2}, "entropy_history": {},
+               "monitor": {}}
+
+
 def _checkpoint(tmp_path: Path, state: dict) -> Path:
     folder = tmp_path / "run" / "checkpoints" / "step_2"
     folder.mkdir(parents=True)
@@ -115,7 +120,7 @@ def _checkpoint(tmp_path: Path, state: dict) -> Path:
 
 def test_resume_checks_epos_own_files_before_deepspeed_loads_anything(tmp_path: Path) -> None:
     marker = tmp_path / "marker"
-    folder = _checkpoint(tmp_path, {"format": checkpoint.CHECKPOINT_FORMAT, "trainer": {}})
+    folder = _checkpoint(tmp_path, VALID_STATE)
     plant(folder / "rng_rank0.pt", marker)
     engine = RecordingEngine()
     with pytest.raises(UserError, match="never unpickles") as info:
@@ -133,13 +138,13 @@ def test_a_checkpoint_of_the_old_format_is_refused_with_a_clear_message(tmp_path
 
 
 def test_a_valid_checkpoint_restores_rng_and_reaches_deepspeed(tmp_path: Path) -> None:
-    folder = _checkpoint(tmp_path, {"format": checkpoint.CHECKPOINT_FORMAT, "trainer": {"step": 2}})
+    folder = _checkpoint(tmp_path, VALID_STATE)
     torch.manual_seed(11)
     torch.save(rng_state.capture(), folder / "rng_rank0.pt")
     expected = torch.rand(2).tolist()
     engine = RecordingEngine()
     payload = checkpoint.load(folder, engine, None, rank=0)
-    assert payload == {"trainer": {"step": 2}} and engine.calls == 1
+    assert payload == {k: v for k, v in VALID_STATE.items() if k != "format"} and engine.calls == 1
     assert torch.rand(2).tolist() == expected
 
 
@@ -156,6 +161,7 @@ def _run_dir_trusting_remote_code(tmp_path: Path) -> Path:
     step = run / "checkpoints" / "step_1"
     step.mkdir(parents=True)
     (step / "COMPLETE").write_text("")
+    (step / "trainer_state.json").write_text(json.dumps({**VALID_STATE, "trainer": {"step": 1}}))
     (run / "checkpoints" / "latest").write_text("step_1")
     return run
 
