@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import inspect
 import sys
 import warnings
 from pathlib import Path
@@ -114,6 +115,18 @@ def config_show(overrides: list[str] = OVERRIDES_ARG) -> None:
 
     cfg, _ = compose_for_train(list(overrides or []))
     sys.stdout.write(to_yaml(cfg))
+
+
+def literal_help(*apps: typer.Typer) -> None:
+    """Each command's help is its docstring shown as written: typer renders help with rich, which would read
+    `[checkpoint=best split=S]` as a markup tag and drop it, so square brackets are escaped."""
+    for typer_app in apps:
+        for info in typer_app.registered_commands:
+            if info.help is None and info.callback is not None:
+                info.help = escape(inspect.getdoc(info.callback) or "")
+
+
+literal_help(app, config_app)
 
 
 def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,

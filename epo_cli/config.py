@@ -593,6 +593,8 @@ def check_field_rules(node: DictConfig, schema: type, prefix: str = "",
             continue
         if value is None:
             continue
+        if value == "" and "None" in str(f.type) and "str" in str(f.type):  # `model.path=` is not "no path"
+            raise ConfigError(f"'{key}' is empty. Give it a value, or {key}=null for none.")
         values = list(value) if isinstance(value, (list, tuple)) or OmegaConf.is_list(value) else [value]
         for v in values:  # every number, whether or not its field declares a range
             if number_problem(v):

@@ -55,6 +55,7 @@ from epo_cli.errors import ConfigError, UserError
 from epo_cli.models.loading import (
     apply_lora,
     check_attention,
+    check_context,
     load_causal_lm,
     load_tokenizer,
     model_source,
@@ -246,6 +247,9 @@ def parse_eval_args(args: list[str]) -> tuple[EvalArgs, list[str]]:
         if not sep or key not in EVAL_KEYS:
             overrides.append(arg)
             continue
+        if not value.strip():  # `split=` would otherwise mean "the default split" without a word
+            raise ConfigError(f"{key}= has no value. Give one ({key}=<value>), or leave {key} out for its "
+                              "default.")
         try:
             if key in ("run", "out"):
                 setattr(opts, key, Path(value).expanduser())
@@ -390,6 +394,7 @@ def build_policy(opts: EvalArgs, cfg: DictConfig, suite: EnvSuite, temperature: 
     has_final = opts.run is not None and (opts.run / "final" / "config.json").exists()
     which = opts.checkpoint or ("final" if has_final or opts.run is None else "latest")
     model, tokenizer, source, resolved = load_model(cfg, suite, opts.run, which, device)
+    check_context(model, cfg.rollout, source)
     r = cfg.rollout
     params = SamplingParams(r.max_new_tokens, temperature, r.top_p, r.top_k, r.stop)
     policy = ModelPolicy(model, tokenizer, params, len(tokenizer), r.generation_batch_size)

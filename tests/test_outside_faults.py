@@ -297,3 +297,36 @@ def test_a_full_disk_during_a_run_leaves_status_failed(tmp_path: Path, epo_cache
     status = epo_cli.run_dir.read_status(run)
     assert status["status"] == "failed" and "No space left" in status["error"], status
 
+
+
+# ---- a stop signal during a checkpoint save ------------------------------------------------------------------
+
+def test_a_sigterm_during_a_checkpoint_save_stops_right_after_it(tmp_path: Path, epo_cache: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM arrives while step 1's periodic checkpoint is written: the run stops after step 1 (that
+    checkpoint holds it), not after a step 2 that nobody asked for."""
+    import signal
+
+    from epo_cli.training import checkpoint
+
+    original, sent = checkpoint.save, []
+
+    def save_and_get_signalled(run: Path, step: int, *args, **kwargs):
+        if step == 1 and not sent:
+            sent.append(step)
+            os.kill(os.getpid(), signal.SIGTERM)  # epo's handler (installed by `epo train`) records it
+        return original(run, step, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save", save_and_get_signalled)
+    saved = signal.getsignal(signal.SIGTERM)
+    run = tmp_path / "run"
+    try:
+        proc = run_epo(["train", *SmallConfig().sft("trainer.total_steps=4", "trainer.save_every=1"),
+                        f"run_dir={run}"], cwd=tmp_path, expect=143)
+    finally:
+        signal.signal(signal.SIGTERM, saved)
+    assert "stopped after step 1" in proc.stderr, proc.stderr[-2000:]
+    status = json.loads((run / "status.json").read_text())
+    assert status["status"] == "stopped" and status["step"] == 1 and status["signal"] == "SIGTERM"
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_1"

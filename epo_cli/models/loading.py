@@ -146,6 +146,17 @@ def _unloadable_message(source: str, err: Exception) -> str:
             "by save_pretrained of a supported architecture (e.g. <run>/final), or a hub id.")
 
 
+def check_context(model: nn.Module, rollout_cfg: Any, source: str) -> None:
+    """A prompt (rollout.max_prompt_tokens) and its response (rollout.max_new_tokens) must fit the model's
+    positions (config.max_position_embeddings), checked when the model is known, before it runs."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    need = rollout_cfg.max_prompt_tokens + rollout_cfg.max_new_tokens
+    if isinstance(limit, int) and limit < need:
+        raise UserError(f"The model in '{source}' holds {limit} positions (max_position_embeddings), fewer than "
+                        f"rollout.max_prompt_tokens + rollout.max_new_tokens = {need}. Lower them (e.g. "
+                        f"rollout.max_prompt_tokens={max(1, limit - rollout_cfg.max_new_tokens)}).")
+
+
 def planned_device(trainer_device: str) -> torch.device:
     """The device a run with trainer.device=`trainer_device` will use on this machine."""
     use_cuda = trainer_device == "cuda" or (trainer_device == "auto" and torch.cuda.is_available())

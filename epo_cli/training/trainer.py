@@ -63,6 +63,7 @@ from epo_cli.loggers.logger import MetricsLogger
 from epo_cli.models.loading import (
     ValueModel,
     apply_lora,
+    check_context,
     frozen_copy,
     load_causal_lm,
     load_tokenizer,
@@ -177,6 +178,7 @@ class Trainer:
         self.vocab_limit = len(self.tokenizer)
         dtype = resolve_dtype(cfg.model, self.dist.device)
         policy = load_causal_lm(source, cfg.model, dtype).to(self.dist.device)
+        check_context(policy, cfg.rollout, source)  # a prompt and its response fit the model's positions
         # packed micro-batches for scoring and update (before the copies below, which inherit the attention)
         self.packing = enable_packing(policy, algo.pack_tokens)
         self.ref_model = frozen_copy(policy) if "kl" in algo.loss_terms else None
@@ -773,16 +775,19 @@ class Trainer:
         self.logger.log(done_steps, metrics, total)
         self._agree_on_stop()  # before the checkpoint: a stop makes one due
         self._maybe_checkpoint(done_steps, total, metrics)
+        if self.stop_signal is None and self._agree_on_stop():  # a signal during that save: stop now, not a step later
+            self._maybe_checkpoint(done_steps, total, metrics)
         return self._should_stop(done_steps)
 
-    def _agree_on_stop(self) -> None:
+    def _agree_on_stop(self) -> bool:
         """All ranks stop after the same step: the largest signal number any rank received (or that the
-        launching process relayed) wins. One tiny all-reduce per step."""
+        launching process relayed) wins. A tiny all-reduce; True when a stop is agreed."""
         mine = STOP.requested(self.run) or 0
         agreed = int(all_reduce_max(torch.tensor(mine, dtype=torch.long, device=self.dist.device)).item())
         if agreed and self.stop_signal is None:
             self.stop_signal = agreed
             self.logger.info(f"stopping after step {self.state.step} ({signal_name(agreed)})")
+        return self.stop_signal is not None
 
     def _should_stop(self, done_steps: int) -> bool:
         if done_steps >= self.cfg.trainer.total_steps:
