@@ -121,7 +121,7 @@ class EnvConfig:
     #: observation/action pairs of the past shown in each prompt (verl-agent default 2)
     history_length: int = num(2, ge=0)
     #: worker processes for the env pool; 0 = step envs in the training process; null = CPU count
-    num_workers: int | None = num(0, ge=0)
+    num_workers: int | None = num(0, ge=0, le=1024)
     #: seconds a worker may take for one step before it is restarted and its episode truncated (a reset gets
     #: 5x as long; at most a day: the pool's wait takes milliseconds in a C int)
     step_timeout_s: float = num(60.0, gt=0, le=86400)
@@ -419,9 +419,9 @@ class DeepSpeedConfig:
 class LauncherConfig:
     name: str = one_of("local", ("local", "deepspeed", "slurm"))
     #: GPUs per node (deepspeed launcher); on a machine without GPUs use num_procs for CPU ranks
-    num_gpus: int = num(0, ge=0)
-    num_nodes: int = num(1, ge=1)
-    num_procs: int = num(1, ge=1)
+    num_gpus: int = num(0, ge=0, le=1024)
+    num_nodes: int = num(1, ge=1, le=100_000)
+    num_procs: int = num(1, ge=1, le=1024)
     hostfile: str | None = None
     master_addr: str = "127.0.0.1"
     #: 0 = a free port (single node)
@@ -485,8 +485,8 @@ class TrainerConfig:
     deterministic: bool = True
     #: 0 = keep all
     keep_checkpoints: int = num(2, ge=0)
-    #: torch intra-op threads per process (1 is fastest on small CPU machines)
-    num_threads: int = num(1, ge=1)
+    #: torch intra-op threads per process (1 is fastest on small CPU machines; torch takes a C int)
+    num_threads: int = num(1, ge=1, le=1024)
 
 
 @dataclass

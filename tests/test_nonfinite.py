@@ -101,6 +101,10 @@ def test_a_huge_value_is_shown_short_and_named() -> None:
         compose_for_train(["env.step_timeout_s=inf"])
     with pytest.raises(ConfigError, match=r"'launcher.timeout_s': .* out of range; allowed: 0 < value <= 604800"):
         compose_for_train(["launcher.timeout_s=1e12"])  # finite, but beyond what the timers can hold
+    with pytest.raises(ConfigError, match=r"'trainer.num_threads': 1099511627776 is out of range"):
+        compose_for_train([f"trainer.num_threads={2**40}"])  # torch takes a C int (an overflow traceback)
+    with pytest.raises(ConfigError, match=r"'algo.lr': 1e\+39 is out of range; allowed: 0 < value <= 1"):
+        compose_for_train(["algo.lr=1e39"])  # beyond float32: the optimizer's arithmetic overflowed
 
 
 # ---- weights that turn non-finite -----------------------------------------------------------------------------

@@ -90,7 +90,7 @@ class ScienceWorldConfig(EnvConfig):
     #: sparse: success only | dense: also score progress (info.progress) and subgoal events (info.subgoals)
     reward: str = one_of("sparse", ("sparse", "dense"))
     #: worker processes; null = one per CPU (each holds its envs' JVMs, ~0.7 GB each)
-    num_workers: int | None = num(None, ge=0)
+    num_workers: int | None = num(None, ge=0, le=1024)
     #: cap on info.admissible_commands (0 = all valid action-object combinations)
     max_admissible: int = num(50, ge=0)
     #: generate the gold path at each reset for info.expert_action: null = where the run reads it (SFT
