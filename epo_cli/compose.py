@@ -135,9 +135,10 @@ def hydra_overrides(overrides: list[str] | tuple[str, ...]) -> list[str]:
 
 
 def check_override_forms(overrides: list[str] | tuple[str, ...]) -> None:
-    """What Hydra would accept but drop or change without a word: a key or group given twice (the last one
-    wins, so `model=nosuch model=tiny` never reports `nosuch`), and `~key` / `~group` (a deleted group or
-    key comes back from the schema's defaults: `~algo` would train SFT)."""
+    """What Hydra would accept but drop or change without a word: a config group given twice with different
+    options (the last one wins, so `model=nosuch model=tiny` never reports `nosuch`), and `~key` / `~group`
+    (a deleted group or key comes back from the schema's defaults: `~algo` would train SFT). A `key=value`
+    given twice keeps the last, as in Hydra (scripts append their own overrides to a shared list)."""
     seen: dict[str, str] = {}
     for o in overrides:
         key = o.split("=", 1)[0]
@@ -148,9 +149,10 @@ def check_override_forms(overrides: list[str] | tuple[str, ...]) -> None:
             raise ConfigError(f"'{o}' would delete {what}, which every run has: its defaults would come back "
                               f"without a word. To change it, {fix}.")
         plain = key.lstrip("+")
-        if plain in seen and "=" in o:
-            raise ConfigError(f"'{plain}' is given twice ({seen[plain]} and {o}); only the last would count. "
-                              "Give it once.")
+        is_group = plain in GROUPS or "/" in plain
+        if is_group and plain in seen and "=" in o and seen[plain].split("=", 1)[1] != o.split("=", 1)[1]:
+            raise ConfigError(f"The config group '{plain}' is given twice ({seen[plain]} and {o}); only the last "
+                              "would count. Choose one option.")
         seen[plain] = o
 
 

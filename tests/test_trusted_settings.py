@@ -49,6 +49,8 @@ def received_run(tmp_path: Path, key: str) -> Path:
     (run / "checkpoints" / "step_1").mkdir(parents=True)
     (run / "checkpoints" / "step_1" / "COMPLETE").write_text("1")
     (run / "checkpoints" / "latest").write_text("step_1")
+    (run / "checkpoints" / "step_1" / "trainer_state.json").write_text(
+        '{"format": "epo-checkpoint/2", "trainer": {"step": 1}, "entropy_history": {}, "monitor": {}}')
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # e.g. launcher.hostfile under launcher=local: "no effect"
         cfg = compose([*select, f"{key}={value}"])
