@@ -388,11 +388,12 @@ def private_temp_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]
     os.environ.pop("TMPDIR") if saved[0] is None else os.environ.update(TMPDIR=saved[0])
 
 
-@pytest.fixture(autouse=True)
-def leaves_no_temp_files(private_temp_dir: Path) -> Iterator[None]:
-    """A test (or a script or process it starts) must write under its own tmp_path, never into the system
-    temp directory: anything new there after the test fails it, and is removed so the next test is not
-    blamed for it."""
+@pytest.fixture(scope="module", autouse=True)
+def leaves_no_temp_files(request: pytest.FixtureRequest, private_temp_dir: Path) -> Iterator[None]:
+    """A test module's tests (and the scripts and processes they start) must write under their own tmp_path,
+    never into the system temp directory: anything new there once the module's fixtures are torn down (a
+    module-scoped env pool keeps its workers' folders until then) is an error of the module's last test,
+    and is removed so the next module is not blamed for it."""
     before = set(os.listdir(private_temp_dir))
     yield
     left = sorted(name for name in set(os.listdir(private_temp_dir)) - before
@@ -401,4 +402,5 @@ def leaves_no_temp_files(private_temp_dir: Path) -> Iterator[None]:
         path = private_temp_dir / name
         shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
     if left:
-        pytest.fail(f"the test left {left} in the system temp directory; write under tmp_path instead", pytrace=False)
+        pytest.fail(f"the tests of {request.module.__name__} left {left} in the system temp directory; write "
+                    "under tmp_path instead", pytrace=False)
