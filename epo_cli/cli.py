@@ -20,11 +20,15 @@ from epo_cli.analysis.sweep_summary import summarize_command
 from epo_cli.config import GROUPS, config_dir, group_options, to_yaml
 from epo_cli.console import err_console, quiet_libraries
 from epo_cli.errors import Stopped, UserError, file_system_message
+from epo_cli.launch.deepspeed import launch_ranks
+from epo_cli.launch.setup import compose_for_train
+from epo_cli.launch.slurm import submit_slurm
 from epo_cli.launch.sweep import run_sweep
 from epo_cli.training.stop import Interrupted
 
-# The commands import epo_cli.launch.*, epo_cli.evaluation and epo_cli.analysis.report inside their
-# functions: those pull in torch (and report numpy), which `epo --help` does not need.
+# Composing a config and starting ranks need neither torch nor DeepSpeed (tests/test_imports.py checks it);
+# what trains or plays in this process (epo_cli.launch.local, epo_cli.eval_command) and the plots
+# (epo_cli.analysis.report: numpy, matplotlib) are imported inside their commands, when they run.
 
 
 def groups_help() -> str:
@@ -56,19 +60,14 @@ EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
 @app.command(context_settings=EXTRA, epilog=groups_help())
 def train(overrides: list[str] = OVERRIDES_ARG) -> None:
     """Train a policy: `epo train algo=epo env=household`."""
-    from epo_cli.launch.local import compose_for_train, run_local  # torch: see the note at the imports
-
     cfg, args = compose_for_train(list(overrides or []))
     if cfg.launcher.name == "local":
+        from epo_cli.launch.local import run_local  # the Trainer (torch): see the note at the imports
+
         run_local(cfg, args)
     elif cfg.launcher.name == "slurm":
-        # only here: it imports epo_cli.launch.rank, which sets OMP_NUM_THREADS for the ranks
-        from epo_cli.launch.slurm import submit_slurm
-
         submit_slurm(cfg, args)
     else:
-        from epo_cli.launch.deepspeed import launch_ranks
-
         launch_ranks(cfg, args)
 
 
@@ -78,7 +77,7 @@ def eval_command(overrides: list[str] = OVERRIDES_ARG) -> None:
 
     Options: run, checkpoint (final|latest|best|step_N), split, episodes, temperature, greedy,
     policy (model|expert|look|random), out; any other key=value is a config override."""
-    from epo_cli.evaluation import run_eval  # torch: see the note at the imports
+    from epo_cli.eval_command import run_eval  # torch: see the note at the imports
 
     run_eval(list(overrides or []))
 
@@ -111,8 +110,6 @@ def report(paths: list[str] = REPORT_PATHS, out: str | None = REPORT_OUT) -> Non
 @config_app.command("show", context_settings=EXTRA, epilog=groups_help())
 def config_show(overrides: list[str] = OVERRIDES_ARG) -> None:
     """Print the fully resolved config for these overrides (nothing runs)."""
-    from epo_cli.launch.local import compose_for_train  # torch: see the note at the imports
-
     cfg, _ = compose_for_train(list(overrides or []))
     sys.stdout.write(to_yaml(cfg))
 

@@ -48,7 +48,8 @@ def num(default: Any, *, ge: float | None = None, gt: float | None = None, le: f
 def one_of(default: Any = None, valid: tuple[Any, ...] = (), *, registry: str | None = None,
            extra: tuple[Any, ...] = (), default_factory: Any = None) -> Any:
     """A field whose value (each item, for a list) is one of `valid`, or a name in the component registry
-    `registry` (the keys of epo_cli.algos.registry_names()) plus `extra`."""
+    `registry` (a key of epo_cli.algos.REGISTRIES, or "curricula") plus `extra`. Config validation also
+    reads these fields to find the components a config names (their checks, the keys they read)."""
     meta = {"choices": tuple(valid) + tuple(extra), "registry": registry}
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=meta)
@@ -321,6 +322,12 @@ class AlgoConfig:
     components: dict[str, Any] = field(default_factory=dict)
 
 
+def is_sft(algo: Any) -> bool:
+    """The one rule for behaviour cloning: an algorithm without an RL base (algo.base=none, as algo=sft)
+    trains on demonstrations (no rollouts, advantages or epochs)."""
+    return algo.base == "none"
+
+
 @dataclass
 class LoraConfig:
     rank: int = num(0, ge=0)  # 0 = full fine-tuning
@@ -388,15 +395,16 @@ class CurriculumConfig:
     window: int = num(3, ge=1)
     promote_at: float = num(0.7, ge=0, le=1)
     demote_at: float | None = num(None, ge=0, le=1)
-    replay_share: float = num(0.2, ge=0, le=1)
+    #: share of each staged batch replaying earlier levels (below 1: the current level must be trained too)
+    replay_share: float = num(0.2, ge=0, lt=1)
     #: adaptive: progress (change in success) | closeness (to 0.5)
     adaptive_signal: str = one_of("progress", ("progress", "closeness"))
     exploration_floor: float = num(0.1, ge=0, le=1)
-    #: horizon: max turns grow from start_turns to env.max_turns over `horizon_share` of training
-    #: (can be combined with any curriculum)
+    #: horizon: max turns grow from start_turns to env.max_turns over `horizon_share` of training (0: the full
+    #: env.max_turns from the start); can be combined with any curriculum
     horizon: bool = False
     start_turns: int = num(10, ge=1)
-    horizon_share: float = num(0.5, gt=0, le=1)
+    horizon_share: float = num(0.5, ge=0, le=1)
     #: intermediate rewards from progress events (can be combined with any curriculum)
     subgoal_rewards: bool = False
     subgoal_coef: float = num(1.0, ge=0)
@@ -506,7 +514,7 @@ class RolloutConfig:
     generation_batch_size: int = num(0, ge=0)
     #: generate for the envs that have answered while env workers step the others (same episodes as
     #: lock-step; only with env.num_workers > 0, in-process envs cannot step meanwhile). Off by default:
-    #: not faster on a 2-core machine, where envs and generation share the CPU (README, Performance)
+    #: not faster on a 2-core machine, where envs and generation share the CPU (docs/performance.md)
     overlap: bool = False
     #: prefill each distinct prompt once per generate call, sharing its KV cache with the rows that have
     #: the same prompt (a GRPO group's first turn); same tokens as without

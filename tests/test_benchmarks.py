@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts" / "bench"
 
 
 def script_temp_dir(tmp_path: Path) -> tuple[Path, dict[str, str]]:

@@ -32,9 +32,9 @@ def test_non_finite_updates_stop_the_run_with_a_message(tmp_path: Path, epo_cach
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Force NaN log-probs in the training forward: every update is skipped, the weights never change,
     and after trainer.max_nonfinite_skips consecutive skips the run stops with one clear message."""
-    import epo_cli.training.trainer as trainer
+    import epo_cli.training.update as update
 
-    real = trainer.policy_forward
+    real = update.policy_forward
 
     def poisoned(model, mb, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
         out = real(model, mb, *args, **kwargs)
@@ -42,7 +42,7 @@ def test_non_finite_updates_stop_the_run_with_a_message(tmp_path: Path, epo_cach
             out.logprobs = out.logprobs * float("nan")
         return out
 
-    monkeypatch.setattr(trainer, "policy_forward", poisoned)
+    monkeypatch.setattr(update, "policy_forward", poisoned)
     proc = run_epo(["train", "algo=grpo", "env.level=tiny_open_pick_place", "env.prompt_template=compact",
                     "env.max_turns=3", "algo.tasks_per_step=1", "algo.group_size=2", "trainer.total_steps=5",
                     "trainer.max_nonfinite_skips=2", "env.eval_splits=[]", "trainer.save_every=1",

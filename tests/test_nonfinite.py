@@ -92,7 +92,7 @@ def test_every_kind_of_bad_number_on_one_float_and_one_int_key(tmp_path: Path) -
 
 def test_a_huge_value_is_shown_short_and_named() -> None:
     from epo_cli.errors import ConfigError
-    from epo_cli.launch.local import compose_for_train
+    from epo_cli.launch.setup import compose_for_train
 
     with pytest.raises(ConfigError) as err:
         compose_for_train([f"algo.lr={HUGE}"])

@@ -167,8 +167,8 @@ def _run_dir_trusting_remote_code(tmp_path: Path) -> Path:
 
 
 def test_a_saved_trust_remote_code_is_not_honoured(tmp_path: Path) -> None:
-    from epo_cli.evaluation import EvalArgs, eval_config
-    from epo_cli.launch.local import compose_for_train
+    from epo_cli.eval_command import EvalArgs, eval_config
+    from epo_cli.launch.setup import compose_for_train
 
     run = _run_dir_trusting_remote_code(tmp_path)
     with pytest.warns(UserWarning, match="honoured only from the command line, not from a saved config"):
@@ -274,7 +274,7 @@ def test_a_rank_takes_trust_remote_code_from_its_launcher_flag_only(tmp_path: Pa
 @pytest.mark.parametrize("text", ['a: !!python/object/apply:os.system ["touch {marker}"]\n', "algo: [unclosed\n",
                                   "- just\n- a list\n"])
 def test_a_hostile_or_damaged_config_yaml_is_one_message(tmp_path: Path, text: str) -> None:
-    from epo_cli.evaluation import EvalArgs, eval_config
+    from epo_cli.eval_command import EvalArgs, eval_config
 
     marker = tmp_path / "marker"
     run = tmp_path / "run"

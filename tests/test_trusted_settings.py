@@ -64,7 +64,7 @@ class Captured(UserError):
 
 def capture_config(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """Record the config `epo eval` builds its environments from and `epo train` hands to the trainer."""
-    import epo_cli.evaluation
+    import epo_cli.eval_command
     import epo_cli.launch.local
 
     seen: dict[str, Any] = {}
@@ -73,8 +73,8 @@ def capture_config(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         seen["cfg"] = cfg
         raise Captured("config captured")
 
-    monkeypatch.setattr(epo_cli.evaluation, "make_suite", lambda env_cfg, **kw: record(seen.get("eval_cfg")))
-    monkeypatch.setattr(epo_cli.evaluation, "eval_config", _wrap(epo_cli.evaluation.eval_config, seen))
+    monkeypatch.setattr(epo_cli.eval_command, "make_suite", lambda env_cfg, **kw: record(seen.get("eval_cfg")))
+    monkeypatch.setattr(epo_cli.eval_command, "eval_config", _wrap(epo_cli.eval_command.eval_config, seen))
     monkeypatch.setattr(epo_cli.launch.local, "run_local", record)
     return seen
 

@@ -1,7 +1,7 @@
 """Advantage estimators: one advantage per turn-sample, broadcast later to every token of the turn.
 
-Each estimator is registered in ESTIMATORS under its conf/ name (algo.estimator), with the algo sections
-its settings come from, and has the signature
+Each estimator is declared in ESTIMATORS (epo_cli/algos/registries.py: its conf/ name for algo.estimator, the
+algo sections its settings come from, its checks) and implemented here; it has the signature
 
     fn(batch: TurnBatch, *settings, all_reduce_sum=None) -> (advantages [N], returns [N])
 
@@ -32,14 +32,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from epo_cli.algos.registries import ESTIMATORS
 from epo_cli.config import GAEConfig, GiGPOConfig, GRPOConfig
-from epo_cli.registry import Registry
 from epo_cli.rollout.batch import TurnBatch
 
 AllReduce = Callable[[Tensor], Tensor]
-
-#: algo.estimator -> fn(batch, *settings, all_reduce_sum=None) -> (advantages [N], returns [N])
-ESTIMATORS = Registry("advantage estimator")
 
 
 def whiten(x: Tensor, all_reduce_sum: AllReduce | None = None, eps: float = 1e-8) -> Tensor:
@@ -78,7 +75,7 @@ def _trajectories(batch: TurnBatch) -> dict[int, list[int]]:
     return rows
 
 
-@ESTIMATORS.register("gae", config=GAEConfig, sections=("gae",))
+@ESTIMATORS.implement("gae")
 def gae(batch: TurnBatch, settings: GAEConfig, all_reduce_sum: AllReduce | None = None) -> tuple[Tensor, Tensor]:
     """Turn-level GAE. One "time step" is one turn; V_t = critic value of turn t's prompt.
 
@@ -141,7 +138,7 @@ def _trajectory_scores(batch: TurnBatch) -> tuple[Tensor, Tensor, Tensor]:
     return row_traj, outcome + turn_sum, group
 
 
-@ESTIMATORS.register("grpo", config=GRPOConfig, sections=("grpo",))
+@ESTIMATORS.implement("grpo")
 def grpo(
     batch: TurnBatch, settings: GRPOConfig, all_reduce_sum: AllReduce | None = None
 ) -> tuple[Tensor, Tensor]:
@@ -164,7 +161,7 @@ def grpo(
     raise ValueError(f"unknown algo.grpo.mean_over '{cfg.mean_over}' (turns | trajectories)")
 
 
-@ESTIMATORS.register("rloo", sections=())
+@ESTIMATORS.implement("rloo")
 def rloo(batch: TurnBatch, all_reduce_sum: AllReduce | None = None) -> tuple[Tensor, Tensor]:
     """A_j = score_j - mean of the OTHER trajectories' scores in j's group (0 for a lone trajectory).
 
@@ -251,7 +248,7 @@ def anchor_groups(batch: TurnBatch, similarity: float = 1.0, anchor: str = "obse
     return torch.tensor(ids, dtype=torch.long)
 
 
-@ESTIMATORS.register("gigpo", config=GiGPOConfig, sections=("gigpo", "grpo"))
+@ESTIMATORS.implement("gigpo")
 def gigpo(
     batch: TurnBatch, settings: GiGPOConfig, episode: GRPOConfig, all_reduce_sum: AllReduce | None = None
 ) -> tuple[Tensor, Tensor]:
@@ -286,4 +283,4 @@ def gigpo(
 def compute_advantages(batch: TurnBatch, algo: Any, all_reduce_sum: AllReduce | None = None) -> tuple[Tensor, Tensor]:
     """Run the estimator algo.estimator names on `batch`, with its own settings read from `algo`."""
     entry = ESTIMATORS.entry(algo.estimator)
-    return entry.build(batch, *entry.settings(algo), all_reduce_sum=all_reduce_sum)
+    return ESTIMATORS.build(algo.estimator, batch, *entry.settings(algo), all_reduce_sum=all_reduce_sum)

@@ -18,10 +18,11 @@ EPO objective (arXiv 2509.22576):  L = L_RL - lambda * (L_H - beta_k * L_smooth)
 i.e. coefficients policy_clip 1, entropy -lambda, entropy_smoothing +lambda*beta_k, kl kl_coef
 (`loss_coefficients`).
 
-Every term is registered in LOSS_TERMS under its conf/ name (algo.loss_terms) with its own settings and
-the algo keys they are read from (`build_loss_term` looks it up: no list of names to keep in step). A new
-term registers itself the same way with its own settings dataclass; its settings are then
-algo.components.<name> and its coefficient is their `coef` (tests/test_registry.py shows one).
+Every term is declared in LOSS_TERMS (epo_cli/algos/registries.py) under its conf/ name (algo.loss_terms)
+with its settings, the algo keys they are read from and its coefficient, and implemented here
+(`@LOSS_TERMS.implement`); `build_loss_term` and `loss_coefficients` read the registry, so there is no list
+of names to keep in step. A term from elsewhere registers itself with its own settings dataclass; its
+settings are then algo.components.<name> and its coefficient their `coef` (tests/test_registry.py shows one).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from epo_cli.algos.aggregation import weighted_sum
+from epo_cli.algos.registries import ENTROPY_MODES, KL_ESTIMATORS, LOSS_TERMS, POLICY_LOSSES, coef_factors
 from epo_cli.config import (
     EntropyTermConfig,
     KLConfig,
@@ -40,13 +42,7 @@ from epo_cli.config import (
     SmoothingConfig,
     ValueConfig,
 )
-from epo_cli.registry import Registry
 from epo_cli.rollout.batch import MicroBatch
-
-#: algo.loss_terms -> fn(*its settings) -> LossTerm
-LOSS_TERMS = Registry("loss term")
-#: algo.policy_loss -> fn(PolicyClipConfig) -> the module in the `policy_clip` slot of the loss stack
-POLICY_LOSSES = Registry("policy loss")
 
 
 @dataclass
@@ -262,23 +258,23 @@ class KLCovLoss(LossTerm):
         return loss, metrics
 
 
-@POLICY_LOSSES.register("clip", config=PolicyClipConfig)
+@POLICY_LOSSES.implement("clip")
 def _clip(pc: PolicyClipConfig) -> LossTerm:
     return PolicyClipLoss(pc.clip_low, pc.clip_high, pc.dual_clip, pc.aggregation)
 
 
-@POLICY_LOSSES.register("clip_cov", config=PolicyClipConfig)
+@POLICY_LOSSES.implement("clip_cov")
 def _clip_cov(pc: PolicyClipConfig) -> LossTerm:
     return ClipCovLoss(pc.clip_low, pc.clip_high, pc.dual_clip, pc.aggregation, pc.clip_cov_ratio, pc.clip_cov_lb,
                        pc.clip_cov_ub)
 
 
-@POLICY_LOSSES.register("kl_cov", config=PolicyClipConfig)
+@POLICY_LOSSES.implement("kl_cov")
 def _kl_cov(pc: PolicyClipConfig) -> LossTerm:
     return KLCovLoss(pc.aggregation, pc.kl_cov_ratio, pc.ppo_kl_coef)
 
 
-@LOSS_TERMS.register("policy_clip", config=PolicyClipConfig, sections=("policy_clip", "policy_loss"))
+@LOSS_TERMS.implement("policy_clip")
 def _policy_clip(pc: PolicyClipConfig, policy_loss: str) -> LossTerm:
     """The policy-gradient slot: the policy loss algo.policy_loss names, with algo.policy_clip's settings."""
     return POLICY_LOSSES.build(policy_loss, pc)
@@ -317,14 +313,6 @@ class ValueLoss(LossTerm):
         return loss, metrics
 
 
-#: algo.entropy.mode -> aggregation used for L_H
-ENTROPY_MODES: dict[str, str] = {
-    "token_mean": "token-mean",
-    "trajectory": "trajectory",
-    "turn_decay": "turn-decay",
-}
-
-
 class EntropyLoss(LossTerm):
     """L_H, the aggregated token entropy, returned POSITIVE (its coefficient -lambda makes it a bonus).
 
@@ -336,10 +324,8 @@ class EntropyLoss(LossTerm):
 
     def __init__(self, mode: str = "token_mean") -> None:
         super().__init__()
-        if mode not in ENTROPY_MODES:
-            raise KeyError(f"unknown entropy mode '{mode}'; valid: {', '.join(ENTROPY_MODES)}")
         self.mode = mode
-        self.aggregation = ENTROPY_MODES[mode]
+        self.aggregation = ENTROPY_MODES[mode]  # KeyError listing the modes
 
     def forward(self, mb: MicroBatch, out: PolicyOutputs) -> tuple[Tensor, dict[str, Tensor]]:
         w = _weights(mb, self.aggregation)  # [B, R]
@@ -408,8 +394,9 @@ def _kl_k3(log_ratio: Tensor) -> Tensor:
     return torch.clamp(torch.exp(neg) - neg - 1.0, -10.0, 10.0)
 
 
-#: per-token KL(p || ref) estimators of log_ratio = logp - ref_logp (Schulman, "Approximating KL")
-KL_ESTIMATORS = {"k1": _kl_k1, "k2": _kl_k2, "k3": _kl_k3, "low_var_kl": _kl_k3}
+# per-token KL(p || ref) estimators of log_ratio = logp - ref_logp (Schulman, "Approximating KL")
+for _name, _estimator in (("k1", _kl_k1), ("k2", _kl_k2), ("k3", _kl_k3), ("low_var_kl", _kl_k3)):
+    KL_ESTIMATORS.implement(_name, _estimator)
 
 
 class KLLoss(LossTerm):
@@ -419,15 +406,14 @@ class KLLoss(LossTerm):
 
     def __init__(self, estimator: str = "low_var_kl", aggregation: str = "token-mean") -> None:
         super().__init__()
-        if estimator not in KL_ESTIMATORS:
-            raise KeyError(f"unknown KL estimator '{estimator}'; valid: {', '.join(KL_ESTIMATORS)}")
+        self.estimate = KL_ESTIMATORS[estimator]  # KeyError listing the estimators
         self.estimator = estimator
         self.aggregation = aggregation
 
     def forward(self, mb: MicroBatch, out: PolicyOutputs) -> tuple[Tensor, dict[str, Tensor]]:
         w = _weights(mb, self.aggregation)  # [B, R]
         ref = _require(mb.ref_logprobs, "ref_logprobs", self.name)  # [B, R]
-        kl = KL_ESTIMATORS[self.estimator](out.logprobs - ref)  # [B, R]
+        kl = self.estimate(out.logprobs - ref)  # [B, R]
         loss = weighted_sum(w, kl)
         return loss, {"loss/kl": loss.detach(), "policy/kl_ref": loss.detach()}
 
@@ -447,28 +433,27 @@ class NLLLoss(LossTerm):
         return loss, {"loss/nll": loss.detach()}
 
 
-# the built-in terms read the algo sections they always have (their yaml keys predate the registry)
-@LOSS_TERMS.register("value", config=ValueConfig, sections=("value",))
+@LOSS_TERMS.implement("value")
 def _value(v: ValueConfig) -> LossTerm:
     return ValueLoss(v.clip)
 
 
-@LOSS_TERMS.register("entropy", config=EntropyTermConfig, sections=("entropy",))
+@LOSS_TERMS.implement("entropy")
 def _entropy(e: EntropyTermConfig) -> LossTerm:
     return EntropyLoss(e.mode)
 
 
-@LOSS_TERMS.register("entropy_smoothing", config=SmoothingConfig, sections=("entropy_smoothing",))
+@LOSS_TERMS.implement("entropy_smoothing")
 def _entropy_smoothing(sm: SmoothingConfig) -> LossTerm:
     return EntropySmoothingLoss(sm.alpha, sm.kappa_low, sm.kappa_high, sm.aggregation)
 
 
-@LOSS_TERMS.register("kl", config=KLConfig, sections=("kl",))
+@LOSS_TERMS.implement("kl")
 def _kl(kl: KLConfig) -> LossTerm:
     return KLLoss(kl.estimator, kl.aggregation)
 
 
-@LOSS_TERMS.register("nll", sections=("nll_aggregation",))
+@LOSS_TERMS.implement("nll")
 def _nll(aggregation: str) -> LossTerm:
     return NLLLoss(aggregation)
 
@@ -534,28 +519,27 @@ class LossStack(nn.Module):
 def loss_coefficients(
     algo: Any, entropy_coef: float, phase_beta: float, kl_weight: float, entropy_scale: float = 1.0
 ) -> dict[str, float]:
-    """Coefficients of L = L_RL - lambda * (L_H - beta_k * L_smooth) + kl_weight * KL for algo.loss_terms.
+    """Each term's coefficient in L = L_RL - lambda * (L_H - beta_k * L_smooth) + kl_weight * KL, for
+    algo.loss_terms: the product its registry entry names (Entry.coef, e.g. "lambda*beta").
 
     entropy_coef = lambda (entropy schedule), phase_beta = beta_k (phase schedule), kl_weight = the KL
-    coefficient at this step. entropy_scale multiplies both entropy-driven terms (the fluctuation
-    monitor's `clamp` action passes monitor.clamp_scale while it alerts; 1 otherwise). A term outside the
-    EPO objective (registered elsewhere) is weighted by its own `coef` setting.
+    coefficient at this step. entropy_scale multiplies lambda, so both entropy-driven terms (the fluctuation
+    monitor's `clamp` action passes monitor.clamp_scale while it alerts; 1 otherwise). "settings" is the
+    term's own `coef` setting (a term outside the EPO objective, or the critic's value.coef).
     """
-    lam = entropy_coef * entropy_scale
-    table = {
-        "policy_clip": 1.0,
-        "nll": 1.0,
-        "kl": kl_weight,
-        "entropy": -lam,
-        "entropy_smoothing": lam * phase_beta,
-        "value": algo.value.coef,
-    }
-    return {name: table[name] if name in table else _own_coef(name, algo) for name in algo.loss_terms}
+    factors = {"lambda": entropy_coef * entropy_scale, "beta": phase_beta, "kl": kl_weight}
+    coefs = {}
+    for name in algo.loss_terms:
+        sign, names = coef_factors(LOSS_TERMS.entry(name).coef)
+        coefs[name] = sign
+        for factor in names:
+            coefs[name] *= _own_coef(name, algo) if factor == "settings" else factors[factor]
+    return coefs
 
 
 def _own_coef(name: str, algo: Any) -> float:
     settings = LOSS_TERMS.entry(name).settings(algo)
     if not settings or not hasattr(settings[0], "coef"):
-        raise ValueError(f"loss term '{name}' is not part of the EPO objective, so its settings class needs a "
-                         "`coef` field (its coefficient in the loss)")
+        raise ValueError(f"loss term '{name}' is weighted by its own settings (coef 'settings'), so its settings "
+                         "class needs a `coef` field (its coefficient in the loss)")
     return float(settings[0].coef)

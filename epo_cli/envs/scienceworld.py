@@ -12,7 +12,7 @@ Each env owns a JVM (~0.7 GB, ~4 s to start), started on its first reset; `close
 process dies instead, the JVM exits by itself (py4j's die-on-broken-pipe watches its stdin). The JVM gets
 `env.jvm_options` through JAVA_TOOL_OPTIONS (ScienceWorld's launcher takes no JVM flags): by default one
 serial GC thread and one CPU per JVM, since every env has a JVM of its own and a JVM sized for the whole
-machine spends cores on parallel GC and JIT threads (scripts/bench_envs.py: 20-30% less CPU per step).
+machine spends cores on parallel GC and JIT threads (scripts/bench/bench_envs.py: 20-30% less CPU per step).
 
 Info keys: goal (the task description), admissible_commands, won (score 100), lost (a wrong `focus on`:
 score -100, the episode is over), task_type (the task name), task_id, subgoals, progress, expert_action,
@@ -242,11 +242,11 @@ class ScienceWorldSuite(EnvSuite):
             tasks.append(Task(f"{name}/{variation}", name, rng.randrange(2**31), split))
         return tasks
 
-    def make_env(self) -> Env:
+    def make_env(self, reads_expert: bool = True) -> Env:
         cfg = self.cfg
         return ScienceWorldGame(simplification=cfg.simplification, max_turns=cfg.max_turns,
                                 dense=cfg.reward == "dense", max_admissible=cfg.max_admissible,
-                                expert=cfg.expert is not False, jvm_options=cfg.jvm_options)
+                                expert=self.wants_expert(reads_expert), jvm_options=cfg.jvm_options)
 
     def versions(self) -> dict[str, str]:
         from importlib.metadata import PackageNotFoundError, version

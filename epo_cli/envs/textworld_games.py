@@ -193,7 +193,7 @@ class TextWorldSuite(EnvSuite):
             picked.extend(rng.sample(games, min(len(games), n - len(picked))))
         return [Task(game, "textworld", rng.randrange(2**31), split) for game in picked]
 
-    def make_env(self) -> Env:
+    def make_env(self, reads_expert: bool = True) -> Env:
         return TextWorldGame(self, max_turns=self.cfg.max_turns)
 
     def versions(self) -> dict[str, str]:

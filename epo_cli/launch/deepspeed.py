@@ -25,12 +25,12 @@ from typing import Any
 from omegaconf import DictConfig
 
 from epo_cli import trust
+from epo_cli.checkpoint_paths import latest_tag
 from epo_cli.errors import Stopped, UserError
 from epo_cli.launch.layout import Layout, check_resume, check_world, clear_rank_records, layout_for
-from epo_cli.launch.local import prepare_run_dir, stopped_message
+from epo_cli.launch.setup import prepare_run_dir, stopped_message
 from epo_cli.run_dir import read_status, write_status
-from epo_cli.training.checkpoint import latest_tag
-from epo_cli.training.engine import free_port
+from epo_cli.training.deepspeed_config import free_port
 from epo_cli.training.stop import STOP, Interrupted, exit_code, signal_name, write_relay
 
 #: launcher.master_port=0 picks a free port on a single node; multi-node jobs need a fixed one

@@ -10,7 +10,6 @@ local model first (epo_cli/models/tiny.py) and then loads it through the very sa
 from __future__ import annotations
 
 import copy
-import importlib.util
 import pickle
 from pathlib import Path
 from typing import Any
@@ -92,7 +91,7 @@ def load_causal_lm(source: str, model_cfg: Any, dtype: torch.dtype) -> nn.Module
         raise UserError(_hub_message(source, err)) from None
     except pickle.UnpicklingError as err:  # the restricted unpickler refused a weights file
         raise UserError(refused_message(Path(source), err)) from None
-    except ImportError as err:  # an attention implementation whose package is missing (see check_attention)
+    except ImportError as err:  # an attention implementation whose package is missing (see epo_cli/models/attention.py)
         raise UserError(f"model.attn_implementation={model_cfg.attn_implementation} cannot be used here: "
                         f"{str(err).splitlines()[0]} Use model.attn_implementation=sdpa (the default).") from None
     except (ValueError, RuntimeError, KeyError) as err:
@@ -155,30 +154,6 @@ def check_context(model: nn.Module, rollout_cfg: Any, source: str) -> None:
         raise UserError(f"The model in '{source}' holds {limit} positions (max_position_embeddings), fewer than "
                         f"rollout.max_prompt_tokens + rollout.max_new_tokens = {need}. Lower them (e.g. "
                         f"rollout.max_prompt_tokens={max(1, limit - rollout_cfg.max_new_tokens)}).")
-
-
-def planned_device(trainer_device: str) -> torch.device:
-    """The device a run with trainer.device=`trainer_device` will use on this machine."""
-    use_cuda = trainer_device == "cuda" or (trainer_device == "auto" and torch.cuda.is_available())
-    return torch.device("cuda" if use_cuda else "cpu")
-
-
-def check_attention(model_cfg: Any, device: torch.device) -> None:
-    """model.attn_implementation's package and device, before any work (transformers would fail only when the
-    model loads). flash_attention_2/3 need their packages and a CUDA GPU; sdpa, eager and flex run anywhere."""
-    needs = {"flash_attention_2": ("flash_attn", "flash-attn"), "flash_attention_3": ("flash_attn_interface",
-                                                                                      "flash-attn 3 (hopper)")}
-    if model_cfg.attn_implementation not in needs:
-        return
-    module, package = needs[model_cfg.attn_implementation]
-    problems = []
-    if importlib.util.find_spec(module) is None:
-        problems.append(f"the {package} package is not installed")
-    if device.type != "cuda":
-        problems.append("it runs on CUDA GPUs only and this run is on the CPU")
-    if problems:
-        raise UserError(f"model.attn_implementation={model_cfg.attn_implementation} cannot be used here: "
-                        f"{' and '.join(problems)}. Use model.attn_implementation=sdpa (the default).")
 
 
 def _hub_message(source: str, err: Exception) -> str:

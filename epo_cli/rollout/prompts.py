@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from epo_cli.errors import ConfigError, UserError
+from epo_cli.registry import Registry
 
-# name -> (template for the first turn, template for later turns)
-PROMPT_TEMPLATES: dict[str, tuple[str, str]] = {
+#: env.prompt_template name -> (template for the first turn, template for later turns)
+PROMPT_TEMPLATES = Registry("prompt template")
+for _name, _pair in {
     # The same information as `alfworld` without the prose (a third of the tokens), ordered so that what
     # the next action depends on most (the task, then the observation) sits right before the response:
     # small models on CPU learn to copy from a nearly fixed relative position far sooner than by a
@@ -66,7 +68,8 @@ PROMPT_TEMPLATES: dict[str, tuple[str, str]] = {
         "First reason step-by-step inside <think> </think> tags, then give exactly one action inside "
         "<action> </action> tags.",
     ),
-}
+}.items():
+    PROMPT_TEMPLATES.register(_name, _pair)
 
 
 def chat_encoder(tokenizer: Any) -> Callable[[str], list[int]]:

@@ -1,6 +1,6 @@
 """epo vs TRL's GRPOTrainer: time per GRPO iteration on the same model, prompts and batch shape.
 
-    python scripts/bench_vs_trl.py [--model PATH] [--prompts 4] [--group 8] [--max-new-tokens 64]
+    python scripts/bench/bench_vs_trl.py [--model PATH] [--prompts 4] [--group 8] [--max-new-tokens 64]
                                    [--iterations 3] [--quick]
 
 Single-turn on purpose (household with env.max_turns=1), the only setting TRL's GRPOTrainer supports:
@@ -13,7 +13,7 @@ Each side runs in its own child process (one torch thread each, same environment
 in this command; the first iteration of each warms up and is not timed. Printed: median seconds per
 iteration, generated tokens per iteration and the per-token time, and the ratios epo / TRL. Both stop
 only at EOS or the token limit (TRL cannot stop at a string; `--epo-stop` keeps epo's </action> stop).
-Target (issue 12): <= 0.8.
+Target: <= 0.8.
 
 TRL is an optional dependency: `pip install 'epo[bench]'` (make install includes it).
 """
@@ -81,17 +81,17 @@ def run_epo(args: argparse.Namespace, out: Path) -> None:
     cfg.run_dir = str(run)
     trainer = Trainer(cfg, run)
     seconds, tokens, samples = [], [], []
-    original_rollout = trainer.rollout
+    sample = trainer.sampler.sample
 
-    def recording_rollout(step: int, total: int):  # the trainer's own rollout, prompts kept for TRL
-        episodes, batch, stats = original_rollout(step, total)
-        for ep in episodes:
-            samples.append({"prompt": trainer.tokenizer.decode(ep.turns[0].prompt_ids),
+    def recording_sample(policy, step: int, total: int):  # the trainer's own rollout, prompts kept for TRL
+        rollout = sample(policy, step, total)
+        for ep in rollout.episodes:
+            samples.append({"prompt": trainer.models.tokenizer.decode(ep.turns[0].prompt_ids),
                             "task": dataclasses.asdict(ep.task)})
-        tokens.append(stats.generated_tokens)
-        return episodes, batch, stats
+        tokens.append(rollout.stats.generated_tokens)
+        return rollout
 
-    trainer.rollout = recording_rollout
+    trainer.sampler.sample = recording_sample
     for step in range(args.iterations + 1):
         t0 = time.perf_counter()
         trainer.rl_step(step, cfg.trainer.total_steps)
