@@ -13,6 +13,7 @@ import json
 import math
 import typing
 from dataclasses import fields, is_dataclass
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -109,25 +110,28 @@ def test_a_huge_value_is_shown_short_and_named() -> None:
 
 # ---- weights that turn non-finite -----------------------------------------------------------------------------
 
-def test_weights_that_turn_nonfinite_stop_the_run_naming_the_step(small_config: SmallConfig, tmp_path: Path,
-                                                                   epo_cache: Path,
+@pytest.mark.parametrize("kind", ["sft", "rl"])
+def test_weights_that_turn_nonfinite_stop_the_run_naming_the_step(kind: str, small_config: SmallConfig,
+                                                                   tmp_path: Path, epo_cache: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Whatever the cause (here: the update of step 2 writes a nan into one weight), the run stops before
-    that step is saved or sampled from: one message naming step 2, status failed, step_1 intact."""
-    from epo_cli.training.trainer import Trainer
+    that step is saved or sampled from: one message naming step 2, status failed, step_1 intact. Behaviour
+    cloning and RL updates alike."""
+    from epo_cli.training.update import PolicyUpdate
 
-    original = Trainer._mini_batch_step
+    original = PolicyUpdate.mini_batch_step
 
-    def poisoned(self: Trainer, shared, rows, position, tally) -> None:
+    def poisoned(self: PolicyUpdate, shared, rows, position, tally) -> None:
         original(self, shared, rows, position, tally)
         if position[0] == 1:  # step index 1 = the second step
             with torch.no_grad():
-                next(self.engine.module.parameters()).view(-1)[0] = math.nan
+                next(self.models.engine.module.parameters()).view(-1)[0] = math.nan
 
-    monkeypatch.setattr(Trainer, "_mini_batch_step", poisoned)
+    monkeypatch.setattr(PolicyUpdate, "mini_batch_step", poisoned)
     run = tmp_path / "run"
-    proc = run_epo(["train", *small_config.sft("trainer.total_steps=4", "trainer.save_every=1"),
-                    f"run_dir={run}"], cwd=tmp_path, expect=1)
+    shape = small_config.sft if kind == "sft" else partial(small_config.rl, "algo=grpo")
+    proc = run_epo(["train", *shape("trainer.total_steps=4", "trainer.save_every=1"), f"run_dir={run}"],
+                   cwd=tmp_path, expect=1)
     assert "Traceback" not in proc.stderr and proc.stderr.count("error:") == 1, proc.stderr[-3000:]
     assert "Training stopped at step 2" in proc.stderr and "non-finite" in proc.stderr
     assert "algo.lr=" in proc.stderr and f"trainer.resume={run}" in proc.stderr
