@@ -46,6 +46,7 @@ from epo_cli.config import (
     ModelConfig,
     RunConfig,
     check_field_rules,
+    check_number_sizes,
     config_dir,
     group_options,
     is_sft,
@@ -102,7 +103,8 @@ def _unknown_key_message(full_key: str, env_name: str) -> str:
 
 
 def _translate_hydra_error(err: Exception) -> ConfigError:
-    text = str(err)
+    # hydra_overrides turned key=value into Hydra's ++key=value: show the user's own override, not that
+    text = re.sub(r"(?<![\w+])\+\+(?=[\w/])", "", str(err))
     m = re.search(r"Could not find '([\w\-/.]+)/([\w\-.]+)'", text)
     if m:
         group, option = m.group(1), m.group(2)
@@ -116,6 +118,10 @@ def _translate_hydra_error(err: Exception) -> ConfigError:
     m = re.search(r"Could not override '([\w.\-]+)'", text)
     if m:
         return ConfigError(_unknown_key_message(m.group(1), "household"))
+    m = re.search(r"config group '([\w.\-]+)' does not exist", text)
+    if m and m.group(1) not in GROUPS:
+        return ConfigError(f"'{m.group(1)}' is a setting, not a config group: write {m.group(1)}=<value> (the "
+                           f"`@package` form is for config groups only: {', '.join(GROUPS)}).")
     m = re.search(r"Could not append to config\. An item is already at '([\w.\-]+)'", text)
     if m:
         return ConfigError(f"'{m.group(1)}' already exists: override it without the leading '+'.")
@@ -138,12 +144,36 @@ def hydra_overrides(overrides: list[str] | tuple[str, ...]) -> list[str]:
     return out
 
 
+def check_override_forms(overrides: list[str] | tuple[str, ...]) -> None:
+    """What Hydra would accept but drop or change without a word: a config group given twice with different
+    options (the last one wins, so `model=nosuch model=tiny` never reports `nosuch`), and `~key` / `~group`
+    (a deleted group or key comes back from the schema's defaults: `~algo` would train SFT). A `key=value`
+    given twice keeps the last, as in Hydra (scripts append their own overrides to a shared list)."""
+    seen: dict[str, str] = {}
+    for o in overrides:
+        key = o.split("=", 1)[0]
+        if key.startswith("~"):
+            what = key[1:]
+            fix = (f"choose one of its options ({what}=<option>)" if what in GROUPS else
+                   f"set it ({what}=<value>, or {what}=null where null is allowed)")
+            raise ConfigError(f"'{o}' would delete {what}, which every run has: its defaults would come back "
+                              f"without a word. To change it, {fix}.")
+        plain = key.lstrip("+")
+        is_group = plain in GROUPS or "/" in plain
+        if is_group and plain in seen and "=" in o and seen[plain].split("=", 1)[1] != o.split("=", 1)[1]:
+            raise ConfigError(f"The config group '{plain}' is given twice ({seen[plain]} and {o}); only the last "
+                              "would count. Choose one option.")
+        seen[plain] = o
+
+
 def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
     """Compose conf/ with `overrides` and validate it against the schemas. Raises ConfigError."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    check_override_forms(overrides)
+    preset = preset_settings(overrides)
     overrides = hydra_overrides(overrides)
     GlobalHydra.instance().clear()
     try:
@@ -157,7 +187,47 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
         raise
     finally:
         GlobalHydra.instance().clear()
-    return validate(raw)
+    if not preset:
+        return validate(raw)
+    with warnings.catch_warnings(record=True) as caught:  # a preset's own settings are named as such
+        warnings.simplefilter("always")
+        try:
+            cfg = validate(raw)
+        except ConfigError as err:
+            raise ConfigError(blame_preset(str(err), preset)) from None
+    for w in caught:
+        warnings.warn(blame_preset(str(w.message), preset), w.category, stacklevel=2)
+    return cfg
+
+
+def preset_settings(overrides: list[str] | tuple[str, ...]) -> dict[str, str]:
+    """{dotted key: "experiment=<name>"} for the settings an experiment preset on this command line sets
+    itself (and no override of the command sets), so messages about them can say where they came from."""
+    chosen = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == "experiment" and "=" in o]
+    path = config_dir() / "experiment" / f"{chosen[-1]}.yaml" if chosen else None
+    if path is None or not path.is_file():
+        return {}
+    data = OmegaConf.to_container(OmegaConf.load(path))
+    data.pop("defaults", None)
+    given = {o.split("=", 1)[0].lstrip("+") for o in overrides}
+
+    def leaves(node: Any, prefix: str) -> list[str]:
+        if isinstance(node, dict):
+            return [k for key, value in node.items() for k in leaves(value, f"{prefix}{key}.")]
+        return [prefix.rstrip(".")]
+
+    return {key: f"experiment={chosen[-1]}" for key in leaves(data, "") if key not in given}
+
+
+def blame_preset(message: str, preset: dict[str, str]) -> str:
+    """`message` with a note naming the preset that set the keys it mentions (the user did not set them)."""
+    named = [key for key in preset if re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", message)]
+    if not named:
+        return message
+    keys = ", ".join(named)
+    return (f"{message}\n(note: {keys} {'is' if len(named) == 1 else 'are'} set by the preset {preset[named[0]]}, "
+            "not on this command line: the preset does not fit the other selections; drop one of them, or set "
+            f"{named[0]}=<value> yourself.)")
 
 
 def validate(raw: DictConfig) -> DictConfig:
@@ -166,6 +236,7 @@ def validate(raw: DictConfig) -> DictConfig:
     env_name = str(OmegaConf.select(raw, "env.name", default="household"))
     OmegaConf.set_struct(raw, False)
     raw.pop("hydra", None)
+    check_number_sizes(OmegaConf.to_container(raw, resolve=False))  # before the merge: see its docstring
     try:
         schema = _schema_for(raw)
         _check_booleans(schema, raw, "")
@@ -182,8 +253,9 @@ def validate(raw: DictConfig) -> DictConfig:
             + (f" Expected {expected}." if expected else "")
         ) from None
     except OmegaConfBaseException as err:
-        key = getattr(err, "full_key", None) or "?"
-        raise ConfigError(f"Invalid config value at '{key}': {str(err).splitlines()[0]}") from None
+        key = getattr(err, "full_key", None) or _unresolvable_key(raw)
+        where = f"at '{key}'" if key else "(a ${...} interpolation)"
+        raise ConfigError(f"Invalid config value {where}: {str(err).splitlines()[0]}") from None
     registries = {key: registry.names() for key, registry in _REGISTRIES.items()}
     check_field_rules(cfg, RunConfig, registries=registries, schemas={"env": env_config_class(env_name)})
     if cfg.algo.estimator == "auto":
@@ -193,6 +265,30 @@ def validate(raw: DictConfig) -> DictConfig:
     _warn_unused_settings(cfg)
     OmegaConf.set_readonly(cfg, False)
     return cfg
+
+
+def _unresolvable_key(raw: DictConfig) -> str | None:
+    """The dotted key whose ${...} interpolation fails to resolve (OmegaConf's resolve error names none)."""
+    def walk(node: Any, prefix: str) -> str | None:
+        for key in node:
+            path = f"{prefix}{key}"
+            if OmegaConf.is_interpolation(node, key):
+                try:
+                    node[key]
+                except OmegaConfBaseException:
+                    return path
+                continue
+            child = node._get_node(key)
+            if isinstance(child, DictConfig):
+                found = walk(child, path + ".")
+                if found:
+                    return found
+        return None
+
+    try:
+        return walk(raw, "")
+    except Exception:  # noqa: BLE001 - only a better message is at stake
+        return None
 
 
 def _check_booleans(schema: DictConfig, raw: Any, prefix: str) -> None:
@@ -268,6 +364,12 @@ def _check_sections(cfg: DictConfig) -> None:
         raise ConfigError(f"model.hidden_size={model.hidden_size} must be divisible by model.num_attention_heads="
                           f"{model.num_attention_heads}, and that by model.num_key_value_heads="
                           f"{model.num_key_value_heads}.")
+    context = cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens
+    if not model.path and model.max_position_embeddings < context:
+        raise ConfigError(f"model.max_position_embeddings={model.max_position_embeddings} is below "
+                          f"rollout.max_prompt_tokens + rollout.max_new_tokens = {context}: a prompt and its "
+                          f"response would not fit the tiny model's positions. Raise it (e.g. "
+                          f"model.max_position_embeddings={max(2048, context)}) or lower the token limits.")
     if model.padded_vocab_size is not None and model.padded_vocab_size < model.vocab_size:
         raise ConfigError(f"model.padded_vocab_size={model.padded_vocab_size} is below model.vocab_size="
                           f"{model.vocab_size}: the embedding needs a row per token. Raise it or set null.")
@@ -371,6 +473,7 @@ def _component_settings(node: Any, name: str, schema: type, registries: dict[str
     key = f"algo.components.{name}"
     try:
         defaults = OmegaConf.structured(schema)
+        check_number_sizes(OmegaConf.to_container(node) if node is not None else {}, key + ".")
         _check_booleans(defaults, node, key + ".")
         merged = OmegaConf.merge(defaults, node if node is not None else {})
     except ConfigKeyError as err:

@@ -24,6 +24,7 @@ Groups (conf/<group>/<option>.yaml) and their schemas:
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -64,10 +65,47 @@ def _range_text(rule: tuple[Any, Any, Any, Any]) -> str:
 
 def _in_range(value: Any, rule: tuple[Any, Any, Any, Any]) -> bool:
     ge, gt, le, lt = rule
-    if value != value:  # NaN compares false with every bound: never in range
+    if number_problem(value):  # nan, +-inf or an int too large for the libraries: never in range
         return False
     return not ((ge is not None and value < ge) or (gt is not None and value <= gt) or
                 (le is not None and value > le) or (lt is not None and value >= lt))
+
+
+#: the largest int a setting may hold: torch, numpy and the C libraries below them take 64-bit ints
+MAX_INT = 2**63 - 1
+
+
+def number_problem(value: Any) -> str | None:
+    """Why a number is never a usable setting, or None: nan and +-inf (1e999 parses as inf) reach the
+    optimizer or a timer as such and fail far from the setting; an int beyond 64 bits overflows the first
+    C library it reaches. No field allows them."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
+        return "is not a finite number"
+    if isinstance(value, int) and abs(value) > MAX_INT:
+        return f"is too large (at most {MAX_INT} = 2**63 - 1)"
+    return None
+
+
+def shown_number(value: Any) -> str:
+    """A number as an error message shows it: a 400-digit int as its first digits and its length."""
+    text = str(value)
+    return text if len(text) <= 40 else f"{text[:12]}...{text[-4:]} ({len(text.lstrip('-'))} digits)"
+
+
+def check_number_sizes(node: Any, prefix: str = "") -> None:
+    """Ints too large for 64 bits anywhere in a raw (not yet merged) config: one ConfigError naming the key.
+    Merging one into a float field would raise OverflowError without a key, so this runs before the merge;
+    nan and inf are refused by `check_field_rules` after it."""
+    items = node.items() if isinstance(node, Mapping) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in items:
+        where = f"{prefix}{key}" if isinstance(node, Mapping) else f"{prefix.rstrip('.')}[{key}]"
+        if isinstance(value, (Mapping, list)):
+            check_number_sizes(value, where + ".")
+        elif isinstance(value, int) and number_problem(value):
+            raise ConfigError(f"Invalid value for '{where}': {shown_number(value)} {number_problem(value)}. "
+                              f"Fix: {where}=<a smaller value>.")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -84,9 +122,10 @@ class EnvConfig:
     #: observation/action pairs of the past shown in each prompt (verl-agent default 2)
     history_length: int = num(2, ge=0)
     #: worker processes for the env pool; 0 = step envs in the training process; null = CPU count
-    num_workers: int | None = num(0, ge=0)
-    #: seconds a worker may take for one step before it is restarted and its episode truncated
-    step_timeout_s: float = num(60.0, gt=0)
+    num_workers: int | None = num(0, ge=0, le=1024)
+    #: seconds a worker may take for one step before it is restarted and its episode truncated (a reset gets
+    #: 5x as long; at most a day: the pool's wait takes milliseconds in a C int)
+    step_timeout_s: float = num(60.0, gt=0, le=86400)
     #: prompt template (see epo_cli/rollout/prompts.py for the placeholders)
     prompt_template: str = "alfworld"
     #: split names used for training and for evaluation during training
@@ -115,7 +154,7 @@ class PolicyClipConfig:
 class ValueConfig:
     coef: float = num(0.5, ge=0)
     clip: float = num(0.5, gt=0)
-    lr: float | None = num(None, gt=0)  # critic learning rate; null = algo.lr
+    lr: float | None = num(None, gt=0, le=1)  # critic learning rate; null = algo.lr
 
 
 @dataclass
@@ -249,7 +288,9 @@ class AlgoConfig:
     #: the module in the policy_clip slot: clip (PPO) | clip_cov | kl_cov (arXiv 2505.22617)
     policy_loss: str = one_of("clip", registry="policy_losses")
     # optimisation
-    lr: float = num(1e-3, gt=0)
+    #: at most 1: Adam moves each weight by about lr per step, so above that a model only diverges (and
+    #: beyond float32's range the optimizer's own arithmetic overflows)
+    lr: float = num(1e-3, gt=0, le=1)
     weight_decay: float = num(0.0, ge=0)
     warmup_ratio: float = num(0.1, ge=0, le=1)
     min_lr_ratio: float = num(0.2, ge=0, le=1)
@@ -413,15 +454,15 @@ class DeepSpeedConfig:
 class LauncherConfig:
     name: str = one_of("local", ("local", "deepspeed", "slurm"))
     #: GPUs per node (deepspeed launcher); on a machine without GPUs use num_procs for CPU ranks
-    num_gpus: int = num(0, ge=0)
-    num_nodes: int = num(1, ge=1)
-    num_procs: int = num(1, ge=1)
+    num_gpus: int = num(0, ge=0, le=1024)
+    num_nodes: int = num(1, ge=1, le=100_000)
+    num_procs: int = num(1, ge=1, le=1024)
     hostfile: str | None = None
     master_addr: str = "127.0.0.1"
     #: 0 = a free port (single node)
     master_port: int = num(29500, ge=0, le=65535)
-    #: seconds a collective may wait before a hung or dead rank ends the job
-    timeout_s: float = num(600.0, gt=0)
+    #: seconds a collective may wait before a hung or dead rank ends the job (at most a week)
+    timeout_s: float = num(600.0, gt=0, le=7 * 86400)
     # slurm (submitit)
     partition: str | None = None
     time_min: int = num(60 * 24, ge=1)
@@ -479,8 +520,8 @@ class TrainerConfig:
     deterministic: bool = True
     #: 0 = keep all
     keep_checkpoints: int = num(2, ge=0)
-    #: torch intra-op threads per process (1 is fastest on small CPU machines)
-    num_threads: int = num(1, ge=1)
+    #: torch intra-op threads per process (1 is fastest on small CPU machines; torch takes a C int)
+    num_threads: int = num(1, ge=1, le=1024)
 
 
 @dataclass
@@ -587,7 +628,14 @@ def check_field_rules(node: DictConfig, schema: type, prefix: str = "",
             continue
         if value is None:
             continue
+        if value == "" and "None" in str(f.type) and "str" in str(f.type):  # `model.path=` is not "no path"
+            raise ConfigError(f"'{key}' is empty. Give it a value, or {key}=null for none.")
         values = list(value) if isinstance(value, (list, tuple)) or OmegaConf.is_list(value) else [value]
+        for v in values:  # every number, whether or not its field declares a range
+            if number_problem(v):
+                allowed = f"; allowed: {_range_text(f.metadata['range'])}" if "range" in f.metadata else ""
+                raise ConfigError(f"Invalid value for '{key}': {shown_number(v)} {number_problem(v)}{allowed}. "
+                                  f"Fix: {key}=<a finite value{' in that range' if allowed else ''}>.")
         if "range" in f.metadata:
             for v in values:
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not _in_range(v, f.metadata["range"]):

@@ -59,12 +59,21 @@ from epo_cli.evaluation import (
     score_episodes,
     write_samples,
 )
-from epo_cli.models.loading import apply_lora, load_causal_lm, load_tokenizer, model_source, resolve_dtype
+from epo_cli.models.attention import check_attention
+from epo_cli.models.loading import (
+    apply_lora,
+    check_context,
+    load_causal_lm,
+    load_tokenizer,
+    model_source,
+    resolve_dtype,
+)
 from epo_cli.rollout.episodes import ExpertPolicy, ModelPolicy, Policy
 from epo_cli.rollout.generation import SamplingParams
 from epo_cli.rollout.prompts import PromptBuilder, chat_encoder
-from epo_cli.run_dir import load_run_config
+from epo_cli.run_dir import load_run_config, override_keys
 from epo_cli.safe_load import load_tensors, refused_message, restricted_torch_load
+from epo_cli.writable import check_output_dir
 
 #: the documented top-level fields of an eval JSON (tests check them)
 EVAL_JSON_FIELDS = (
@@ -112,6 +121,9 @@ def parse_eval_args(args: list[str]) -> tuple[EvalArgs, list[str]]:
         if not sep or key not in EVAL_KEYS:
             overrides.append(arg)
             continue
+        if not value.strip():  # `split=` would otherwise mean "the default split" without a word
+            raise ConfigError(f"{key}= has no value. Give one ({key}=<value>), or leave {key} out for its "
+                              "default.")
         try:
             if key in ("run", "out"):
                 setattr(opts, key, Path(value).expanduser())
@@ -148,7 +160,7 @@ def eval_config(opts: EvalArgs, overrides: list[str]) -> DictConfig:
     if not opts.run.is_dir():
         raise UserError(f"Run directory '{opts.run}' does not exist. Pass the folder `epo train` made, e.g. "
                         "run=outputs/<date>/<time>-<name>, or evaluate a model folder with model.path=DIR.")
-    base = load_run_config(opts.run)
+    base = load_run_config(opts.run, overridden=override_keys(overrides))
     groups = [o for o in overrides if o.split("=", 1)[0] in GROUPS]
     rest = [o for o in overrides if o not in groups]
     plain = OmegaConf.create(OmegaConf.to_container(base, resolve=True))
@@ -256,6 +268,7 @@ def build_policy(opts: EvalArgs, cfg: DictConfig, suite: EnvSuite, temperature: 
     has_final = opts.run is not None and (opts.run / "final" / "config.json").exists()
     which = opts.checkpoint or ("final" if has_final or opts.run is None else "latest")
     model, tokenizer, source, resolved = load_model(cfg, suite, opts.run, which, device)
+    check_context(model, cfg.rollout, source)
     r = cfg.rollout
     params = SamplingParams(r.max_new_tokens, temperature, r.top_p, r.top_k, r.stop)
     policy = ModelPolicy(model, tokenizer, params, len(tokenizer), r.generation_batch_size)
@@ -284,7 +297,11 @@ def run_eval(args: list[str]) -> dict[str, Any]:
     temperature = 0.0 if opts.greedy else (opts.temperature if opts.temperature is not None
                                           else cfg.rollout.eval_temperature)
 
+    out = check_output_dir(opts.out or ((opts.run / "eval") if opts.run is not None else Path(cfg.output_dir)
+                             / "eval" / datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")), "out")
     device = _device(cfg)
+    if opts.policy == "model":
+        check_attention(cfg.model, device)
     policy, tokenizer, info = build_policy(opts, cfg, suite, temperature, device)
 
     # --- play and score ----------------------------------------------------------------------------------
@@ -304,8 +321,6 @@ def run_eval(args: list[str]) -> dict[str, Any]:
 
     # --- write -------------------------------------------------------------------------------------------
     name = eval_name(info.label, split, temperature)
-    out = opts.out or ((opts.run / "eval") if opts.run is not None else
-                       Path(cfg.output_dir) / "eval" / datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))
     out.mkdir(parents=True, exist_ok=True)
     samples = out / f"{name}.samples.md"
     write_samples(samples, episodes[: max(cfg.rollout.num_samples_to_save, 1)])

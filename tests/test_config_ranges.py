@@ -40,7 +40,7 @@ BAD_VALUES = [
     (["algo.mini_batch_size=10", "algo.micro_batch_size=4"], "algo.mini_batch_size", "divisible"),
     (["algo.entropy.mode=nested"], "algo.entropy.mode", "Valid values"),
     (["algo.kl.estimator=k9"], "algo.kl.estimator", "low_var_kl"),
-    (["algo.lr=nan"], "algo.lr", "nan is out of range"),
+    (["algo.lr=nan"], "algo.lr", "nan is not a finite number"),
     # env
     (["env.max_turns=0"], "env.max_turns", "allowed: 1 <= value"),
     (["env.history_length=-1"], "env.history_length", "-1 is out of range"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -65,7 +66,14 @@ def test_non_finite_updates_stop_the_run_with_a_message(tmp_path: Path, epo_cach
 
 
 @pytest.mark.slow
-def test_wandb_offline_and_mlflow_local_store(tmp_path: Path, epo_cache: Path) -> None:
+def test_wandb_offline_and_mlflow_local_store(tmp_path: Path, epo_cache: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # wandb keeps folders in the temp directory for the life of the process (media, artifacts, its
+    # service's socket): in this test's own tmp_path, not the session's temp directory
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     run_epo([*SHORT_SFT, "logger=wandb", f"output_dir={tmp_path / 'w'}"], cwd=tmp_path)
     run = only_run_dir(tmp_path / "w")
     offline = list((run / "wandb").glob("offline-run-*"))

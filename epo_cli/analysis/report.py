@@ -44,6 +44,7 @@ from epo_cli.analysis.sweep_summary import (
 from epo_cli.errors import UserError
 from epo_cli.loggers.jsonl import read_metrics
 from epo_cli.run_dir import read_status, read_yaml_data
+from epo_cli.writable import check_output_dir
 
 
 @dataclass
@@ -436,6 +437,7 @@ def run_report(paths: list[Path], out: Path | None = None) -> Path:
         raise UserError(f"No metrics to plot: none of {', '.join(str(r.path) for r in runs[:3])} has a "
                         "metrics.jsonl with rows yet (logger.jsonl=false, or the run failed before step 1).")
     out = Path(out) if out is not None else Path(paths[0]).expanduser() / "plots"
+    check_output_dir(out, "--out")
     out.mkdir(parents=True, exist_ok=True)
     groups = group_runs(runs)
     written = make_plots(groups, out)

@@ -94,7 +94,7 @@ class AlfworldConfig(EnvConfig):
     task_types: list[str] = field(default_factory=list)
     max_turns: int = num(50, ge=1)
     #: worker processes; null = one per CPU (a reset takes ~0.5 s and a step ~10 ms)
-    num_workers: int | None = num(None, ge=0)
+    num_workers: int | None = num(None, ge=0, le=1024)
     #: compute info["expert_action"] every step (alfworld's handcoded expert; needs the state's facts; ~20%
     #: of a step): null = where the run reads it (SFT from the expert, `epo eval policy=expert`, the tiny
     #: tokenizer's corpus), not in RL rollouts; true/false = always/never

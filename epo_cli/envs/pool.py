@@ -46,8 +46,10 @@ import atexit
 import logging
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -129,7 +131,8 @@ def make_env(suite: EnvSuite, reads_expert: bool | None) -> Env:
     return suite.make_env() if reads_expert is None else suite.make_env(reads_expert=reads_expert)
 
 
-def _worker_main(conn: Connection, suite: EnvSuite, parent_pid: int, reads_expert: bool | None = None) -> None:
+def _worker_main(conn: Connection, suite: EnvSuite, parent_pid: int, reads_expert: bool | None = None,
+                 scratch: str | None = None) -> None:
     """Serve one pool: build env slots with `make_env(suite, reads_expert)` and play them as the parent asks.
 
     Messages in: ("reset", [(slot, task)]), ("step", [(slot, action)]), ("close", None).
@@ -142,6 +145,8 @@ def _worker_main(conn: Connection, suite: EnvSuite, parent_pid: int, reads_exper
     # through `finally` so the envs close their JVMs.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _raise_system_exit)
+    if scratch:  # this worker's temp files (ScienceWorld's object trees, ...) go where the parent removes them
+        os.environ["TMPDIR"] = tempfile.tempdir = scratch
     _die_with_parent()
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         return
@@ -244,9 +249,13 @@ class _Worker:
 
     def __init__(self, ctx: Any, suite: EnvSuite, index: int, reads_expert: bool | None = None) -> None:
         self.index = index
+        # the worker's temp directory: removed by `kill`, also after a SIGKILL left the worker no time to
+        # remove its own temp files
+        self.scratch = tempfile.mkdtemp(prefix=f"epo-env-worker-{index}-")
         self.conn, child_conn = ctx.Pipe(duplex=True)
         self.process = ctx.Process(
-            target=_worker_main, args=(child_conn, suite, os.getpid(), reads_expert), name=f"epo-env-worker-{index}",
+            target=_worker_main, args=(child_conn, suite, os.getpid(), reads_expert, self.scratch),
+            name=f"epo-env-worker-{index}",
             daemon=True,
         )
         self.process.start()
@@ -256,12 +265,12 @@ class _Worker:
     def wait_ready(self, timeout: float) -> None:
         if not self.conn.poll(timeout):
             why = "died" if not self.process.is_alive() else f"did not start within {timeout:.0f}s"
-            _kill_tree(self.process)
+            self.kill()
             raise RuntimeError(f"env worker {self.index} {why} (exit code {self.process.exitcode})")
         try:
             tag, self.pid = self.conn.recv()
         except (EOFError, OSError):
-            _kill_tree(self.process)
+            self.kill()
             raise RuntimeError(
                 f"env worker {self.index} died while starting (exit code {self.process.exitcode}); "
                 "is the env suite picklable?"
@@ -278,6 +287,7 @@ class _Worker:
     def kill(self) -> None:
         _kill_tree(self.process)
         self.conn.close()
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -60,7 +60,7 @@ class TextWorldConfig(EnvConfig):
     seed: int = num(1234, ge=0)
     max_turns: int = num(50, ge=1)
     #: TextWorld steps at ~200 steps/s in-process; workers only pay off for long resets
-    num_workers: int | None = num(0, ge=0)
+    num_workers: int | None = num(0, ge=0, le=1024)
 
 
 @dataclass(frozen=True)

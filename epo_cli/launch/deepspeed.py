@@ -24,6 +24,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from epo_cli import trust
 from epo_cli.checkpoint_paths import latest_tag
 from epo_cli.errors import Stopped, UserError
 from epo_cli.launch.layout import Layout, check_resume, check_world, clear_rank_records, layout_for
@@ -63,8 +64,8 @@ def deepspeed_command(cfg: DictConfig, run: Path, layout: Layout) -> list[str]:
         if lc.master_addr not in ("127.0.0.1", "localhost", ""):  # else: the first host (ssh hostname -I)
             cmd += ["--master_addr", lc.master_addr]
     cmd += ["--module", "epo_cli.launch.rank", "--run-dir", str(run.resolve())]
-    if cfg.model.trust_remote_code:  # from this command line: the ranks' config.yaml cannot turn it on
-        cmd.append("--trust-remote-code")
+    # settings that can start code come from this command line: the ranks' config.yaml cannot set them
+    cmd += ["--command-line-settings", trust.encode(trust.command_line_values(cfg))]
     return cmd
 
 

@@ -57,17 +57,25 @@ def hostfile_hosts(path: str) -> list[tuple[str, int]]:
         raise UserError(f"launcher.hostfile='{path}' does not exist. Write one line per node, e.g.\n"
                         "  node-1 slots=8\n  node-2 slots=8\n"
                         "(the nodes reach each other by passwordless ssh).")
+    try:
+        text = file.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"launcher.hostfile '{path}' cannot be read as text ({type(err).__name__}). Write one "
+                        "line per node, e.g. 'node-1 slots=8'.") from None
     hosts = []
-    for line in file.read_text().splitlines():
+    for number, line in enumerate(text.splitlines(), 1):
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
         parts = line.split()
-        slots = next((int(p.split("=", 1)[1]) for p in parts[1:] if p.startswith("slots=")), None)
-        if slots is None:
-            raise UserError(f"launcher.hostfile '{path}': line '{line}' has no 'slots=N' "
-                            "(the number of GPUs on that node).")
-        hosts.append((parts[0], slots))
+        given = [p.split("=", 1)[1] for p in parts[1:] if p.startswith("slots=")]
+        extra = [p for p in parts[1:] if not p.startswith("slots=")]
+        if len(given) != 1 or extra or not given[0].isdigit() or int(given[0]) < 1 or "=" in parts[0]:
+            raise UserError(f"launcher.hostfile '{path}', line {number}: '{line[:200]}' is not '<host> slots=N' "
+                            "(N >= 1: the GPUs or processes on that node), e.g. 'node-1 slots=8'.")
+        hosts.append((parts[0], int(given[0])))
+    if len({host for host, _ in hosts}) != len(hosts):
+        raise UserError(f"launcher.hostfile '{path}' lists a node twice; list each node once with its slots.")
     if not hosts:
         raise UserError(f"launcher.hostfile '{path}' lists no nodes.")
     return hosts

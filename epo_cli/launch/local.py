@@ -14,6 +14,7 @@ from epo_cli.checkpoint_paths import latest_tag
 from epo_cli.envs import make_suite
 from epo_cli.errors import Stopped
 from epo_cli.launch.setup import prepare_run_dir, stopped_message
+from epo_cli.models.attention import check_attention, planned_device
 from epo_cli.run_dir import write_status
 from epo_cli.training.stop import STOP, Interrupted, exit_code, signal_name
 from epo_cli.training.trainer import Trainer
@@ -22,6 +23,7 @@ from epo_cli.training.trainer import Trainer
 def run_local(cfg: DictConfig, overrides: list[str]) -> dict:
     """Train in this process (a world of one)."""
     resuming = bool(cfg.trainer.resume) and cfg.run_dir and (Path(cfg.run_dir) / "config.yaml").exists()
+    check_attention(cfg.model, planned_device(cfg.trainer.device))  # before the run directory is written
     STOP.install()  # SIGTERM/SIGINT/SIGUSR1: finish the step, checkpoint it, exit 128+N
     try:
         suite = make_suite(cfg.env)  # the run's one env suite, handed down

@@ -37,6 +37,7 @@ from typing import Any  # noqa: E402
 import torch.distributed as torch_dist  # noqa: E402
 from rich.markup import escape  # noqa: E402
 
+from epo_cli import trust  # noqa: E402
 from epo_cli.analysis.run_summary import print_summary  # noqa: E402
 from epo_cli.checkpoint_paths import latest_tag  # noqa: E402
 from epo_cli.console import err_console, quiet_libraries  # noqa: E402
@@ -127,16 +128,16 @@ def install_test_hook(rank: int) -> None:
     checkpoint.save = save  # the trainer calls checkpoint.save through the module
 
 
-def run_rank(run: Path, resume_latest: bool = False, trust_remote_code: bool = False) -> int:
+def run_rank(run: Path, resume_latest: bool = False, command_line: dict[str, Any] | None = None) -> int:
     """Train this rank of the run in `run`; returns the process exit code. `resume_latest`: continue from
-    the run's latest complete checkpoint if it has one (a requeued SLURM job). `trust_remote_code`: passed
-    by the launching invocation when its command line asked for it (config.yaml cannot turn it on)."""
+    the run's latest complete checkpoint if it has one (a requeued SLURM job). `command_line`: the launching
+    invocation's values of the settings that can start code (epo_cli.trust: config.yaml cannot set them)."""
     quiet_libraries()
     run = Path(run).resolve()
     rank = int(os.environ.get("RANK", "0"))
     timeout_s: float | None = None
     try:
-        cfg = load_run_config(run, command_line={"model.trust_remote_code": trust_remote_code})
+        cfg = load_run_config(run, command_line=command_line or {})
         cfg.run_dir = str(run)  # absolute: every rank (and node) names the same folder
         if resume_latest:
             cfg.trainer.resume = "auto"
@@ -189,11 +190,12 @@ def _leave_process_group() -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m epo_cli.launch.rank", description=__doc__.split("\n\n")[0])
     parser.add_argument("--run-dir", required=True, help="run directory holding config.yaml")
-    parser.add_argument("--trust-remote-code", action="store_true",
-                        help="load the model with trust_remote_code (the launcher passes it when asked to)")
+    parser.add_argument("--command-line-settings", default=None,
+                        help="JSON: the launching command line's values of the settings that can start code "
+                             "(epo_cli.trust; config.yaml cannot set them)")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # older launchers
     args = parser.parse_args(argv)
-    sys.exit(run_rank(Path(args.run_dir), trust_remote_code=args.trust_remote_code))
+    sys.exit(run_rank(Path(args.run_dir), command_line=trust.decode(args.command_line_settings)))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from epo_cli.errors import UserError
 from epo_cli.launch.layout import Layout, check_resume, check_world, clear_rank_records, layout_for
 from epo_cli.launch.setup import prepare_run_dir
 from epo_cli.training.stop import STOP_SIGNALS, exit_code
+from epo_cli.trust import command_line_values
 
 
 def slurm_parameters(cfg: DictConfig, layout: Layout) -> dict[str, Any]:
@@ -69,8 +70,8 @@ def submit_slurm(cfg: DictConfig, overrides: list[str]) -> Any:
     run = prepare_run_dir(cfg, overrides).resolve()
     clear_rank_records(run)
     executor = slurm_executor(cfg, run, layout)
-    trust = {"trust_remote_code": True} if cfg.model.trust_remote_code else {}  # see launch.deepspeed.deepspeed_command
-    job = executor.submit(SlurmRank(), str(run), **trust)
+    # settings that can start code come from this command line, not config.yaml (see epo_cli.trust)
+    job = executor.submit(SlurmRank(), str(run), command_line=command_line_values(cfg))
     print(f"submitted SLURM job {job.job_id}: {layout.num_nodes} node(s) x {layout.ranks_per_node} "
           f"{'GPU' if layout.gpu else 'CPU'} rank(s)\n  run directory: {run}\n"
           f"  logs: {run / 'slurm'}/{job.job_id}_<task>_log.out (rank 0: task 0)\n"
@@ -92,7 +93,7 @@ class SlurmRank:
     SLURM's own), its ranks resume from the run's latest complete checkpoint.
     """
 
-    def __call__(self, run_dir: str, resume: bool = False, trust_remote_code: bool = False) -> None:
+    def __call__(self, run_dir: str, resume: bool = False, command_line: dict[str, Any] | None = None) -> None:
         import submitit  # optional (epo[sweep]); only SLURM tasks need it
 
         # here, not at the top: the rank's code imports torch (and sets OMP_NUM_THREADS first), which the
@@ -102,7 +103,7 @@ class SlurmRank:
         submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
         # requeued by submitit (resume=True) or by SLURM itself (preemption: SLURM_RESTART_COUNT > 0)
         requeued = resume or int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0
-        code = run_rank(Path(run_dir), resume_latest=requeued, trust_remote_code=trust_remote_code)
+        code = run_rank(Path(run_dir), resume_latest=requeued, command_line=command_line)
         if code in {exit_code(s) for s in STOP_SIGNALS}:
             return  # stopped on a signal with a checkpoint: status.json says so; not a failure
         if code != 0:
@@ -110,7 +111,7 @@ class SlurmRank:
             record = rank_error_file(Path(run_dir), rank)
             raise RuntimeError(f"rank {rank} failed (exit code {code}); see {record}")
 
-    def checkpoint(self, run_dir: str, resume: bool = False, trust_remote_code: bool = False) -> Any:
+    def checkpoint(self, run_dir: str, resume: bool = False, command_line: dict[str, Any] | None = None) -> Any:
         import submitit  # optional, as in __call__
 
-        return submitit.helpers.DelayedSubmission(SlurmRank(), run_dir, True, trust_remote_code=trust_remote_code)
+        return submitit.helpers.DelayedSubmission(SlurmRank(), run_dir, True, command_line=command_line)

@@ -25,11 +25,9 @@ import torch
 from epo_cli.checkpoint_paths import COMPLETE, check_world_size, listing, prune, read_pointer, write_pointer
 from epo_cli.errors import UserError
 from epo_cli.safe_load import load_tensors
+from epo_cli.saved_state import CHECKPOINT_FORMAT, read_trainer_state
 from epo_cli.training import rng_state
 from epo_cli.training.engine import barrier
-
-#: written into trainer_state.json; checkpoints of other formats are refused with a message
-CHECKPOINT_FORMAT = "epo-checkpoint/2"
 
 
 def save(run: Path, step: int, engine: Any, critic_engine: Any, payload: dict[str, Any], rank: int,
@@ -61,16 +59,7 @@ def save(run: Path, step: int, engine: Any, critic_engine: Any, payload: dict[st
 def _read_own_files(folder: Path, rank: int) -> tuple[dict[str, Any], Any]:
     """trainer_state.json and this rank's RNG states, read without unpickling, checked before DeepSpeed
     touches anything: a checkpoint of another format or with a planted pickle stops here."""
-    payload = json.loads((folder / "trainer_state.json").read_text())
-    found = payload.get("format") if isinstance(payload, dict) else None
-    if found != CHECKPOINT_FORMAT:
-        raise UserError(
-            f"Checkpoint '{folder}' has format {found or 'none (written before epo-checkpoint/2)'}, and this "
-            f"epo reads {CHECKPOINT_FORMAT}: older checkpoints kept pickled RNG states, which epo no longer "
-            "unpickles. Start a new run from its weights instead: model.path=<run>/final (or evaluate it with "
-            "`epo eval run=<run> checkpoint=<step_N>`, which reads weights only)."
-        )
-    payload.pop("format")
+    payload = read_trainer_state(folder)  # checked whole (epo_cli/saved_state.py): format, step, parts
     rng_file = folder / f"rng_rank{rank}.pt"
     if not rng_file.exists():  # e.g. a ZeRO-0 run resumed on more ranks than saved it
         warnings.warn(f"'{rng_file}' does not exist: rank {rank} keeps the RNG states its seed gave it, so "

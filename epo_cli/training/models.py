@@ -17,6 +17,7 @@ from epo_cli.envs.base import EnvSuite
 from epo_cli.models.loading import (
     ValueModel,
     apply_lora,
+    check_context,
     frozen_copy,
     load_causal_lm,
     load_tokenizer,
@@ -62,6 +63,7 @@ def build_models(cfg: Any, dist: DistInfo, suite: EnvSuite) -> Models:
     tokenizer = load_tokenizer(source, cfg.model)
     dtype = resolve_dtype(cfg.model, dist.device)
     policy = load_causal_lm(source, cfg.model, dtype).to(dist.device)
+    check_context(policy, cfg.rollout, source)  # a prompt and its response fit the model's positions
     # packed micro-batches for scoring and update (before the copies below, which inherit the attention)
     packing = enable_packing(policy, algo.pack_tokens)
     ref_model = frozen_copy(policy) if "kl" in algo.loss_terms else None

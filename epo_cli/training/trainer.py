@@ -50,6 +50,7 @@ from epo_cli.loggers.logger import MetricsLogger
 from epo_cli.rollout.batch import TurnBatch
 from epo_cli.rollout.prompts import PromptBuilder, chat_encoder
 from epo_cli.run_dir import write_status
+from epo_cli.saved_state import refusing_damaged
 from epo_cli.seeding import derive_seed
 from epo_cli.training import checkpoint
 from epo_cli.training.collapse import CollapseWatch
@@ -57,6 +58,7 @@ from epo_cli.training.engine import all_reduce_max, all_reduce_sum, barrier, ini
 from epo_cli.training.entropy_control import EntropyControl, EntropyStats
 from epo_cli.training.evaluate import TrainingEval
 from epo_cli.training.export import export_policy
+from epo_cli.training.finite import check_finite_weights
 from epo_cli.training.group_sampler import GroupSampler
 from epo_cli.training.models import build_models
 from epo_cli.training.sft import demonstrations, sft_step
@@ -274,6 +276,9 @@ class Trainer:
         self.state.consecutive_skips = skip_streak(self.state.consecutive_skips, result,
                                                    self.cfg.trainer.max_nonfinite_skips,
                                                    lambda: checkpoint_paths.latest_tag(self.run))
+        # non-finite weights (an lr far too large) stop the run before this step's checkpoint and next rollout
+        check_finite_weights(self.models.engine.module, self.state.step + 1, self.cfg, self.run,
+                             checkpoint_paths.latest_tag(self.run), all_reduce_max)
         return result
 
     # ---- after each step: evaluation, checkpoints, stopping ------------------------------------------------
@@ -288,9 +293,10 @@ class Trainer:
 
     def _load(self, ckpt: Path) -> None:
         payload = checkpoint.load(ckpt, self.models.engine, self.models.critic_engine, self.dist.rank)
-        self.state = TrainState(**payload["trainer"])
-        self.entropy.load_state_dict(payload)
-        self.curriculum.load_state_dict(payload.get("curriculum", {}))
+        with refusing_damaged(ckpt):  # a part's state of the wrong shape: one message, not a traceback
+            self.state = TrainState(**payload["trainer"])
+            self.entropy.load_state_dict(payload)
+            self.curriculum.load_state_dict(payload.get("curriculum", {}))
         self.models.refresh()
 
     def _maybe_checkpoint(self, done_steps: int, total: int, metrics: dict[str, float]) -> None:
@@ -313,16 +319,19 @@ class Trainer:
         self.logger.log(done_steps, metrics, total)
         self._agree_on_stop()  # before the checkpoint: a stop makes one due
         self._maybe_checkpoint(done_steps, total, metrics)
+        if self.stop_signal is None and self._agree_on_stop():  # a signal during that save: stop now, not a step later
+            self._maybe_checkpoint(done_steps, total, metrics)
         return self._should_stop(done_steps)
 
-    def _agree_on_stop(self) -> None:
+    def _agree_on_stop(self) -> bool:
         """All ranks stop after the same step: the largest signal number any rank received (or that the
-        launching process relayed) wins. One tiny all-reduce per step."""
+        launching process relayed) wins. A tiny all-reduce; True when a stop is agreed."""
         mine = STOP.requested(self.run) or 0
         agreed = int(all_reduce_max(torch.tensor(mine, dtype=torch.long, device=self.dist.device)).item())
         if agreed and self.stop_signal is None:
             self.stop_signal = agreed
             self.logger.info(f"stopping after step {self.state.step} ({signal_name(agreed)})")
+        return self.stop_signal is not None
 
     def _should_stop(self, done_steps: int) -> bool:
         if done_steps >= self.cfg.trainer.total_steps:

@@ -35,7 +35,9 @@ Targets: rollout overhead <= 1.10, update overhead <= 1.15.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -43,6 +45,13 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+def scratch_dir(prefix: str) -> Path:
+    """A temporary folder removed when this script exits: a benchmark leaves nothing in the temp directory."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 class SleepyEnv:
@@ -121,7 +130,7 @@ def compare_modes(env: str, args: argparse.Namespace) -> list[tuple[str, dict[st
     if args.model:
         overrides.append(f"model.path={args.model}")
     cfg = compose([*overrides, *args.overrides])
-    run = Path(tempfile.mkdtemp(prefix=f"bench_rollout_{env}_"))
+    run = scratch_dir(f"bench_rollout_{env}_")
     cfg.run_dir = str(run)
     suite = make_suite(cfg.env)
     if env == "household-sleepy":  # steps that wait without computing: what overlap can hide on a busy CPU
@@ -301,7 +310,7 @@ def compare_iterations(env: str, args: argparse.Namespace) -> dict[str, dict]:
     unknown = [v for v in variants if v not in ITERATION_VARIANTS]
     if unknown:
         raise SystemExit(f"unknown --variants {unknown}; valid: {', '.join(ITERATION_VARIANTS)}")
-    probe_dir = Path(tempfile.mkdtemp(prefix=f"bench_iteration_probe_{env}_"))
+    probe_dir = scratch_dir(f"bench_iteration_probe_{env}_")
     trainers: dict[str, Trainer] = {}
     played: dict[str, list] = {}
     env_steps: dict[str, int] = {}
@@ -310,7 +319,7 @@ def compare_iterations(env: str, args: argparse.Namespace) -> dict[str, dict]:
             common, alfworld_only, parser_cache_only = ITERATION_VARIANTS[name]
             overrides = [*iteration_overrides(env, args), *common, *(alfworld_only if env == "alfworld" else [])]
             cfg = compose([*overrides, *args.overrides])
-            run = Path(tempfile.mkdtemp(prefix=f"bench_iteration_{env}_{name}_"))
+            run = scratch_dir(f"bench_iteration_{env}_{name}_")
             cfg.run_dir = str(run)
             suite = make_suite(cfg.env)
             if env == "alfworld":  # this variant's own workers, with only its patches
@@ -485,7 +494,7 @@ def main() -> None:
     if args.model:
         overrides.append(f"model.path={args.model}")
     cfg = compose([*overrides, *args.overrides])
-    run = Path(tempfile.mkdtemp(prefix="bench_rollout_"))
+    run = scratch_dir("bench_rollout_")
     cfg.run_dir = str(run)
     trainer = Trainer(cfg, run)
     algo = cfg.algo

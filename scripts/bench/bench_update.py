@@ -19,9 +19,11 @@ layout before packing, with a separate scoring pass).
 from __future__ import annotations
 
 import argparse
+import atexit
 import copy
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -41,12 +43,19 @@ LARGE = ["model.hidden_size=128", "model.intermediate_size=512", "model.num_hidd
          "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.padded_vocab_size=16384"]
 
 
+def scratch_dir(prefix: str) -> Path:
+    """A temporary folder removed when this script exits: a benchmark leaves nothing in the temp directory."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
 def _trainer(overrides: list[str]):
     from epo_cli.compose import compose
     from epo_cli.training.trainer import Trainer
 
     cfg = compose(overrides)
-    run = Path(tempfile.mkdtemp(prefix="bench_update_"))
+    run = scratch_dir("bench_update_")
     cfg.run_dir = str(run)
     return Trainer(cfg, run)
 
