@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import inspect
 import sys
 import warnings
 from pathlib import Path
@@ -18,12 +19,16 @@ from rich.markup import escape
 from epo_cli.analysis.sweep_summary import summarize_command
 from epo_cli.config import GROUPS, config_dir, group_options, to_yaml
 from epo_cli.console import err_console, quiet_libraries
-from epo_cli.errors import Stopped, UserError
+from epo_cli.errors import Stopped, UserError, file_system_message
+from epo_cli.launch.deepspeed import launch_ranks
+from epo_cli.launch.setup import compose_for_train
+from epo_cli.launch.slurm import submit_slurm
 from epo_cli.launch.sweep import run_sweep
 from epo_cli.training.stop import Interrupted
 
-# The commands import epo_cli.launch.*, epo_cli.evaluation and epo_cli.analysis.report inside their
-# functions: those pull in torch (and report numpy), which `epo --help` does not need.
+# Composing a config and starting ranks need neither torch nor DeepSpeed (tests/test_imports.py checks it);
+# what trains or plays in this process (epo_cli.launch.local, epo_cli.eval_command) and the plots
+# (epo_cli.analysis.report: numpy, matplotlib) are imported inside their commands, when they run.
 
 
 def groups_help() -> str:
@@ -55,19 +60,14 @@ EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
 @app.command(context_settings=EXTRA, epilog=groups_help())
 def train(overrides: list[str] = OVERRIDES_ARG) -> None:
     """Train a policy: `epo train algo=epo env=household`."""
-    from epo_cli.launch.local import compose_for_train, run_local  # torch: see the note at the imports
-
     cfg, args = compose_for_train(list(overrides or []))
     if cfg.launcher.name == "local":
+        from epo_cli.launch.local import run_local  # the Trainer (torch): see the note at the imports
+
         run_local(cfg, args)
     elif cfg.launcher.name == "slurm":
-        # only here: it imports epo_cli.launch.rank, which sets OMP_NUM_THREADS for the ranks
-        from epo_cli.launch.slurm import submit_slurm
-
         submit_slurm(cfg, args)
     else:
-        from epo_cli.launch.deepspeed import launch_ranks
-
         launch_ranks(cfg, args)
 
 
@@ -77,7 +77,7 @@ def eval_command(overrides: list[str] = OVERRIDES_ARG) -> None:
 
     Options: run, checkpoint (final|latest|best|step_N), split, episodes, temperature, greedy,
     policy (model|expert|look|random), out; any other key=value is a config override."""
-    from epo_cli.evaluation import run_eval  # torch: see the note at the imports
+    from epo_cli.eval_command import run_eval  # torch: see the note at the imports
 
     run_eval(list(overrides or []))
 
@@ -110,20 +110,32 @@ def report(paths: list[str] = REPORT_PATHS, out: str | None = REPORT_OUT) -> Non
 @config_app.command("show", context_settings=EXTRA, epilog=groups_help())
 def config_show(overrides: list[str] = OVERRIDES_ARG) -> None:
     """Print the fully resolved config for these overrides (nothing runs)."""
-    from epo_cli.launch.local import compose_for_train  # torch: see the note at the imports
-
     cfg, _ = compose_for_train(list(overrides or []))
     sys.stdout.write(to_yaml(cfg))
 
 
-_python_showwarning = warnings.showwarning
+def literal_help(*apps: typer.Typer) -> None:
+    """Each command's help is its docstring shown as written: typer renders help with rich, which would read
+    `[checkpoint=best split=S]` as a markup tag and drop it, so square brackets are escaped."""
+    for typer_app in apps:
+        for info in typer_app.registered_commands:
+            if info.help is None and info.callback is not None:
+                info.help = escape(inspect.getdoc(info.callback) or "")
+
+
+literal_help(app, config_app)
 
 
 def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
                   file: Any = None, line: str | None = None) -> None:
-    """epo's own warnings as one line on stderr, like its errors; other packages' as Python shows them."""
+    """epo's own warnings as one line on stderr, like its errors; other packages' as Python shows them
+    (written here, as Python's default does: whatever warnings.showwarning was when this module was
+    imported, e.g. a test runner's recorder, is not what a user's process has)."""
     if not filename.startswith(str(Path(__file__).parent)):
-        _python_showwarning(message, category, filename, lineno, file, line)
+        try:
+            (file or sys.stderr).write(warnings.formatwarning(message, category, filename, lineno, line))
+        except OSError:  # stderr gone: nothing to show it on, as in Python's own showwarning
+            pass
         return
     err_console.print("[bold yellow]warning:[/] " + escape(str(message)), soft_wrap=True)
 
@@ -142,6 +154,12 @@ def main() -> None:
     except KeyboardInterrupt:
         err_console.print("[yellow]interrupted[/]")
         sys.exit(130)
+    except OSError as err:  # a path the file system refused (read-only, full, a file where a folder goes...)
+        message = file_system_message(err)
+        if message is None:
+            raise
+        err_console.print("[bold red]error:[/] " + escape(message), soft_wrap=True)
+        sys.exit(1)
     except Interrupted as err:
         err_console.print(f"[yellow]{escape(str(err))}[/]")
         sys.exit(err.exit_code)

@@ -3,15 +3,21 @@
 `compose(overrides)` runs Hydra's compose API over conf/, then `validate` merges the result into the
 dataclass schemas (the env section into the schema of env.name). Any unknown key, unknown group option or
 wrong type fails here, before any work starts, with one `ConfigError` that names the key and the valid
-choices. `check_field_rules` then checks each field's declared range and valid values, with the names of
-the component registries (epo_cli.algos.registry_names, epo_cli.curriculum.CURRICULA);
-`_check_components` checks the settings of the selected components (algo.components.<name>, a schedule's
-parameters); `_check_consistency` checks the rules that span keys and warns (one line) about settings the
-run would not read.
+choices. Then, in order:
+    check_field_rules       each field's declared range and valid values (registry fields: the names the
+                            registries hold)
+    _check_sections         the rules that span the keys of a section (batch sizes, model shape, ZeRO, the
+                            curriculum's: epo_cli.curriculum.check_curriculum)
+    _check_components       each component the config names: its registry entry's `check`; the coefficient
+                            schedules; algo.components.<name> against the component's settings dataclass
+    _warn_unused_settings   one line per reason when a changed setting is read by nothing this run uses: the
+                            keys each component reads come from its registry entry (Entry.reads, its
+                            coefficient's schedule), the rest from `_switches`
+No table here names a component: a new estimator, loss term or schedule is seen through its registry entry.
 
 This module sits above config.py, the component packages (algos, envs, curriculum) and their registries,
 so none of them imports it: config -> errors; algos, envs -> config; compose -> config, algos, envs,
-curriculum.
+curriculum. Nothing it imports loads torch.
 """
 
 from __future__ import annotations
@@ -19,36 +25,40 @@ from __future__ import annotations
 import difflib
 import re
 import warnings
-from dataclasses import fields, is_dataclass
+from dataclasses import MISSING, dataclass, fields, is_dataclass
 from typing import Any
 
 from omegaconf import BooleanNode, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from epo_cli.algos import REGISTRIES
+from epo_cli.algos.registries import ESTIMATORS, LOSS_TERMS, coef_factors
+from epo_cli.algos.schedules import (
+    KL_SCHEDULES,
+    build_schedule,
+    coefficient_schedule,
+    parameter_keys,
+    usable_schedules,
+)
 from epo_cli.config import (
     GROUPS,
     TINY_SIZE_KEYS,
-    AlgoConfig,
-    EntropyConfig,
-    GAEConfig,
-    IntrinsicConfig,
-    KLConfig,
-    LauncherConfig,
-    LoraConfig,
     ModelConfig,
-    PhaseConfig,
-    PolicyClipConfig,
     RunConfig,
-    SmoothingConfig,
-    ValueConfig,
     check_field_rules,
+    check_number_sizes,
     config_dir,
     group_options,
+    is_sft,
 )
-from epo_cli.curriculum import CURRICULA
+from epo_cli.curriculum import CURRICULA, check_curriculum
 from epo_cli.envs import env_config_class
 from epo_cli.errors import ConfigError
+from epo_cli.registry import Registry
 from epo_cli.rollout.prompts import get_template
+
+#: every registry a `one_of(registry=...)` field may name
+_REGISTRIES: dict[str, Registry] = {**REGISTRIES, "curricula": CURRICULA}
 
 
 def _schema_for(cfg: DictConfig) -> DictConfig:
@@ -71,7 +81,7 @@ def _dataclass_at(key_path: str, env_name: str) -> type | None:
         match = {f.name: f for f in fields(node)}.get(part)
         if match is None:
             return None
-        node = match.default_factory() if match.default_factory is not None else None  # type: ignore[misc]
+        node = match.default_factory() if match.default_factory is not MISSING else None  # type: ignore[misc]
         node = type(node) if is_dataclass(node) else None
     return node
 
@@ -93,7 +103,8 @@ def _unknown_key_message(full_key: str, env_name: str) -> str:
 
 
 def _translate_hydra_error(err: Exception) -> ConfigError:
-    text = str(err)
+    # hydra_overrides turned key=value into Hydra's ++key=value: show the user's own override, not that
+    text = re.sub(r"(?<![\w+])\+\+(?=[\w/])", "", str(err))
     m = re.search(r"Could not find '([\w\-/.]+)/([\w\-.]+)'", text)
     if m:
         group, option = m.group(1), m.group(2)
@@ -107,6 +118,10 @@ def _translate_hydra_error(err: Exception) -> ConfigError:
     m = re.search(r"Could not override '([\w.\-]+)'", text)
     if m:
         return ConfigError(_unknown_key_message(m.group(1), "household"))
+    m = re.search(r"config group '([\w.\-]+)' does not exist", text)
+    if m and m.group(1) not in GROUPS:
+        return ConfigError(f"'{m.group(1)}' is a setting, not a config group: write {m.group(1)}=<value> (the "
+                           f"`@package` form is for config groups only: {', '.join(GROUPS)}).")
     m = re.search(r"Could not append to config\. An item is already at '([\w.\-]+)'", text)
     if m:
         return ConfigError(f"'{m.group(1)}' already exists: override it without the leading '+'.")
@@ -129,12 +144,36 @@ def hydra_overrides(overrides: list[str] | tuple[str, ...]) -> list[str]:
     return out
 
 
+def check_override_forms(overrides: list[str] | tuple[str, ...]) -> None:
+    """What Hydra would accept but drop or change without a word: a config group given twice with different
+    options (the last one wins, so `model=nosuch model=tiny` never reports `nosuch`), and `~key` / `~group`
+    (a deleted group or key comes back from the schema's defaults: `~algo` would train SFT). A `key=value`
+    given twice keeps the last, as in Hydra (scripts append their own overrides to a shared list)."""
+    seen: dict[str, str] = {}
+    for o in overrides:
+        key = o.split("=", 1)[0]
+        if key.startswith("~"):
+            what = key[1:]
+            fix = (f"choose one of its options ({what}=<option>)" if what in GROUPS else
+                   f"set it ({what}=<value>, or {what}=null where null is allowed)")
+            raise ConfigError(f"'{o}' would delete {what}, which every run has: its defaults would come back "
+                              f"without a word. To change it, {fix}.")
+        plain = key.lstrip("+")
+        is_group = plain in GROUPS or "/" in plain
+        if is_group and plain in seen and "=" in o and seen[plain].split("=", 1)[1] != o.split("=", 1)[1]:
+            raise ConfigError(f"The config group '{plain}' is given twice ({seen[plain]} and {o}); only the last "
+                              "would count. Choose one option.")
+        seen[plain] = o
+
+
 def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
     """Compose conf/ with `overrides` and validate it against the schemas. Raises ConfigError."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    check_override_forms(overrides)
+    preset = preset_settings(overrides)
     overrides = hydra_overrides(overrides)
     GlobalHydra.instance().clear()
     try:
@@ -148,16 +187,56 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
         raise
     finally:
         GlobalHydra.instance().clear()
-    return validate(raw)
+    if not preset:
+        return validate(raw)
+    with warnings.catch_warnings(record=True) as caught:  # a preset's own settings are named as such
+        warnings.simplefilter("always")
+        try:
+            cfg = validate(raw)
+        except ConfigError as err:
+            raise ConfigError(blame_preset(str(err), preset)) from None
+    for w in caught:
+        warnings.warn(blame_preset(str(w.message), preset), w.category, stacklevel=2)
+    return cfg
+
+
+def preset_settings(overrides: list[str] | tuple[str, ...]) -> dict[str, str]:
+    """{dotted key: "experiment=<name>"} for the settings an experiment preset on this command line sets
+    itself (and no override of the command sets), so messages about them can say where they came from."""
+    chosen = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == "experiment" and "=" in o]
+    path = config_dir() / "experiment" / f"{chosen[-1]}.yaml" if chosen else None
+    if path is None or not path.is_file():
+        return {}
+    data = OmegaConf.to_container(OmegaConf.load(path))
+    data.pop("defaults", None)
+    given = {o.split("=", 1)[0].lstrip("+") for o in overrides}
+
+    def leaves(node: Any, prefix: str) -> list[str]:
+        if isinstance(node, dict):
+            return [k for key, value in node.items() for k in leaves(value, f"{prefix}{key}.")]
+        return [prefix.rstrip(".")]
+
+    return {key: f"experiment={chosen[-1]}" for key in leaves(data, "") if key not in given}
+
+
+def blame_preset(message: str, preset: dict[str, str]) -> str:
+    """`message` with a note naming the preset that set the keys it mentions (the user did not set them)."""
+    named = [key for key in preset if re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", message)]
+    if not named:
+        return message
+    keys = ", ".join(named)
+    return (f"{message}\n(note: {keys} {'is' if len(named) == 1 else 'are'} set by the preset {preset[named[0]]}, "
+            "not on this command line: the preset does not fit the other selections; drop one of them, or set "
+            f"{named[0]}=<value> yourself.)")
 
 
 def validate(raw: DictConfig) -> DictConfig:
-    """Merge a composed config into the typed schemas and check cross-field consistency."""
-    from epo_cli.algos import registry_names  # the component modules import torch: only when validating
-
+    """Merge a composed config into the typed schemas, check every rule, and warn about settings nothing in
+    this run reads."""
     env_name = str(OmegaConf.select(raw, "env.name", default="household"))
     OmegaConf.set_struct(raw, False)
     raw.pop("hydra", None)
+    check_number_sizes(OmegaConf.to_container(raw, resolve=False))  # before the merge: see its docstring
     try:
         schema = _schema_for(raw)
         _check_booleans(schema, raw, "")
@@ -174,14 +253,42 @@ def validate(raw: DictConfig) -> DictConfig:
             + (f" Expected {expected}." if expected else "")
         ) from None
     except OmegaConfBaseException as err:
-        key = getattr(err, "full_key", None) or "?"
-        raise ConfigError(f"Invalid config value at '{key}': {str(err).splitlines()[0]}") from None
-    registries = {**registry_names(), "curricula": CURRICULA.names()}
+        key = getattr(err, "full_key", None) or _unresolvable_key(raw)
+        where = f"at '{key}'" if key else "(a ${...} interpolation)"
+        raise ConfigError(f"Invalid config value {where}: {str(err).splitlines()[0]}") from None
+    registries = {key: registry.names() for key, registry in _REGISTRIES.items()}
     check_field_rules(cfg, RunConfig, registries=registries, schemas={"env": env_config_class(env_name)})
-    _check_consistency(cfg)
+    if cfg.algo.estimator == "auto":
+        cfg.algo.estimator = _auto_estimator(cfg.algo.base)
+    _check_sections(cfg)
     _check_components(cfg, registries)
+    _warn_unused_settings(cfg)
     OmegaConf.set_readonly(cfg, False)
     return cfg
+
+
+def _unresolvable_key(raw: DictConfig) -> str | None:
+    """The dotted key whose ${...} interpolation fails to resolve (OmegaConf's resolve error names none)."""
+    def walk(node: Any, prefix: str) -> str | None:
+        for key in node:
+            path = f"{prefix}{key}"
+            if OmegaConf.is_interpolation(node, key):
+                try:
+                    node[key]
+                except OmegaConfBaseException:
+                    return path
+                continue
+            child = node._get_node(key)
+            if isinstance(child, DictConfig):
+                found = walk(child, path + ".")
+                if found:
+                    return found
+        return None
+
+    try:
+        return walk(raw, "")
+    except Exception:  # noqa: BLE001 - only a better message is at stake
+        return None
 
 
 def _check_booleans(schema: DictConfig, raw: Any, prefix: str) -> None:
@@ -215,49 +322,126 @@ def _expected_type(err: ValidationError) -> str | None:
         return None
 
 
-def _check_smoothing_weight(algo: Any) -> None:
-    """Warn when alpha * max(beta_k) >= 1. Above the band the objective's gradient in H is
-    lambda * (1 - beta_k * alpha): below 1 the smoothing only damps the entropy bonus there (the regime EPO's
-    analysis assumes); at or above 1 it outweighs the bonus and pushes entropy down."""
-    phase = algo.phase
-    # the schedules algo.phase can take (its keys hold their parameters); every one of them is covered
-    ramp = max(phase.beta_start, phase.beta_end)  # linear, cosine and delayed_linear end at their ends
-    beta_max = {"paper": 2.0, "constant": phase.value, "linear": ramp, "cosine": ramp, "delayed_linear": ramp,
-                "two_phase": max(phase.beta_start, phase.beta_peak, phase.beta_end)}.get(phase.schedule)
-    alpha = algo.entropy_smoothing.alpha
-    if beta_max is not None and alpha * beta_max >= 1.0:
-        warnings.warn(f"algo.entropy_smoothing.alpha * max beta_k = {alpha} * {beta_max:g} >= 1: above the band "
-                      "the smoothing penalty outweighs the entropy bonus and drives entropy down (EPO's analysis "
-                      "assumes alpha * beta_max < 1; the paper uses alpha = 0.1).", stacklevel=2)
+def _auto_estimator(base: str) -> str:
+    """algo.estimator=auto: the estimator whose registry entry names this algo.base (Entry.auto_for)."""
+    chosen = [name for name in ESTIMATORS.names() if base in ESTIMATORS.entry(name).auto_for]
+    return chosen[0] if chosen else "none"
 
 
-def _check_policy_loss(algo: Any) -> None:
-    """Rules of the clip_cov / kl_cov policy losses that span keys (their ranges sit on the fields)."""
-    if algo.policy_loss == "clip":
-        return
-    if "policy_clip" not in algo.loss_terms:
-        raise ConfigError(f"algo.policy_loss={algo.policy_loss} replaces the policy_clip term, which is not in "
-                          f"algo.loss_terms {list(algo.loss_terms)}; add it or leave algo.policy_loss=clip.")
-    pc = algo.policy_clip
-    if algo.policy_loss == "clip_cov" and pc.clip_cov_lb >= pc.clip_cov_ub:
-        raise ConfigError(f"algo.policy_clip.clip_cov_lb ({pc.clip_cov_lb}) must be < clip_cov_ub ({pc.clip_cov_ub}).")
-    if algo.policy_loss == "kl_cov":
-        warnings.warn("algo.policy_loss=kl_cov has no ratio clip (its KL penalty on the high-covariance tokens "
-                      "takes the clip's place): algo.policy_clip.clip_low, clip_high and dual_clip are not used.",
-                      stacklevel=2)
+def _check_sections(cfg: DictConfig) -> None:
+    """Rules that span the keys of a section (each field's own range is declared next to it and checked
+    before this; a component's own rules are its registry entry's `check`)."""
+    algo = cfg.algo
+    if not is_sft(algo) and algo.estimator == "none":
+        raise ConfigError(f"algo={algo.name} needs an advantage estimator; set algo.estimator.")
+    if is_sft(algo) and algo.estimator != "none":
+        raise ConfigError(f"algo.base=none trains by behaviour cloning on demonstrations, which have no rollouts "
+                          f"to estimate advantages from, so algo.estimator={algo.estimator} cannot be used: give "
+                          "the algorithm an RL base (algo.base=ppo|grpo|gigpo), or train algo=sft.")
+    if algo.mini_batch_size % algo.micro_batch_size:
+        raise ConfigError(
+            f"algo.mini_batch_size={algo.mini_batch_size} must be divisible by algo.micro_batch_size="
+            f"{algo.micro_batch_size} (each optimizer step is a whole number of micro-batches on every rank); "
+            f"e.g. algo.mini_batch_size={-(-algo.mini_batch_size // algo.micro_batch_size) * algo.micro_batch_size}.")
+    if algo.dynamic_sampling and algo.group_size < 2:
+        raise ConfigError("algo.dynamic_sampling=true filters groups of rollouts of the same task and needs "
+                          f"algo.group_size >= 2 (got {algo.group_size}); use it with grpo, rloo or gigpo.")
+    diag = algo.diagnostics
+    if diag.alert_entropy_low is not None and diag.alert_entropy_high is not None \
+            and diag.alert_entropy_low >= diag.alert_entropy_high:
+        raise ConfigError(f"algo.diagnostics.alert_entropy_low={diag.alert_entropy_low:g} must be below "
+                          f"alert_entropy_high={diag.alert_entropy_high:g} (the alert band around the reference).")
+    if algo.pack_tokens and cfg.model.attn_implementation not in ("sdpa", "flash_attention_2", "flash_attention_3"):
+        raise ConfigError(f"algo.pack_tokens={algo.pack_tokens} needs an attention that keeps packed samples apart "
+                          f"(model.attn_implementation=sdpa | flash_attention_2 | flash_attention_3, got "
+                          f"'{cfg.model.attn_implementation}'); or set algo.pack_tokens=0 for padded micro-batches.")
+    if cfg.entropy.min_coef > cfg.entropy.max_coef:
+        raise ConfigError(f"entropy.min_coef={cfg.entropy.min_coef:g} must be <= entropy.max_coef="
+                          f"{cfg.entropy.max_coef:g}.")
+    check_curriculum(cfg.curriculum, cfg.env.max_turns)
+    model = cfg.model
+    if model.hidden_size % model.num_attention_heads or model.num_attention_heads % model.num_key_value_heads:
+        raise ConfigError(f"model.hidden_size={model.hidden_size} must be divisible by model.num_attention_heads="
+                          f"{model.num_attention_heads}, and that by model.num_key_value_heads="
+                          f"{model.num_key_value_heads}.")
+    context = cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens
+    if not model.path and model.max_position_embeddings < context:
+        raise ConfigError(f"model.max_position_embeddings={model.max_position_embeddings} is below "
+                          f"rollout.max_prompt_tokens + rollout.max_new_tokens = {context}: a prompt and its "
+                          f"response would not fit the tiny model's positions. Raise it (e.g. "
+                          f"model.max_position_embeddings={max(2048, context)}) or lower the token limits.")
+    if model.padded_vocab_size is not None and model.padded_vocab_size < model.vocab_size:
+        raise ConfigError(f"model.padded_vocab_size={model.padded_vocab_size} is below model.vocab_size="
+                          f"{model.vocab_size}: the embedding needs a row per token. Raise it or set null.")
+    if model.path:
+        changed = [f.name for f in fields(ModelConfig) if f.name in TINY_SIZE_KEYS and model[f.name] != f.default]
+        if changed:
+            warnings.warn(f"model.path is set, so the tiny-model sizes {', '.join('model.' + k for k in changed)} "
+                          "are ignored (the model's own config.json defines its shape).", stacklevel=3)
+    ds = cfg.deepspeed
+    if ds.offload_param and ds.zero_stage != 3:
+        raise ConfigError(f"deepspeed.offload_param=true needs deepspeed.zero_stage=3 (got {ds.zero_stage}): "
+                          "only ZeRO-3 partitions the parameters it would offload.")
+    if ds.offload_optimizer and ds.zero_stage == 0:
+        raise ConfigError("deepspeed.offload_optimizer=true needs deepspeed.zero_stage >= 1 (ZeRO-0 keeps the "
+                          "optimizer on the device).")
+    tr = cfg.trainer
+    if tr.stop_after is not None and tr.stop_after >= tr.total_steps:
+        warnings.warn(f"trainer.stop_after={tr.stop_after} >= trainer.total_steps={tr.total_steps}: the run "
+                      "ends at total_steps first, so stop_after has no effect.", stacklevel=3)
+    get_template(cfg.env.prompt_template)  # ConfigError listing the template names
+
+
+# ----------------------------------------------------------------------------------------------------
+# Components: the config names them (a `one_of(registry=...)` field); their registry entries say the rest
+# ----------------------------------------------------------------------------------------------------
+
+def _named_components(cfg: DictConfig) -> list[tuple[str, str, list[str]]]:
+    """(key, registry, the component names its value holds) for every field of the schemas (algo.components'
+    included) whose values are names in a registry (`one_of(registry=...)`)."""
+    found = []
+
+    def walk(node: Any, schema: type, prefix: str) -> None:
+        for f in fields(schema):
+            nested = env_config_class(cfg.env.name) if (schema is RunConfig and f.name == "env") else _section_class(f)
+            if nested is not None and f.name in node:
+                walk(node[f.name], nested, f"{prefix}{f.name}.")
+            elif f.metadata.get("registry") and node.get(f.name) is not None:
+                value = node[f.name]
+                names = [str(v) for v in value] if OmegaConf.is_list(value) else [str(value)]
+                found.append((prefix + f.name, f.metadata["registry"], names))
+
+    walk(cfg, RunConfig, "")
+    for name in cfg.algo.components:
+        schema = _own_settings_class(name)
+        if schema is not None and isinstance(cfg.algo.components[name], DictConfig):
+            walk(cfg.algo.components[name], schema, f"algo.components.{name}.")
+    return found
+
+
+def _section_class(f: Any) -> type | None:
+    """The schema of a field that is a section (a dataclass made by its default_factory), else None."""
+    if f.default_factory is MISSING:
+        return None
+    made = f.default_factory()
+    return type(made) if is_dataclass(made) else None
+
+
+def _own_settings_class(name: str) -> type | None:
+    for registry in (LOSS_TERMS, ESTIMATORS):
+        if name in registry and registry.entry(name).sections is None:
+            return registry.config_class(name)
+    return None
 
 
 def _check_components(cfg: DictConfig, registries: dict[str, list[str]]) -> None:
-    """Settings of the selected components that their registries define: each coefficient's schedule must
-    find its parameters in its section, and algo.components.<name> (a component registered with its own
-    settings) is merged into its settings dataclass and checked with the same field rules as every schema."""
-    from epo_cli.algos.advantages import ESTIMATORS
-    from epo_cli.algos.losses import LOSS_TERMS
-    from epo_cli.algos.schedules import ENTROPY_KEYS, PHASE_KEYS
-
+    """The components the config names: each coefficient's schedule must find its parameters in its section
+    and is built (its own checks); every named component's registry entry runs its `check`; and
+    algo.components.<name> (a component registered with its own settings) is merged into its settings
+    dataclass and checked with the same field rules as every schema."""
+    for factor in ("lambda", "beta"):
+        _check_schedule(cfg, factor)
     algo = cfg.algo
-    _check_schedule("entropy", cfg.entropy, EntropyConfig, ENTROPY_KEYS)
-    _check_schedule("algo.phase", algo.phase, PhaseConfig, PHASE_KEYS)
     selected = [(name, LOSS_TERMS.entry(name)) for name in algo.loss_terms]
     if algo.estimator in ESTIMATORS:
         selected.append((algo.estimator, ESTIMATORS.entry(algo.estimator)))
@@ -274,6 +458,14 @@ def _check_components(cfg: DictConfig, registries: dict[str, list[str]]) -> None
                           "nor algo.estimator).", stacklevel=3)
     for name, schema in own.items():
         algo.components[name] = _component_settings(algo.components.get(name), name, schema, registries)
+    checked = set()
+    for _, registry, names in _named_components(cfg):
+        for name in names:
+            if name in _REGISTRIES[registry] and (registry, name) not in checked:  # not the extras auto, none
+                checked.add((registry, name))
+                check = _REGISTRIES[registry].entry(name).check
+                if check is not None:
+                    check(cfg)
 
 
 def _component_settings(node: Any, name: str, schema: type, registries: dict[str, list[str]]) -> DictConfig:
@@ -281,6 +473,7 @@ def _component_settings(node: Any, name: str, schema: type, registries: dict[str
     key = f"algo.components.{name}"
     try:
         defaults = OmegaConf.structured(schema)
+        check_number_sizes(OmegaConf.to_container(node) if node is not None else {}, key + ".")
         _check_booleans(defaults, node, key + ".")
         merged = OmegaConf.merge(defaults, node if node is not None else {})
     except ConfigKeyError as err:
@@ -295,128 +488,178 @@ def _component_settings(node: Any, name: str, schema: type, registries: dict[str
     return merged
 
 
-def _check_schedule(where: str, section: Any, schema: type, keys: dict[str, str]) -> None:
-    """A coefficient's schedule must find all its parameters among its section's keys."""
-    from epo_cli.algos.schedules import parameter_keys, usable_schedules
-
+def _check_schedule(cfg: DictConfig, factor: str) -> None:
+    """A coefficient's schedule must find all its parameters among its section's keys, and take them."""
+    key, name, section, keys = coefficient_schedule(factor, cfg)
+    schema = _dataclass_at(section, "household")
     section_keys = [f.name for f in fields(schema)]
     usable = usable_schedules(section_keys, keys)
-    if section.schedule not in usable:
-        missing = [k for k in parameter_keys(section.schedule, keys).values() if k not in section_keys]
-        raise ConfigError(f"{where}.schedule={section.schedule} takes {', '.join(missing)}, which the '{where}' "
-                          f"section has no key for. Schedules it can use: {', '.join(usable)}.")
+    if name not in usable:
+        missing = [k for k in parameter_keys(name, keys).values() if k not in section_keys]
+        raise ConfigError(f"{key}={name} takes {', '.join(missing)}, which the '{section}' section has no key "
+                          f"for. Schedules it can use: {', '.join(usable)}.")
+    try:
+        build_schedule(name, OmegaConf.select(cfg, section), keys)
+    except ValueError as err:
+        raise ConfigError(f"{key}={name}: {err}.") from None
 
 
-def _check_consistency(cfg: DictConfig) -> None:
-    """Rules that span keys (each field's own range is declared next to it and checked before this)."""
-    algo = cfg.algo
-    if algo.estimator == "auto":
-        algo.estimator = {"ppo": "gae", "grpo": "grpo", "gigpo": "gigpo", "none": "none"}[algo.base]
-    _check_policy_loss(algo)
-    if algo.name != "sft" and algo.estimator == "none":
-        raise ConfigError(f"algo={algo.name} needs an advantage estimator; set algo.estimator.")
-    if algo.estimator in ("grpo", "rloo", "gigpo") and algo.group_size < 2:
-        raise ConfigError(
-            f"algo.estimator={algo.estimator} compares rollouts of the same task and needs "
-            f"algo.group_size >= 2 (got {algo.group_size})."
-        )
-    # loss terms the estimator cannot feed would be silently skipped or see no advantages
-    if "value" in algo.loss_terms and algo.estimator != "gae":
-        raise ConfigError(f"algo.loss_terms has 'value' but algo.estimator={algo.estimator} trains no critic "
-                          "(only gae does): remove 'value' from algo.loss_terms or set algo.estimator=gae.")
-    if "policy_clip" in algo.loss_terms and algo.estimator == "none":
-        raise ConfigError("algo.loss_terms has 'policy_clip' but algo.estimator=none computes no advantages: "
-                          "set algo.estimator (gae, grpo, ...) or remove 'policy_clip'.")
-    if algo.mini_batch_size % algo.micro_batch_size:
-        raise ConfigError(
-            f"algo.mini_batch_size={algo.mini_batch_size} must be divisible by algo.micro_batch_size="
-            f"{algo.micro_batch_size} (each optimizer step is a whole number of micro-batches on every rank); "
-            f"e.g. algo.mini_batch_size={-(-algo.mini_batch_size // algo.micro_batch_size) * algo.micro_batch_size}.")
-    sm = algo.entropy_smoothing
-    if sm.kappa_low >= sm.kappa_high:
-        raise ConfigError(f"The smoothing band needs algo.entropy_smoothing.kappa_low < kappa_high (got "
-                          f"{sm.kappa_low:g} and {sm.kappa_high:g}); the paper uses 0.0 and 2.0.")
-    if algo.dynamic_sampling and algo.group_size < 2:
-        raise ConfigError("algo.dynamic_sampling=true drops groups whose rollouts all scored the same and needs "
-                          f"algo.group_size >= 2 (got {algo.group_size}); use it with grpo, rloo or gigpo.")
-    if algo.pack_tokens and cfg.model.attn_implementation not in ("sdpa", "flash_attention_2", "flash_attention_3"):
-        raise ConfigError(f"algo.pack_tokens={algo.pack_tokens} needs an attention that keeps packed samples apart "
-                          f"(model.attn_implementation=sdpa | flash_attention_2 | flash_attention_3, got "
-                          f"'{cfg.model.attn_implementation}'); or set algo.pack_tokens=0 for padded micro-batches.")
-    if "entropy_smoothing" in algo.loss_terms:
-        _check_smoothing_weight(algo)
-    if cfg.entropy.min_coef > cfg.entropy.max_coef:
-        raise ConfigError(f"entropy.min_coef={cfg.entropy.min_coef:g} must be <= entropy.max_coef="
-                          f"{cfg.entropy.max_coef:g}.")
-    cur = cfg.curriculum
-    if cur.demote_at is not None and cur.demote_at >= cur.promote_at:
-        raise ConfigError(f"curriculum.demote_at={cur.demote_at:g} must be below curriculum.promote_at="
-                          f"{cur.promote_at:g} (else a level is promoted and demoted at once).")
-    if (cur.horizon or cur.name == "horizon") and cur.start_turns > cfg.env.max_turns:
-        raise ConfigError(f"curriculum.start_turns={cur.start_turns} is above env.max_turns="
-                          f"{cfg.env.max_turns}: the horizon would shrink, not grow. Lower start_turns.")
-    model = cfg.model
-    if model.hidden_size % model.num_attention_heads or model.num_attention_heads % model.num_key_value_heads:
-        raise ConfigError(f"model.hidden_size={model.hidden_size} must be divisible by model.num_attention_heads="
-                          f"{model.num_attention_heads}, and that by model.num_key_value_heads="
-                          f"{model.num_key_value_heads}.")
-    if model.padded_vocab_size is not None and model.padded_vocab_size < model.vocab_size:
-        raise ConfigError(f"model.padded_vocab_size={model.padded_vocab_size} is below model.vocab_size="
-                          f"{model.vocab_size}: the embedding needs a row per token. Raise it or set null.")
-    if model.path:
-        changed = [f.name for f in fields(ModelConfig) if f.name in TINY_SIZE_KEYS and model[f.name] != f.default]
-        if changed:
-            warnings.warn(f"model.path is set, so the tiny-model sizes {', '.join('model.' + k for k in changed)} "
-                          "are ignored (the model's own config.json defines its shape).", stacklevel=2)
-    ds = cfg.deepspeed
-    if ds.offload_param and ds.zero_stage != 3:
-        raise ConfigError(f"deepspeed.offload_param=true needs deepspeed.zero_stage=3 (got {ds.zero_stage}): "
-                          "only ZeRO-3 partitions the parameters it would offload.")
-    if ds.offload_optimizer and ds.zero_stage == 0:
-        raise ConfigError("deepspeed.offload_optimizer=true needs deepspeed.zero_stage >= 1 (ZeRO-0 keeps the "
-                          "optimizer on the device).")
-    _warn_unused_settings(cfg)
-    tr = cfg.trainer
-    if tr.stop_after is not None and tr.stop_after >= tr.total_steps:
-        warnings.warn(f"trainer.stop_after={tr.stop_after} >= trainer.total_steps={tr.total_steps}: the run "
-                      "ends at total_steps first, so stop_after has no effect.", stacklevel=2)
-    get_template(cfg.env.prompt_template)  # ConfigError listing the template names
+# ----------------------------------------------------------------------------------------------------
+# Settings this run does not read
+# ----------------------------------------------------------------------------------------------------
+
+@dataclass
+class _Part:
+    """Something that reads `keys` (a key names itself and every key under it) only when this run uses it:
+    a component, used when the key `choice[0]` names it (`choice[1]`) and that key is read itself; or
+    anything else, used when `on`."""
+
+    keys: tuple[str, ...]
+    choice: tuple[str, str] | None = None
+    on: bool = False
+    why: str = ""  # why it is not used, for a part without a choice
+
+
+def _switches(cfg: DictConfig) -> list[tuple[tuple[str, ...], bool, str]]:
+    """Settings read only when a switch of the schema is on: (keys, is it on, why not). A component's own
+    settings are not listed here: its registry entry says which keys it reads."""
+    algo, cur, launcher, env, diag = cfg.algo, cfg.curriculum, cfg.launcher.name, cfg.env, cfg.algo.diagnostics
+    no_rollouts = f"algo={algo.name} plays no rollouts to reward"
+    in_process = "env.num_workers=0 steps the envs in the training process, so no worker runs meanwhile"
+    return [
+        (("algo.demos", "algo.demo_episodes", "algo.demo_level"), is_sft(algo),
+         f"algo={algo.name} does not behaviour-clone"),
+        (("algo.dynamic_sampling_max_rounds", "algo.group_filter"), algo.dynamic_sampling,
+         "algo.dynamic_sampling=false"),
+        (tuple(f"algo.diagnostics.{k}" for k in ("mi_every", "alert_entropy_low", "alert_entropy_high",
+                                                  "alert_diversity")),
+         diag.enabled, "algo.diagnostics.enabled=false"),
+        (("algo.diagnostics.mi_samples", "algo.diagnostics.alert_mi"), diag.enabled and diag.mi_every > 0,
+         "algo.diagnostics.mi_every=0 never measures MI" if diag.enabled else "algo.diagnostics.enabled=false"),
+        (("algo.intrinsic.kind",), not is_sft(algo), no_rollouts),
+        (("algo.intrinsic.coef", "algo.intrinsic.decay"), not is_sft(algo) and algo.intrinsic.kind != "none",
+         no_rollouts if is_sft(algo) else "algo.intrinsic.kind=none adds no bonus"),
+        (("algo.monitor.clamp_scale",), algo.monitor.action == "clamp", f"algo.monitor.action={algo.monitor.action}"),
+        (("model.lora.alpha", "model.lora.dropout", "model.lora.target_modules"), cfg.model.lora.rank > 0,
+         "model.lora.rank=0 fine-tunes all weights"),
+        (("launcher.num_gpus", "launcher.num_nodes", "launcher.num_procs", "launcher.hostfile"), launcher != "local",
+         "launcher=local runs one process; start ranks with launcher=deepspeed or launcher=slurm"),
+        (("launcher.partition", "launcher.time_min", "launcher.cpus_per_task", "launcher.account"),
+         launcher == "slurm", "these configure launcher=slurm"),
+        (("rollout.overlap", "env.step_timeout_s"), env.num_workers != 0, in_process),
+        (("curriculum.start_turns", "curriculum.horizon_share"), cur.horizon or cur.name == "horizon",
+         "curriculum.horizon=false"),
+        (("curriculum.subgoal_coef", "curriculum.subgoal_decay_share"),
+         cur.subgoal_rewards or cur.name == "subgoal_rewards", "curriculum.subgoal_rewards=false"),
+    ]
+
+
+def _parts(cfg: DictConfig) -> list[_Part]:
+    """Everything that reads settings only when this run uses it: the components the registries hold (an
+    entry's `reads`), the schedules of the loss coefficients, and the switches above."""
+    parts = []
+    for key, registry, _ in _named_components(cfg):
+        if registry in ("schedules", "kl_schedules"):
+            continue  # the keys a schedule reads depend on its section: see the coefficients below
+        for name in _REGISTRIES[registry].names():
+            reads = tuple(k for k in _REGISTRIES[registry].reads(name) if not k.startswith("algo.components."))
+            if reads:  # algo.components.<name>: _check_components warns about those
+                parts.append(_Part(reads, choice=(key, name)))
+    for factor in ("lambda", "beta", "kl"):  # the loss coefficients' schedules: entropy group, algo.phase, KL
+        key, _, section, keys = coefficient_schedule(factor, cfg)
+        weighted = [name for name in LOSS_TERMS.names() if factor in coef_factors(LOSS_TERMS.entry(name).coef)[1]]
+        terms = " and ".join(f"'{name}'" for name in weighted)
+        many = len(weighted) > 1
+        parts.append(_Part((key,), on=any(name in cfg.algo.loss_terms for name in weighted),
+                           why=f"{factor} weights only the {terms} term{'s' if many else ''}, and "
+                               f"{'neither is' if many else 'it is not'} in algo.loss_terms"))
+        if factor == "kl":
+            for name in KL_SCHEDULES.names():
+                schedule, where, kl_keys = KL_SCHEDULES[name]
+                reads = tuple(f"algo.{where}.{k}" for k in parameter_keys(schedule, kl_keys).values())
+                parts.append(_Part(reads, choice=(key, name)))
+        else:
+            section_keys = [f.name for f in fields(_dataclass_at(section, "household"))]
+            for name in usable_schedules(section_keys, keys):
+                reads = tuple(f"{section}.{k}" for k in parameter_keys(name, keys).values())
+                parts.append(_Part(reads, choice=(key, name)))
+    parts += [_Part(keys, on=on, why=why) for keys, on, why in _switches(cfg)]
+    return parts
+
+
+def _covers(owner: str, key: str) -> bool:
+    return key == owner or key.startswith(owner + ".")
+
+
+def _names(value: Any) -> list[str]:
+    return [str(v) for v in value] if OmegaConf.is_list(value) else [str(value)]
 
 
 def _warn_unused_settings(cfg: DictConfig) -> None:
-    """One warning when a setting was changed from its default but nothing in this run reads it (e.g.
-    algo.entropy_smoothing.alpha under algo=grpo, whose loss has no smoothing term)."""
-    algo = cfg.algo
-    terms = list(algo.loss_terms)
-    checks = [  # (section, its schema, the keys only that part reads (None: all), is it used, why not)
-        ("algo.entropy_smoothing", SmoothingConfig, ("alpha", "kappa_low", "kappa_high", "aggregation"),
-         "entropy_smoothing" in terms, "'entropy_smoothing' is not in algo.loss_terms"),
-        ("entropy", EntropyConfig, None, "entropy" in terms or "entropy_smoothing" in terms,
-         "lambda weights only the 'entropy' and 'entropy_smoothing' terms, and neither is in algo.loss_terms"),
-        ("algo.policy_clip", PolicyClipConfig, None, "policy_clip" in terms, "'policy_clip' is not in algo.loss_terms"),
-        ("algo.kl", KLConfig, ("coef", "estimator", "aggregation"), "kl" in terms, "'kl' is not in algo.loss_terms"),
-        ("algo.value", ValueConfig, None, algo.estimator == "gae", f"algo.estimator={algo.estimator} has no critic"),
-        ("algo.gae", GAEConfig, None, algo.estimator == "gae", f"algo.estimator={algo.estimator} is not gae"),
-        ("algo", AlgoConfig, ("demos", "demo_episodes", "demo_level"), algo.name == "sft",
-         f"algo={algo.name} does not behaviour-clone"),
-        ("algo.intrinsic", IntrinsicConfig, ("coef", "decay"), algo.intrinsic.kind != "none",
-         "algo.intrinsic.kind=none adds no bonus; set algo.intrinsic.kind=count"),
-        ("algo.intrinsic", IntrinsicConfig, ("kind",), algo.name != "sft",
-         "algo=sft plays no rollouts to reward"),
-        ("model.lora", LoraConfig, ("alpha", "dropout", "target_modules"), cfg.model.lora.rank > 0,
-         "model.lora.rank=0 fine-tunes all weights"),
-        ("launcher", LauncherConfig, ("num_gpus", "num_nodes", "num_procs", "hostfile"), cfg.launcher.name != "local",
-         "launcher=local runs one process; start ranks with launcher=deepspeed or launcher=slurm"),
-        ("launcher", LauncherConfig, ("partition", "time_min", "cpus_per_task", "account"),
-         cfg.launcher.name == "slurm", "these configure launcher=slurm"),
-    ]
-    for section, schema, names, used, why in checks:
-        if used:
-            continue
-        node, defaults = OmegaConf.select(cfg, section), schema()
-        changed = [n for n in (names or [f.name for f in fields(schema)]) if node[n] != getattr(defaults, n)]
-        if changed:
-            warnings.warn(f"{', '.join(f'{section}.{n}={node[n]}' for n in changed)}: no effect in this run "
-                          f"({why}).", stacklevel=3)
+    """One warning line per reason when settings were changed from their defaults but nothing this run uses
+    reads them (e.g. algo.gigpo.step_weight under algo.estimator=grpo, or algo.entropy_smoothing.alpha when
+    algo.loss_terms has no entropy_smoothing term). A key that no part claims is read by the core: never
+    warned about."""
+    parts = _parts(cfg)
+    used: set[int] = set()
+
+    def owners(key: str) -> list[int]:
+        return [i for i, part in enumerate(parts) if any(_covers(k, key) for k in part.keys)]
+
+    def read(key: str) -> bool:
+        return not owners(key) or any(i in used for i in owners(key))
+
+    def chosen(part: _Part) -> bool:
+        return part.choice is not None and part.choice[1] in _names(OmegaConf.select(cfg, part.choice[0]))
+
+    grew = True
+    while grew:  # a part may be named by a key that only another part reads (algo.policy_loss: policy_clip)
+        grew = False
+        for i, part in enumerate(parts):
+            if i not in used and (part.on if part.choice is None else chosen(part) and read(part.choice[0])):
+                used.add(i)
+                grew = True
+
+    def reason(key: str, seen: frozenset[str] = frozenset()) -> str:
+        unused = [parts[i] for i in owners(key) if i not in used]
+        # named, but by a key nothing reads: that key's reason is this one's
+        named = [part.choice[0] for part in unused if chosen(part) and part.choice[0] not in seen]  # type: ignore[index]
+        if named:
+            return "; ".join(dict.fromkeys(reason(choice, seen | {key}) for choice in named))
+        alternatives: dict[str, list[str]] = {}  # choice key -> the names that would read it
+        texts = []
+        for part in unused:
+            if part.choice is None:
+                texts.append(part.why)
+            elif OmegaConf.is_list(OmegaConf.select(cfg, part.choice[0])):
+                texts.append(f"'{part.choice[1]}' is not in {part.choice[0]}")
+            else:
+                alternatives.setdefault(part.choice[0], []).append(part.choice[1])
+        if alternatives:
+            texts.insert(0, "read only with " + " or ".join(f"{k}={'|'.join(v)}" for k, v in alternatives.items()))
+        return "; ".join(dict.fromkeys(texts))
+
+    unread: dict[str, list[str]] = {}
+    for key in dict.fromkeys(k for part in parts for k in part.keys):
+        for leaf, default in _leaves(key, cfg.env.name):
+            value = OmegaConf.select(cfg, leaf)
+            if value != default and not read(leaf):
+                unread.setdefault(reason(leaf), []).append(f"{leaf}={value}")
+    for why, settings in unread.items():
+        warnings.warn(f"{', '.join(dict.fromkeys(settings))}: no effect in this run ({why}).", stacklevel=3)
 
 
+def _leaves(key: str, env_name: str) -> list[tuple[str, Any]]:
+    """(dotted key, schema default) of `key` or, for a section, of every key under it."""
+    parent, _, leaf = key.rpartition(".")
+    owner = _dataclass_at(parent, env_name)
+    if owner is None:
+        return []
+    field = {f.name: f for f in fields(owner)}.get(leaf)
+    if field is None:
+        return []
+    nested = _dataclass_at(key, env_name)
+    if nested is not None:
+        return [pair for f in fields(nested) for pair in _leaves(f"{key}.{f.name}", env_name)]
+    default = field.default if field.default is not MISSING else field.default_factory()  # type: ignore[misc]
+    return [(key, default)]

@@ -24,6 +24,7 @@ Groups (conf/<group>/<option>.yaml) and their schemas:
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -47,7 +48,8 @@ def num(default: Any, *, ge: float | None = None, gt: float | None = None, le: f
 def one_of(default: Any = None, valid: tuple[Any, ...] = (), *, registry: str | None = None,
            extra: tuple[Any, ...] = (), default_factory: Any = None) -> Any:
     """A field whose value (each item, for a list) is one of `valid`, or a name in the component registry
-    `registry` (the keys of epo_cli.algos.registry_names()) plus `extra`."""
+    `registry` (a key of epo_cli.algos.REGISTRIES, or "curricula") plus `extra`. Config validation also
+    reads these fields to find the components a config names (their checks, the keys they read)."""
     meta = {"choices": tuple(valid) + tuple(extra), "registry": registry}
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=meta)
@@ -63,10 +65,47 @@ def _range_text(rule: tuple[Any, Any, Any, Any]) -> str:
 
 def _in_range(value: Any, rule: tuple[Any, Any, Any, Any]) -> bool:
     ge, gt, le, lt = rule
-    if value != value:  # NaN compares false with every bound: never in range
+    if number_problem(value):  # nan, +-inf or an int too large for the libraries: never in range
         return False
     return not ((ge is not None and value < ge) or (gt is not None and value <= gt) or
                 (le is not None and value > le) or (lt is not None and value >= lt))
+
+
+#: the largest int a setting may hold: torch, numpy and the C libraries below them take 64-bit ints
+MAX_INT = 2**63 - 1
+
+
+def number_problem(value: Any) -> str | None:
+    """Why a number is never a usable setting, or None: nan and +-inf (1e999 parses as inf) reach the
+    optimizer or a timer as such and fail far from the setting; an int beyond 64 bits overflows the first
+    C library it reaches. No field allows them."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
+        return "is not a finite number"
+    if isinstance(value, int) and abs(value) > MAX_INT:
+        return f"is too large (at most {MAX_INT} = 2**63 - 1)"
+    return None
+
+
+def shown_number(value: Any) -> str:
+    """A number as an error message shows it: a 400-digit int as its first digits and its length."""
+    text = str(value)
+    return text if len(text) <= 40 else f"{text[:12]}...{text[-4:]} ({len(text.lstrip('-'))} digits)"
+
+
+def check_number_sizes(node: Any, prefix: str = "") -> None:
+    """Ints too large for 64 bits anywhere in a raw (not yet merged) config: one ConfigError naming the key.
+    Merging one into a float field would raise OverflowError without a key, so this runs before the merge;
+    nan and inf are refused by `check_field_rules` after it."""
+    items = node.items() if isinstance(node, Mapping) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in items:
+        where = f"{prefix}{key}" if isinstance(node, Mapping) else f"{prefix.rstrip('.')}[{key}]"
+        if isinstance(value, (Mapping, list)):
+            check_number_sizes(value, where + ".")
+        elif isinstance(value, int) and number_problem(value):
+            raise ConfigError(f"Invalid value for '{where}': {shown_number(value)} {number_problem(value)}. "
+                              f"Fix: {where}=<a smaller value>.")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -83,9 +122,10 @@ class EnvConfig:
     #: observation/action pairs of the past shown in each prompt (verl-agent default 2)
     history_length: int = num(2, ge=0)
     #: worker processes for the env pool; 0 = step envs in the training process; null = CPU count
-    num_workers: int | None = num(0, ge=0)
-    #: seconds a worker may take for one step before it is restarted and its episode truncated
-    step_timeout_s: float = num(60.0, gt=0)
+    num_workers: int | None = num(0, ge=0, le=1024)
+    #: seconds a worker may take for one step before it is restarted and its episode truncated (a reset gets
+    #: 5x as long; at most a day: the pool's wait takes milliseconds in a C int)
+    step_timeout_s: float = num(60.0, gt=0, le=86400)
     #: prompt template (see epo_cli/rollout/prompts.py for the placeholders)
     prompt_template: str = "alfworld"
     #: split names used for training and for evaluation during training
@@ -114,7 +154,7 @@ class PolicyClipConfig:
 class ValueConfig:
     coef: float = num(0.5, ge=0)
     clip: float = num(0.5, gt=0)
-    lr: float | None = num(None, gt=0)  # critic learning rate; null = algo.lr
+    lr: float | None = num(None, gt=0, le=1)  # critic learning rate; null = algo.lr
 
 
 @dataclass
@@ -227,6 +267,28 @@ class MonitorConfig:
 
 
 @dataclass
+class DiagnosticsConfig:
+    """Collapse diagnostics (epo_cli/algos/diagnostics.py, epo_cli/training/collapse.py): collapse/* metrics
+    and one `collapse` alert (console warning, status.json, `epo report`)."""
+
+    #: the per-iteration signals: group return std, advantage signal share, corridor hits, state diversity,
+    #: and the alert
+    enabled: bool = True
+    #: collapse/mi every this many iterations (0 = never: each measurement scores mi_samples^2 pairs)
+    mi_every: int = num(0, ge=0)
+    #: turn-samples in MI's seeded subsample (all ranks together)
+    mi_samples: int = num(16, ge=2)
+    #: alert when policy/entropy < alert_entropy_low x its reference (the mean of the past steps' entropies)
+    #: or > alert_entropy_high x it; null = that check is off
+    alert_entropy_low: float | None = num(0.5, ge=0)
+    alert_entropy_high: float | None = num(2.0, gt=0)
+    #: alert when collapse/mi (nats/token) < this; null = off
+    alert_mi: float | None = num(0.01, ge=0)
+    #: alert when collapse/state_diversity < this; null = off (a converged policy takes one action per state)
+    alert_diversity: float | None = num(None, ge=0, le=1)
+
+
+@dataclass
 class AlgoConfig:
     name: str = "sft"
     #: the RL base of the algorithm: none (sft) | ppo | grpo | gigpo
@@ -239,7 +301,9 @@ class AlgoConfig:
     #: the module in the policy_clip slot: clip (PPO) | clip_cov | kl_cov (arXiv 2505.22617)
     policy_loss: str = one_of("clip", registry="policy_losses")
     # optimisation
-    lr: float = num(1e-3, gt=0)
+    #: at most 1: Adam moves each weight by about lr per step, so above that a model only diverges (and
+    #: beyond float32's range the optimizer's own arithmetic overflows)
+    lr: float = num(1e-3, gt=0, le=1)
     weight_decay: float = num(0.0, ge=0)
     warmup_ratio: float = num(0.1, ge=0, le=1)
     min_lr_ratio: float = num(0.2, ge=0, le=1)
@@ -260,12 +324,16 @@ class AlgoConfig:
     # rollout batch
     tasks_per_step: int = num(4, ge=1)
     group_size: int = num(1, ge=1)
-    #: DAPO dynamic sampling: replace groups whose scores are all equal by fresh rounds of tasks_per_step groups
+    #: DAPO dynamic sampling: replace the groups algo.group_filter drops by fresh rounds of tasks_per_step groups
     dynamic_sampling: bool = False
-    #: extra rounds at most per iteration (then the batch is topped up with zero-variance groups)
+    #: extra rounds at most per iteration (then the batch is topped up with groups that did not pass)
     dynamic_sampling_max_rounds: int = num(3, ge=0)
-    #: return (outcome + turn rewards, what GRPO normalises) | outcome (task reward only: DAPO's accuracy)
-    dynamic_sampling_metric: str = one_of("return", ("return", "outcome"))
+    #: the groups dynamic sampling keeps (epo_cli/algos/group_filter.py): signal (the estimator gives the group
+    #: a non-zero advantage) | top_variance (RAGEN-2: the top group_filter_keep share of each round by return
+    #: variance) | none
+    group_filter: str = one_of("signal", registry="group_filters")
+    #: top_variance: share of each round's groups that passes (ceil(keep x groups))
+    group_filter_keep: float = num(0.5, gt=0, le=1)
     # reward shaping (verl-agent conventions)
     reward_scale: float = num(10.0, gt=0)
     invalid_action_penalty: float = num(0.1, ge=0)
@@ -285,6 +353,7 @@ class AlgoConfig:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     gigpo: GiGPOConfig = field(default_factory=GiGPOConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
     intrinsic: IntrinsicConfig = field(default_factory=IntrinsicConfig)
     nll_aggregation: str = one_of("token-mean", registry="aggregations")
     #: settings of components the sections above do not cover (a loss term or estimator registered outside
@@ -292,6 +361,12 @@ class AlgoConfig:
     #: settings dataclass (its registry entry's `config`) with the same field rules; a loss term's
     #: coefficient is its `coef`
     components: dict[str, Any] = field(default_factory=dict)
+
+
+def is_sft(algo: Any) -> bool:
+    """The one rule for behaviour cloning: an algorithm without an RL base (algo.base=none, as algo=sft)
+    trains on demonstrations (no rollouts, advantages or epochs)."""
+    return algo.base == "none"
 
 
 @dataclass
@@ -361,15 +436,16 @@ class CurriculumConfig:
     window: int = num(3, ge=1)
     promote_at: float = num(0.7, ge=0, le=1)
     demote_at: float | None = num(None, ge=0, le=1)
-    replay_share: float = num(0.2, ge=0, le=1)
+    #: share of each staged batch replaying earlier levels (below 1: the current level must be trained too)
+    replay_share: float = num(0.2, ge=0, lt=1)
     #: adaptive: progress (change in success) | closeness (to 0.5)
     adaptive_signal: str = one_of("progress", ("progress", "closeness"))
     exploration_floor: float = num(0.1, ge=0, le=1)
-    #: horizon: max turns grow from start_turns to env.max_turns over `horizon_share` of training
-    #: (can be combined with any curriculum)
+    #: horizon: max turns grow from start_turns to env.max_turns over `horizon_share` of training (0: the full
+    #: env.max_turns from the start); can be combined with any curriculum
     horizon: bool = False
     start_turns: int = num(10, ge=1)
-    horizon_share: float = num(0.5, gt=0, le=1)
+    horizon_share: float = num(0.5, ge=0, le=1)
     #: intermediate rewards from progress events (can be combined with any curriculum)
     subgoal_rewards: bool = False
     subgoal_coef: float = num(1.0, ge=0)
@@ -392,15 +468,15 @@ class DeepSpeedConfig:
 class LauncherConfig:
     name: str = one_of("local", ("local", "deepspeed", "slurm"))
     #: GPUs per node (deepspeed launcher); on a machine without GPUs use num_procs for CPU ranks
-    num_gpus: int = num(0, ge=0)
-    num_nodes: int = num(1, ge=1)
-    num_procs: int = num(1, ge=1)
+    num_gpus: int = num(0, ge=0, le=1024)
+    num_nodes: int = num(1, ge=1, le=100_000)
+    num_procs: int = num(1, ge=1, le=1024)
     hostfile: str | None = None
     master_addr: str = "127.0.0.1"
     #: 0 = a free port (single node)
     master_port: int = num(29500, ge=0, le=65535)
-    #: seconds a collective may wait before a hung or dead rank ends the job
-    timeout_s: float = num(600.0, gt=0)
+    #: seconds a collective may wait before a hung or dead rank ends the job (at most a week)
+    timeout_s: float = num(600.0, gt=0, le=7 * 86400)
     # slurm (submitit)
     partition: str | None = None
     time_min: int = num(60 * 24, ge=1)
@@ -458,8 +534,8 @@ class TrainerConfig:
     deterministic: bool = True
     #: 0 = keep all
     keep_checkpoints: int = num(2, ge=0)
-    #: torch intra-op threads per process (1 is fastest on small CPU machines)
-    num_threads: int = num(1, ge=1)
+    #: torch intra-op threads per process (1 is fastest on small CPU machines; torch takes a C int)
+    num_threads: int = num(1, ge=1, le=1024)
 
 
 @dataclass
@@ -479,7 +555,7 @@ class RolloutConfig:
     generation_batch_size: int = num(0, ge=0)
     #: generate for the envs that have answered while env workers step the others (same episodes as
     #: lock-step; only with env.num_workers > 0, in-process envs cannot step meanwhile). Off by default:
-    #: not faster on a 2-core machine, where envs and generation share the CPU (README, Performance)
+    #: not faster on a 2-core machine, where envs and generation share the CPU (docs/performance.md)
     overlap: bool = False
     #: prefill each distinct prompt once per generate call, sharing its KV cache with the rows that have
     #: the same prompt (a GRPO group's first turn); same tokens as without
@@ -566,7 +642,14 @@ def check_field_rules(node: DictConfig, schema: type, prefix: str = "",
             continue
         if value is None:
             continue
+        if value == "" and "None" in str(f.type) and "str" in str(f.type):  # `model.path=` is not "no path"
+            raise ConfigError(f"'{key}' is empty. Give it a value, or {key}=null for none.")
         values = list(value) if isinstance(value, (list, tuple)) or OmegaConf.is_list(value) else [value]
+        for v in values:  # every number, whether or not its field declares a range
+            if number_problem(v):
+                allowed = f"; allowed: {_range_text(f.metadata['range'])}" if "range" in f.metadata else ""
+                raise ConfigError(f"Invalid value for '{key}': {shown_number(v)} {number_problem(v)}{allowed}. "
+                                  f"Fix: {key}=<a finite value{' in that range' if allowed else ''}>.")
         if "range" in f.metadata:
             for v in values:
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not _in_range(v, f.metadata["range"]):

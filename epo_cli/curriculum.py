@@ -27,8 +27,10 @@ Task.level unset get it set to the level string here, so that the trainer's per-
 (curriculum/level_success/<level>) comes back under the curriculum's names. Subgoal rewards ask the suite
 too (`suite.check_subgoal_rewards()`: an error with the fix, or a warning where the env reports no events).
 
-Each option is registered in `CURRICULA` (epo_cli/registry.py) with its settings dataclass: the fields it
-reads from the flat `curriculum` section (conf/curriculum/none.yaml holds every key with its default).
+Each option is registered in `CURRICULA` (an epo_cli.registry.Registry) with its settings dataclass: the
+fields it reads from the flat `curriculum` section (conf/curriculum/none.yaml holds every key with its
+default). Their ranges and valid values are CurriculumConfig's, checked by `check_curriculum` both when a
+config is composed and when a curriculum is built, so the two never disagree.
 
 Metrics (logged after each iteration's `observe`, i.e. the state the next iteration draws from):
 curriculum/level (staged: the stage index; adaptive and mixtures: the expected index under the weights),
@@ -49,6 +51,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from omegaconf import OmegaConf
+
+from epo_cli.config import CurriculumConfig, check_field_rules
 from epo_cli.envs import make_suite
 from epo_cli.envs.base import EnvSuite, Task
 from epo_cli.errors import ConfigError, UserError
@@ -56,7 +61,6 @@ from epo_cli.registry import Registry
 
 #: `curriculum=<name>` -> (settings dataclass, Curriculum class); config validation reads its names()
 CURRICULA = Registry("curriculum")
-ADAPTIVE_SIGNALS = ("progress", "closeness")
 
 Stats = tuple[float, float]  # (wins, episodes)
 
@@ -67,10 +71,20 @@ def _rate(entries: Sequence[Sequence[float]]) -> float:
     return sum(w for w, _ in entries) / episodes if episodes > 0 else 0.0
 
 
-def _in_range(key: str, value: float, low: float, high: float, high_open: bool = False) -> None:
-    if not (low <= value < high if high_open else low <= value <= high):
-        bracket = ")" if high_open else "]"
-        raise ConfigError(f"curriculum.{key} must be in [{low}, {high}{bracket} (got {value}).")
+def check_curriculum(section: Any, max_turns: int | None = None) -> None:
+    """The curriculum section's rules, from one source: the ranges and values CurriculumConfig declares on its
+    fields (the same check compose runs on every section), and the two rules that span keys. compose calls it
+    on the composed section; each curriculum's settings call it on theirs (a curriculum built in code is held
+    to the same rules). `max_turns`: env.max_turns, for the horizon's start."""
+    values = dataclasses.asdict(section) if dataclasses.is_dataclass(section) else OmegaConf.to_container(section)
+    node = OmegaConf.merge(OmegaConf.structured(CurriculumConfig), values)
+    check_field_rules(node, CurriculumConfig, "curriculum.", registries={"curricula": CURRICULA.names()})
+    if node.demote_at is not None and node.demote_at >= node.promote_at:
+        raise ConfigError(f"curriculum.demote_at={node.demote_at:g} must be below curriculum.promote_at="
+                          f"{node.promote_at:g} (else a level is promoted and demoted at once).")
+    if max_turns is not None and (node.horizon or node.name == "horizon") and node.start_turns > max_turns:
+        raise ConfigError(f"curriculum.start_turns={node.start_turns} is above env.max_turns={max_turns}: the "
+                          "horizon would shrink, not grow. Lower start_turns.")
 
 
 _S = TypeVar("_S", bound="CurriculumSettings")
@@ -79,7 +93,8 @@ _S = TypeVar("_S", bound="CurriculumSettings")
 @dataclass(frozen=True)
 class CurriculumSettings:
     """What every curriculum reads: the growing turn limit and the subgoal rewards, which any option
-    combines with (`curriculum.horizon=true`, `curriculum.subgoal_rewards=true`)."""
+    combines with (`curriculum.horizon=true`, `curriculum.subgoal_rewards=true`). Their rules are
+    CurriculumConfig's (check_curriculum)."""
 
     horizon: bool
     start_turns: int
@@ -94,13 +109,7 @@ class CurriculumSettings:
         return cls(**{f.name: getattr(section, f.name) for f in dataclasses.fields(cls)})
 
     def __post_init__(self) -> None:
-        if self.subgoal_coef < 0:
-            raise ConfigError(f"curriculum.subgoal_coef must be >= 0 (got {self.subgoal_coef}).")
-        share = self.subgoal_decay_share
-        if share is not None and share < 0:
-            raise ConfigError(f"curriculum.subgoal_decay_share must be >= 0 or null (got {share}).")
-        if self.horizon:
-            _in_range("horizon_share", self.horizon_share, 0.0, 1.0)
+        check_curriculum(self)
 
 
 @dataclass(frozen=True)
@@ -112,17 +121,6 @@ class StagedSettings(CurriculumSettings):
     demote_at: float | None
     replay_share: float
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.window < 1:
-            raise ConfigError(f"curriculum.window must be >= 1 (got {self.window}).")
-        _in_range("promote_at", self.promote_at, 0.0, 1.0)
-        _in_range("replay_share", self.replay_share, 0.0, 1.0, high_open=True)
-        if self.demote_at is not None and not 0.0 <= self.demote_at < self.promote_at:
-            raise ConfigError(f"curriculum.demote_at must be in [0, promote_at) or null (got "
-                              f"{self.demote_at}, promote_at={self.promote_at}); the gap keeps a level from "
-                              "flapping.")
-
 
 @dataclass(frozen=True)
 class AdaptiveSettings(CurriculumSettings):
@@ -132,20 +130,18 @@ class AdaptiveSettings(CurriculumSettings):
     adaptive_signal: str
     exploration_floor: float
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.adaptive_signal not in ADAPTIVE_SIGNALS:
-            raise ConfigError(f"Invalid value '{self.adaptive_signal}' for 'curriculum.adaptive_signal'. "
-                              f"Valid values: {', '.join(ADAPTIVE_SIGNALS)}.")
-        if self.window < 1:
-            raise ConfigError(f"curriculum.window must be >= 1 (got {self.window}).")
-        _in_range("exploration_floor", self.exploration_floor, 0.0, 1.0)
+
+def _own_keys(settings: type) -> tuple[str, ...]:
+    """The curriculum keys only this option reads (for the "no effect" warnings): its settings beyond the
+    ones every curriculum shares (those are gated by curriculum.horizon / subgoal_rewards)."""
+    shared = {f.name for f in dataclasses.fields(CurriculumSettings)}
+    return tuple(f"curriculum.{f.name}" for f in dataclasses.fields(settings) if f.name not in shared)
 
 
 # `horizon` and `subgoal_rewards` are `none` with a flag turned on by their yaml
-@CURRICULA.register("none", config=CurriculumSettings)
-@CURRICULA.register("horizon", config=CurriculumSettings)
-@CURRICULA.register("subgoal_rewards", config=CurriculumSettings)
+@CURRICULA.register("none", config=CurriculumSettings, reads=())
+@CURRICULA.register("horizon", config=CurriculumSettings, reads=())
+@CURRICULA.register("subgoal_rewards", config=CurriculumSettings, reads=())
 class Curriculum:
     """`curriculum=none` (and the base of the others): tasks of the configured env, fixed turn limit,
     optional subgoal rewards. With `curriculum.levels` set it draws every task from a uniform mix of them."""
@@ -162,9 +158,7 @@ class Curriculum:
         dupes = sorted({lv for lv in self.levels if self.levels.count(lv) > 1})
         if dupes:
             raise ConfigError(f"curriculum.levels lists {dupes} more than once; each level must appear once.")
-        if self.cfg.horizon and not 1 <= self.cfg.start_turns <= env_cfg.max_turns:
-            raise ConfigError(f"curriculum.start_turns must be in [1, env.max_turns={env_cfg.max_turns}] "
-                              f"(got {self.cfg.start_turns}).")
+        check_curriculum(self.cfg, env_cfg.max_turns)
         self._levels_checked = False  # checked against the suite on the first draw (not state: cheap to redo)
 
     # -- what the trainer calls ------------------------------------------------------------------------------
@@ -273,7 +267,7 @@ class Curriculum:
         self._levels_checked = True
 
 
-@CURRICULA.register("staged", config=StagedSettings)
+@CURRICULA.register("staged", config=StagedSettings, reads=_own_keys(StagedSettings))
 class StagedCurriculum(Curriculum):
     """One level at a time, easiest first, with promotion, optional demotion and replay of earlier levels.
 
@@ -359,7 +353,7 @@ class StagedCurriculum(Curriculum):
         self.last_success = {str(k): float(v) for k, v in state.get("last_success", {}).items()}
 
 
-@CURRICULA.register("adaptive", config=AdaptiveSettings)
+@CURRICULA.register("adaptive", config=AdaptiveSettings, reads=_own_keys(AdaptiveSettings))
 class AdaptiveCurriculum(Curriculum):
     """Every level is drawn each iteration with probability
 

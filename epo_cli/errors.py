@@ -6,6 +6,8 @@ that does not exist, a corrupt checkpoint). Bugs stay ordinary exceptions and ke
 
 from __future__ import annotations
 
+import errno
+
 #: Exit code for configuration errors (like argparse/typer usage errors).
 EXIT_CONFIG = 2
 #: Exit code for other user-fixable problems (missing data, missing Java, bad checkpoint, ...).
@@ -34,3 +36,27 @@ class Stopped(Exception):
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+#: errno values of a file system refusing a path: the user's environment, never a bug of epo's
+FILE_SYSTEM_ERRNOS = {
+    errno.EACCES: "permission denied: make it writable (or readable), or choose another folder",
+    errno.EPERM: "operation not permitted: make it writable, or choose another folder",
+    errno.EROFS: "the file system is read-only: choose a folder on a writable one",
+    errno.ENOSPC: "the disk is full: free some space",
+    errno.EDQUOT: "the disk quota is exceeded: free some space",
+    errno.ENOTDIR: "part of that path is a file where a folder must be: choose another path",
+    errno.EISDIR: "it is a folder where a file must be: choose another path",
+    errno.EEXIST: "something already exists there: choose another path",
+    errno.ENOENT: "it does not exist",
+    errno.ENAMETOOLONG: "the path is too long: choose a shorter one",
+}
+
+
+def file_system_message(err: OSError) -> str | None:
+    """One line for an OSError a file system raised about a named path (None for any other OSError: sockets,
+    timeouts and the like keep their traceback)."""
+    if err.filename is None or err.errno not in FILE_SYSTEM_ERRNOS:
+        return None
+    where = f"'{err.filename}'" + (f" -> '{err.filename2}'" if err.filename2 else "")
+    return f"Cannot use {where}: {FILE_SYSTEM_ERRNOS[err.errno]} ({err.strerror or 'errno ' + str(err.errno)})."

@@ -1,86 +1,29 @@
 """Evaluation: one function plays a split's fixed tasks and scores them; the trainer's periodic evaluation
-and `epo eval` both call it, so a number in metrics.jsonl and a number from `epo eval` mean the same thing.
+and `epo eval` (epo_cli/eval_command.py: its arguments, the run's config and weights, the files it writes)
+both call it, so a number in metrics.jsonl and a number from `epo eval` mean the same thing.
 
-    epo eval run=outputs/<date>/<time>-<name> [checkpoint=final|latest|best|step_N] [split=S] [episodes=N]
-             [temperature=0.4 | greedy=true] [policy=model|expert|look|random] [out=DIR] [any override]
-    epo eval model.path=<HF folder> env=household split=eval_out_of_distribution
-
-Weights load without DeepSpeed engines: from <run>/final (a Hugging Face folder, safetensors), or from a
-checkpoint's `module` state dict (ZeRO-0: mp_rank_00_model_states.pt) or its consolidated ZeRO 1-3 shards
-(deepspeed's zero_to_fp32), loaded into the model the run's config builds. Nothing from the run directory
-is unpickled: checkpoint files are read with torch.load(weights_only=True) (epo_cli/safe_load.py), and the
-run's saved model.trust_remote_code is not honoured (epo_cli/run_dir.py).
-
-Results: <run>/eval/<name>.json, <run>/eval/<name>.samples.md (a few decoded trajectories, the trainer's
-samples format) and a table on the console. Without a run they go to <output_dir>/eval/<date>_<time>/ (or
-out=DIR). <name> = <final | step_N (what latest/best resolved to) | model | policy>-<split>-<t0.4 | greedy>.
-
-The JSON (format "epo-eval/1"; EVAL_JSON_FIELDS lists the top-level keys):
-    run, checkpoint, checkpoint_resolved, model_source, policy     what was evaluated
-    env {name, level}, split, episodes, temperature, greedy, seed, max_turns
-    success              {rate, wins, n, ci95: [lo, hi], ci_method: "wilson"}
-    success_by_task_type {<task type>: same fields}
-    episode_len          {mean, std, n, ci95, ci_method: "normal (mean +- 1.96 std/sqrt(n))"}
-    invalid_rate         {rate, invalid_turns, turns, ci95, ci_method: "wilson over turns"}
-    metrics              eval/<split>/* exactly as the trainer logs them in metrics.jsonl
-    per_episode          [{task_id, task_type, won, turns, invalid_turns}]
-    samples, created, command, duration_s, name, format
+    evaluate_split    play the split's tasks with a policy and return eval/<split>/* metrics and the episodes
+    score_episodes    success overall and per task type, episode length, invalid-action rate, with 95% intervals
+    FixedActionPolicy, RandomPolicy   scripted baselines (policy=look | random)
+    write_samples     a readable Markdown file of decoded trajectories
 """
 
 from __future__ import annotations
 
-import datetime
-import json
 import math
-import pickle
 import random
-import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from omegaconf import DictConfig, OmegaConf
-from rich.console import Console
-from rich.table import Table
-
-from epo_cli.compose import compose, validate
-from epo_cli.config import GROUPS
-from epo_cli.envs import make_suite
 from epo_cli.envs.base import EnvSuite, Task
-from epo_cli.envs.pool import EnvPool
-from epo_cli.errors import ConfigError, UserError
-from epo_cli.models.loading import apply_lora, load_causal_lm, load_tokenizer, model_source, resolve_dtype
-from epo_cli.rollout.generation import SamplingParams
-from epo_cli.rollout.prompts import PromptBuilder, chat_encoder, format_response
-from epo_cli.rollout.rollout import (
-    Episode,
-    ExpertPolicy,
-    ModelPolicy,
-    PlaySettings,
-    Policy,
-    episode_metrics,
-    episode_slots,
-    run_episodes,
-)
-from epo_cli.run_dir import load_run_config
-from epo_cli.safe_load import load_tensors, refused_message, restricted_torch_load
+from epo_cli.rollout.episodes import Episode, PlaySettings, Policy, episode_metrics, episode_slots, run_episodes
+from epo_cli.rollout.prompts import format_response
 from epo_cli.seeding import derive_seed
-from epo_cli.training.checkpoint import resolve_checkpoint
 
 #: z for a two-sided 95% interval
 Z95 = 1.959963984540054
-
-#: the documented top-level fields of an eval JSON (tests check them)
-EVAL_JSON_FIELDS = (
-    "format", "name", "created", "command", "run", "checkpoint", "checkpoint_resolved", "model_source",
-    "policy", "env", "split", "episodes", "temperature", "greedy", "seed", "max_turns", "success",
-    "success_by_task_type", "episode_len", "invalid_rate", "metrics", "per_episode", "samples", "duration_s",
-)
-EVAL_FORMAT = "epo-eval/1"
-
 
 # ----------------------------------------------------------------------------------------------------
 # The shared evaluation (trainer and `epo eval`)
@@ -200,272 +143,6 @@ class RandomPolicy:
         return out
 
 
-POLICIES = ("model", "expert", "look", "random")
-
-
-# ----------------------------------------------------------------------------------------------------
-# `epo eval`: arguments, config, weights
-# ----------------------------------------------------------------------------------------------------
-
-@dataclass
-class EvalArgs:
-    run: Path | None = None
-    checkpoint: str | None = None  # final | latest | best | step_N (default: final if present, else latest)
-    split: str | None = None
-    episodes: int | None = None
-    temperature: float | None = None
-    greedy: bool = False
-    policy: str = "model"
-    out: Path | None = None
-
-
-EVAL_KEYS = {f for f in EvalArgs.__dataclass_fields__}
-
-
-def _bool(key: str, value: str) -> bool:
-    if value.lower() in ("true", "1", "yes"):
-        return True
-    if value.lower() in ("false", "0", "no"):
-        return False
-    raise ConfigError(f"{key}={value}: expected true or false.")
-
-
-def parse_eval_args(args: list[str]) -> tuple[EvalArgs, list[str]]:
-    """Split `key=value` arguments into eval options and config overrides (everything else)."""
-    opts, overrides = EvalArgs(), []
-    for arg in args:
-        key, sep, value = arg.partition("=")
-        if not sep or key not in EVAL_KEYS:
-            overrides.append(arg)
-            continue
-        try:
-            if key in ("run", "out"):
-                setattr(opts, key, Path(value).expanduser())
-            elif key == "episodes":
-                opts.episodes = int(value)
-            elif key == "temperature":
-                opts.temperature = float(value)
-            elif key == "greedy":
-                opts.greedy = _bool(key, value)
-            else:
-                setattr(opts, key, value)
-        except ValueError:
-            raise ConfigError(f"{arg}: {key} must be a number.") from None
-    if opts.policy not in POLICIES:
-        raise ConfigError(f"Unknown policy '{opts.policy}'. Valid: {', '.join(POLICIES)} (model = the "
-                          "trained policy; expert, look and random are scripted baselines).")
-    if opts.episodes is not None and opts.episodes < 1:
-        raise ConfigError(f"episodes must be >= 1 (got {opts.episodes}).")
-    if opts.checkpoint is not None and opts.run is None:
-        raise ConfigError("checkpoint= needs run=<run dir> (with model.path=DIR the folder is the model).")
-    if opts.greedy and opts.temperature is not None:
-        raise ConfigError("Pass either greedy=true or temperature=T, not both.")
-    if opts.temperature is not None and not (opts.temperature > 0 and math.isfinite(opts.temperature)):
-        raise ConfigError(f"temperature={opts.temperature:g} is out of range; allowed: 0 < value. For greedy "
-                          "decoding pass greedy=true.")
-    return opts, overrides
-
-
-def eval_config(opts: EvalArgs, overrides: list[str]) -> DictConfig:
-    """The run's saved config with the overrides on top (group overrides such as env=... swap the whole
-    group for that option's defaults), or a freshly composed config when no run is given."""
-    if opts.run is None:
-        return compose(overrides)
-    if not opts.run.is_dir():
-        raise UserError(f"Run directory '{opts.run}' does not exist. Pass the folder `epo train` made, e.g. "
-                        "run=outputs/<date>/<time>-<name>, or evaluate a model folder with model.path=DIR.")
-    base = load_run_config(opts.run)
-    groups = [o for o in overrides if o.split("=", 1)[0] in GROUPS]
-    rest = [o for o in overrides if o not in groups]
-    plain = OmegaConf.create(OmegaConf.to_container(base, resolve=True))
-    if groups:
-        fresh = compose(groups)
-        for o in groups:
-            key = o.split("=", 1)[0]
-            plain[key] = OmegaConf.to_container(fresh[key], resolve=True)
-    try:
-        merged = OmegaConf.merge(plain, OmegaConf.from_dotlist(rest))
-    except Exception as err:  # noqa: BLE001 - a malformed override is the user's to fix
-        raise ConfigError(f"Invalid override: {err}") from None
-    return validate(merged)
-
-
-def _read_checkpoint_state(ckpt: Path) -> dict[str, Any]:
-    """The model's state dict from a DeepSpeed checkpoint folder, without building an engine and without
-    unpickling: every file goes through the restricted unpickler (torch.load(weights_only=True)), so a
-    crafted pickle in a shared run directory is refused instead of run."""
-    try:
-        if any(ckpt.glob("*zero_pp_rank_*_optim_states.pt")):  # ZeRO 1-3: consolidate the fp32 shards
-            # lazy: deepspeed is slow to import and only ZeRO 1-3 checkpoints need it
-            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-            with restricted_torch_load():
-                return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
-        return load_tensors(ckpt / "mp_rank_00_model_states.pt")["module"]
-    except UserError:
-        raise
-    except pickle.UnpicklingError as err:
-        raise UserError(refused_message(ckpt, err) + " Evaluate another checkpoint (checkpoint=final, "
-                        f"checkpoint=best or checkpoint=step_N; see {ckpt.parent}).") from None
-    except Exception as err:  # noqa: BLE001 - any failure to read is the same user-facing problem
-        first = str(err).splitlines()[0] if str(err) else ""
-        raise UserError(f"Checkpoint '{ckpt}' is corrupt or unreadable ({type(err).__name__}: {first}). "
-                        "Evaluate another one: checkpoint=final, checkpoint=best or checkpoint=step_N "
-                        f"(see {ckpt.parent}).") from None
-
-
-def _load_state(model: Any, state: dict[str, Any], ckpt: Path) -> None:
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
-    missing = [k for k in missing if k.split("base_model.model.")[-1] not in tied]
-    if missing or unexpected:
-        raise UserError(f"Checkpoint '{ckpt}' does not fit the model of this run's config (missing "
-                        f"{missing[:3]}, unexpected {unexpected[:3]}). Evaluate checkpoint=final, or pass "
-                        "the model overrides the run was trained with.")
-
-
-def load_model(cfg: DictConfig, suite: EnvSuite, run: Path | None, which: str, device: Any
-               ) -> tuple[Any, Any, str, str | None]:
-    """(model, tokenizer, model source, resolved checkpoint tag) for run/checkpoint or model.path."""
-    dtype = resolve_dtype(cfg.model, device)
-    if run is None or which == "final":
-        source = str(run / "final") if run is not None else model_source(cfg.model, suite, cfg.seed)
-        if run is not None and not (run / "final" / "config.json").exists():
-            raise UserError(f"'{run}' has no final/ model (the run did not finish). Evaluate a checkpoint "
-                            "instead: checkpoint=latest, checkpoint=best or checkpoint=step_N.")
-        model = load_causal_lm(source, cfg.model, dtype)
-        return model.to(device).eval(), load_tokenizer(source, cfg.model), source, None
-    ckpt = resolve_checkpoint(run, which)
-    source = model_source(cfg.model, suite, cfg.seed)  # the architecture (and tokenizer) the run trained
-    state = _read_checkpoint_state(ckpt)
-    model = apply_lora(load_causal_lm(source, cfg.model, dtype), cfg.model.lora)
-    _load_state(model, state, ckpt)
-    if hasattr(model, "merge_and_unload"):
-        model = model.merge_and_unload()
-    return model.to(device).eval(), load_tokenizer(source, cfg.model), source, ckpt.name
-
-
-def _device(cfg: DictConfig) -> Any:
-    if cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise UserError("trainer.device=cuda but no CUDA GPU is visible; use trainer.device=cpu.")
-        return torch.device("cuda")
-    return torch.device("cpu")
-
-
-# ----------------------------------------------------------------------------------------------------
-# `epo eval`: run it
-# ----------------------------------------------------------------------------------------------------
-
-def eval_name(label: str, split: str, temperature: float) -> str:
-    return f"{label}-{split}-{'greedy' if temperature <= 0 else f't{temperature:g}'}"
-
-
-@dataclass
-class PolicyInfo:
-    label: str  # file-name prefix: final | step_N | model | expert | look | random
-    checkpoint: str | None = None  # as asked (final | latest | best | step_N)
-    resolved: str | None = None  # the step_N that latest/best named
-    source: str | None = None  # the model folder or hub id the weights and tokenizer came from
-
-
-def build_policy(opts: EvalArgs, cfg: DictConfig, suite: EnvSuite, temperature: float, device: Any
-                 ) -> tuple[Policy, Any, PolicyInfo]:
-    """The policy to evaluate (the trained model, or a scripted baseline), its tokenizer, and what it is."""
-    if opts.policy != "model":  # scripted: only the tokenizer (prompts and responses are still tokens)
-        final = opts.run / "final" if opts.run is not None else None
-        source = str(final) if final is not None and (final / "config.json").exists() else \
-            model_source(cfg.model, suite, cfg.seed)
-        tokenizer = load_tokenizer(source, cfg.model)
-        scripted = {"expert": ExpertPolicy, "look": FixedActionPolicy, "random": RandomPolicy}
-        return scripted[opts.policy](tokenizer), tokenizer, PolicyInfo(opts.policy, source=source)
-    has_final = opts.run is not None and (opts.run / "final" / "config.json").exists()
-    which = opts.checkpoint or ("final" if has_final or opts.run is None else "latest")
-    model, tokenizer, source, resolved = load_model(cfg, suite, opts.run, which, device)
-    r = cfg.rollout
-    params = SamplingParams(r.max_new_tokens, temperature, r.top_p, r.top_k, r.stop)
-    policy = ModelPolicy(model, tokenizer, params, len(tokenizer), r.generation_batch_size)
-    # latest/best move as training goes on: name the file after the step they resolved to
-    label = (resolved or which) if opts.run is not None else "model"
-    return policy, tokenizer, PolicyInfo(label, which if opts.run is not None else None, resolved or which,
-                                         source)
-
-
-def run_eval(args: list[str]) -> dict[str, Any]:
-    """`epo eval ARGS`: evaluate, write JSON + samples, print a table; returns the JSON payload."""
-    started = time.perf_counter()
-    opts, overrides = parse_eval_args(args)
-    cfg = eval_config(opts, overrides)
-    torch.set_num_threads(cfg.trainer.num_threads)
-    suite = make_suite(cfg.env)
-    split = opts.split or (cfg.env.eval_splits[0] if cfg.env.eval_splits else "eval_in_distribution")
-    if split not in suite.splits:
-        raise ConfigError(f"Unknown split '{split}' for env={cfg.env.name}. Valid splits: "
-                          f"{', '.join(suite.splits)}. Fix: split=<one of them>.")
-    if opts.policy == "model" and opts.run is None and not cfg.model.path:
-        raise UserError("Nothing to evaluate: pass run=<run dir> (a trained run) or model.path=<HF folder>; "
-                        "policy=expert|look|random evaluates a scripted baseline.")
-    suite.check()
-    episodes_n = opts.episodes or cfg.trainer.eval_episodes
-    temperature = 0.0 if opts.greedy else (opts.temperature if opts.temperature is not None
-                                          else cfg.rollout.eval_temperature)
-
-    device = _device(cfg)
-    policy, tokenizer, info = build_policy(opts, cfg, suite, temperature, device)
-
-    # --- play and score ----------------------------------------------------------------------------------
-    builder = PromptBuilder(cfg.env.prompt_template, cfg.env.history_length, cfg.rollout.max_prompt_tokens,
-                            chat_encoder(tokenizer))
-    tasks = eval_tasks(suite, split, episodes_n, cfg.seed)
-    # the envs' expert (env.expert=null) runs only when it is the policy being scored
-    pool = EnvPool(make_suite(cfg.env, reads_expert=opts.policy == "expert"), num_workers=cfg.env.num_workers,
-                   step_timeout_s=cfg.env.step_timeout_s)
-    try:
-        with torch.no_grad():
-            metrics, episodes = evaluate_split(policy, pool, builder, tokenizer, split, tasks,
-                                               list(range(len(tasks))), cfg.env.max_turns, cfg.seed,
-                                               overlap=cfg.rollout.overlap)
-    finally:
-        pool.close()
-
-    # --- write -------------------------------------------------------------------------------------------
-    name = eval_name(info.label, split, temperature)
-    out = opts.out or ((opts.run / "eval") if opts.run is not None else
-                       Path(cfg.output_dir) / "eval" / datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))
-    out.mkdir(parents=True, exist_ok=True)
-    samples = out / f"{name}.samples.md"
-    write_samples(samples, episodes[: max(cfg.rollout.num_samples_to_save, 1)])
-    payload: dict[str, Any] = {
-        "format": EVAL_FORMAT,
-        "name": name,
-        "created": datetime.datetime.now().isoformat(timespec="seconds"),
-        "command": " ".join(["epo", *sys.argv[1:]]),
-        "run": str(opts.run) if opts.run is not None else None,
-        "checkpoint": info.checkpoint,
-        "checkpoint_resolved": info.resolved if info.checkpoint else None,
-        "model_source": info.source,
-        "policy": opts.policy,
-        "env": {"name": cfg.env.name, **({"level": cfg.env.level} if "level" in cfg.env else {})},
-        "split": split,
-        "episodes": len(episodes),
-        "temperature": temperature,
-        "greedy": temperature <= 0,
-        "seed": cfg.seed,
-        "max_turns": cfg.env.max_turns,
-        **score_episodes(episodes),
-        "metrics": metrics,
-        "per_episode": [{"task_id": ep.task.task_id, "task_type": ep.task.task_type, "won": ep.won,
-                         "turns": len(ep.turns), "invalid_turns": sum(not t.valid for t in ep.turns)}
-                        for ep in episodes],
-        "samples": str(samples),
-        "duration_s": round(time.perf_counter() - started, 2),
-    }
-    path = out / f"{name}.json"
-    path.write_text(json.dumps(_strict_json(payload), indent=2, allow_nan=False, default=str))
-    print_eval(payload, path)
-    return payload
-
-
 def write_samples(path: Path, episodes: list[Episode]) -> None:
     """A readable Markdown file of decoded trajectories (`epo eval` and the trainer's evaluations)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -477,39 +154,3 @@ def write_samples(path: Path, episodes: list[Episode]) -> None:
             lines.append(f"**Turn {t + 1}** observation: {turn.observation}\n\n"
                          f"response{'' if turn.valid else ' (invalid)'}: `{turn.response_text}`\n")
     path.write_text("\n".join(lines))
-
-
-def _strict_json(value: Any) -> Any:
-    """NaN/inf are not JSON: write them as null (e.g. an interval over zero episodes)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _strict_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_strict_json(v) for v in value]
-    return value
-
-
-def print_eval(payload: dict[str, Any], path: Path) -> None:
-    def ci(item: dict[str, Any], pct: bool = True) -> str:
-        lo, hi = item["ci95"]
-        return f"[{lo:.1%}, {hi:.1%}]" if pct else f"[{lo:.2f}, {hi:.2f}]"
-
-    what = (payload["checkpoint_resolved"] or payload["model_source"]) if payload["policy"] == "model" \
-        else f"policy={payload['policy']}"
-    table = Table(title=f"eval {what} on {payload['env']['name']}/{payload['split']} "
-                        f"({payload['episodes']} episodes, temperature {payload['temperature']:g})")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    table.add_column("95% interval", justify="right")
-    s = payload["success"]
-    table.add_row("success", f"{s['rate']:.1%} ({s['wins']}/{s['n']})", ci(s) + " wilson")
-    for task_type, item in payload["success_by_task_type"].items():
-        table.add_row(f"  success/{task_type}", f"{item['rate']:.1%} ({item['wins']}/{item['n']})", ci(item))
-    e = payload["episode_len"]
-    table.add_row("episode length", f"{e['mean']:.2f}", ci(e, pct=False))
-    i = payload["invalid_rate"]
-    table.add_row("invalid-action rate", f"{i['rate']:.1%}", ci(i) + " (turns)")
-    console = Console(highlight=False)
-    console.print(table)
-    console.print(f"results: {path}\nsamples: {payload['samples']}")

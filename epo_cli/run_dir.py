@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import sys
 import warnings
@@ -24,6 +25,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from epo_cli.compose import validate
 from epo_cli.errors import ConfigError, UserError
+from epo_cli.saved_state import check_saved_config
+from epo_cli.trust import drop_saved_settings
 
 CORE_PACKAGES = ("epo", "torch", "transformers", "deepspeed", "hydra-core", "omegaconf", "tokenizers")
 
@@ -104,20 +107,21 @@ def write_config(run: Path, cfg: DictConfig, overrides: list[str], env_versions:
     (run / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(data)))
 
 
-#: keys a saved config cannot turn on: only the command line of the current invocation can (a run
-#: directory is data that anyone may have written; trust_remote_code runs the model repository's code)
-COMMAND_LINE_ONLY = {"model.trust_remote_code": False}
-
 #: keys that earlier versions saved in config.yaml and that no longer exist: dropped when a run is read,
-#: so that its runs can still be resumed and evaluated (they had no effect)
-RETIRED_KEYS = ("trainer.log_every",)
+#: so that its runs can still be resumed and evaluated (they had no effect, or the note says what replaced them)
+RETIRED_KEYS = ("trainer.log_every", "algo.dynamic_sampling_metric")
+#: what replaced a retired key that had an effect: warned when a run that relied on it is read
+RETIRED_NOTES = {"algo.dynamic_sampling_metric": (
+    "algo.dynamic_sampling", "dynamic sampling now keeps the groups the estimator gives a non-zero advantage "
+    "(algo.group_filter=signal), not those whose returns or outcomes differ")}
 
 
-def load_run_config(run: Path, command_line: dict[str, Any] | None = None) -> DictConfig:
+def load_run_config(run: Path, command_line: dict[str, Any] | None = None,
+                    overridden: set[str] | frozenset[str] = frozenset()) -> DictConfig:
     """The resolved config a run was started with (validated again against today's schemas), with the
-    COMMAND_LINE_ONLY keys reset to their safe values (one warning each) or set to what `command_line`
-    (this invocation's own values for them, e.g. from a launcher's flags) says; overrides of this
-    invocation applied on top can set them too."""
+    settings that can start code (epo_cli.trust.COMMAND_LINE_ONLY) reset to their defaults (one warning
+    each) or set to what `command_line` (this invocation's own values for them, e.g. from a launcher's
+    flags) says; the caller's overrides (`overridden`: their keys, which get no warning) apply on top."""
     path = Path(run) / "config.yaml"
     if not path.exists():
         raise UserError(f"'{run}' is not a run directory (no config.yaml). Pass the folder `epo train` made, "
@@ -131,19 +135,15 @@ def load_run_config(run: Path, command_line: dict[str, Any] | None = None) -> Di
     if not isinstance(raw, DictConfig):
         raise UserError(f"'{path}' is not a run config (expected a mapping of sections); nothing was loaded.")
     raw.pop("meta", None)
+    check_saved_config(raw, path)  # every section and key present: a file cut short is refused
     for key in RETIRED_KEYS:
         section, _, name = key.rpartition(".")
         node = OmegaConf.select(raw, section, default=None)
         if isinstance(node, DictConfig) and name in node:
             node.pop(name)
-    given = command_line or {}
-    for key, safe in COMMAND_LINE_ONLY.items():
-        saved = OmegaConf.select(raw, key, default=safe)
-        if saved != safe and key not in given:
-            warnings.warn(f"{path} sets {key}={saved}, which is honoured only from the command line, not from "
-                          f"a saved config; pass {key}=true on the command line if you trust that model's code.",
-                          stacklevel=2)
-        OmegaConf.update(raw, key, given.get(key, safe), force_add=True)
+            if key in RETIRED_NOTES and OmegaConf.select(raw, RETIRED_NOTES[key][0], default=False):
+                warnings.warn(f"{path} sets {key}, which is retired: {RETIRED_NOTES[key][1]}.", stacklevel=2)
+    drop_saved_settings(raw, path, command_line, overridden)
     return validate(raw)
 
 
@@ -160,14 +160,52 @@ def read_yaml_data(path: Path) -> Any:
 
 
 def write_status(run: Path, status: str, **fields: Any) -> None:
+    """status.json, replaced atomically (a reader never sees half a file); the alerts recorded so far
+    (record_alert) are kept. On a full disk no new file can be written, so the existing status.json is
+    rewritten in place instead (its block is already allocated): a run that fails because the disk filled up
+    still says `failed`."""
     payload = {"status": status, "time": datetime.datetime.now().isoformat(timespec="seconds"), **fields}
+    alerts = read_status(run).get("alerts")
+    if alerts and "alerts" not in payload:
+        payload["alerts"] = alerts
+    text = json.dumps(payload, indent=2)
     tmp = run / "status.json.tmp"
-    tmp.write_text(json.dumps(payload, indent=2))
-    tmp.replace(run / "status.json")
+    try:
+        tmp.write_text(text)
+        tmp.replace(run / "status.json")
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT) or not (run / "status.json").is_file():
+            raise
+        tmp.unlink(missing_ok=True)
+        with open(run / "status.json", "r+") as f:
+            f.write(text)
+            f.truncate()
+
+
+def record_alert(run: Path, kind: str, step: int, reasons: list[str]) -> None:
+    """Note an alert of `kind` at `step` in status.json: alerts.<kind> = {first_step, last_step, count, reasons
+    (the last ones)}; the status itself is unchanged."""
+    current = read_status(run)
+    alerts = current.get("alerts") if isinstance(current.get("alerts"), dict) else {}
+    entry = alerts.get(kind) if isinstance(alerts.get(kind), dict) else {"first_step": step, "count": 0}
+    entry.update(last_step=step, count=int(entry.get("count", 0)) + 1, reasons=reasons)
+    alerts[kind] = entry
+    fields = {k: v for k, v in current.items() if k not in ("status", "time", "alerts")}
+    write_status(run, str(current.get("status", "running")), **fields, alerts=alerts)
 
 
 def read_status(run: Path) -> dict[str, Any]:
+    """status.json as a mapping; {"status": "unknown"} when it is missing or damaged (also a JSON value that
+    is not an object, or a status that is not a string)."""
     try:
-        return json.loads((Path(run) / "status.json").read_text())
-    except (OSError, json.JSONDecodeError):
+        data = json.loads((Path(run) / "status.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return {"status": "unknown"}
+    if not isinstance(data, dict) or not isinstance(data.get("status"), str):
+        return {"status": "unknown"}
+    return data
+
+
+def override_keys(overrides: list[str] | tuple[str, ...]) -> set[str]:
+    """The dotted keys that `key=value` overrides set (`++key=value`, `+key=value` too)."""
+    return {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o}

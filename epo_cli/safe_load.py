@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import pickle
 import re
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,16 +29,29 @@ def refused_message(path: Path, err: Exception) -> str:
     found = re.search(r"GLOBAL (\S+) was not an allowed global", text)
     detail = f"it refers to {found.group(1)}" if found else \
         (text.split("WeightsUnpickler error:")[-1].strip().splitlines() or [type(err).__name__])[0]
+    if detail.startswith("Unsupported operand"):  # a pickle protocol or opcode beyond tensors and plain values
+        detail = f"its pickle uses an instruction the restricted unpickler does not allow: {detail}"
     return (f"'{path}' holds objects other than tensors and plain values ({detail}); "
             "epo loads files from run directories with torch.load(weights_only=True) and never unpickles "
             "them, since unpickling can run code. It was written by something other than this version of "
             "epo (or by an older epo); nothing was loaded or modified.")
 
 
+@contextlib.contextmanager
+def quiet_unpickler() -> Iterator[None]:
+    """Without torch's "Detected pickle protocol N" UserWarning: the restricted unpickler prints it for any
+    file not written with torch.save's default protocol, just before it refuses (or reads) the file, so a
+    refused file would show torch's warning above epo's own message."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected pickle protocol", category=UserWarning)
+        yield
+
+
 def load_tensors(path: Path, map_location: str | torch.device = "cpu") -> Any:
     """`torch.load(path, weights_only=True)`; a file that needs full unpickling is a UserError, not run."""
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        with quiet_unpickler():
+            return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
         raise UserError(refused_message(Path(path), err)) from None
 
@@ -64,7 +78,7 @@ def restricted_torch_load() -> Iterator[None]:
         kwargs["weights_only"] = True
         return original(*args, **kwargs)
 
-    with torch.serialization.safe_globals(_deepspeed_state_classes()):
+    with torch.serialization.safe_globals(_deepspeed_state_classes()), quiet_unpickler():
         torch.load = load
         try:
             yield

@@ -3,10 +3,13 @@
     derive_seed(cfg.seed, "turn", step, traj_id, turn)      # a rollout row's sampling seed
     derive_seed(cfg.seed, "minibatch", step, epoch, traj_id, turn)
 
-Every derived seed in epo goes through `derive_seed`, so that a resumed run, every rank of a distributed
-run and a rerun on another machine draw the same numbers. The value is the first 31 bits of the SHA-256 of
-the parts written as compact JSON: stable across processes, machines and Python versions. Python's `hash`
-is not: str hashes are salted per process (PYTHONHASHSEED), and tuple hashing is an implementation detail.
+Every seed drawn from the run's seed goes through `derive_seed`, so that a resumed run, every rank of a
+distributed run and a rerun on another machine draw the same numbers. (Seeds that do not depend on the run
+are constants: the tiny model is built with seed 0, one cached model per configuration; an env seeds its own
+generator with its task's seed, which a derived generator drew.) The value is the first 31 bits of the
+SHA-256 of the parts written as compact JSON: stable across processes, machines and Python versions.
+Python's `hash` is not: str hashes are salted per process (PYTHONHASHSEED), and tuple hashing is an
+implementation detail.
 """
 
 from __future__ import annotations

@@ -121,7 +121,7 @@ def bench_update(cfg, model, tokenizer, sizes: dict, device, peak: float | None)
     from epo_cli.algos.losses import LossStack, build_loss_terms, loss_coefficients
     from epo_cli.training.forward import collate, policy_forward
     from epo_cli.training.packing import plan_packs
-    from epo_cli.training.trainer import _row_denominators
+    from epo_cli.training.update import row_denominators
 
     algo = cfg.algo
     vocab = len(tokenizer)
@@ -131,7 +131,7 @@ def bench_update(cfg, model, tokenizer, sizes: dict, device, peak: float | None)
     terms = LossStack(build_loss_terms(algo)).to(device)
     coefs = loss_coefficients(algo, 0.001, 2.0, algo.kl.coef)
     modes = sorted({t.aggregation for t in terms.terms.values()})
-    den = {m: float(d.sum()) for m, d in _row_denominators(batch, modes, algo.entropy.decay).items()}
+    den = {m: float(d.sum()) for m, d in row_denominators(batch, modes, algo.entropy.decay).items()}
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
 
     def score() -> None:

@@ -22,9 +22,11 @@ import logging
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
@@ -362,3 +364,43 @@ def tiny_folder(epo_cache: Path) -> Path:
 
     cfg = compose([])
     return build_tiny(cfg.model, make_suite(cfg.env))
+
+
+# ---- the system temp directory: tests leave nothing there ---------------------------------------------------
+
+#: what libraries keep in the temp directory on purpose, not files a test forgot: torch's compile cache folder
+#: (created when torch's compiler modules load), multiprocessing's per-process folder (removed at exit)
+TEMP_DIR_CACHES = ("torchinductor_", "pymp-")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_temp_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """This process's system temp directory (tempfile.gettempdir(), TMPDIR for the subprocesses tests start)
+    is a folder of the test session, one per xdist worker: whatever a test leaves there is found by
+    `leaves_no_temp_files` (the machine's /tmp is shared with everything else and cannot be watched
+    reliably), and pytest removes old sessions' folders."""
+    folder = session_root(tmp_path_factory) / f"system_tmp-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}"
+    folder.mkdir(parents=True, exist_ok=True)
+    saved = (os.environ.get("TMPDIR"), tempfile.tempdir)
+    os.environ["TMPDIR"], tempfile.tempdir = str(folder), str(folder)
+    yield folder
+    tempfile.tempdir = saved[1]
+    os.environ.pop("TMPDIR") if saved[0] is None else os.environ.update(TMPDIR=saved[0])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def leaves_no_temp_files(request: pytest.FixtureRequest, private_temp_dir: Path) -> Iterator[None]:
+    """A test module's tests (and the scripts and processes they start) must write under their own tmp_path,
+    never into the system temp directory: anything new there once the module's fixtures are torn down (a
+    module-scoped env pool keeps its workers' folders until then) is an error of the module's last test,
+    and is removed so the next module is not blamed for it."""
+    before = set(os.listdir(private_temp_dir))
+    yield
+    left = sorted(name for name in set(os.listdir(private_temp_dir)) - before
+                  if not name.startswith(TEMP_DIR_CACHES))
+    for name in left:
+        path = private_temp_dir / name
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+    if left:
+        pytest.fail(f"the tests of {request.module.__name__} left {left} in the system temp directory; write "
+                    "under tmp_path instead", pytrace=False)

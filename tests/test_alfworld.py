@@ -107,21 +107,27 @@ def test_config_composition_imports_no_simulator() -> None:
 
 def test_rollouts_skip_the_expert_unless_it_is_read() -> None:
     """env.expert=null (the default): the expert runs where its actions are read (SFT demos, eval
-    policy=expert, the tiny tokenizer's corpus: make_suite's default), not in RL rollouts (the trainer's
-    pool: reads_expert=False); an explicit true/false is kept either way."""
+    policy=expert, the tiny tokenizer's corpus: make_env's default), not in RL rollouts (the trainer's
+    pool: reads_expert=False, passed to the one suite's make_env); an explicit true/false is kept either way."""
     from epo_cli.compose import compose
     from epo_cli.envs import make_suite
+    from epo_cli.envs.pool import EnvPool
 
     cfg = compose(["env=alfworld", f"env.data_dir={SHARED}"])
     assert cfg.env.expert is None
-    assert make_suite(cfg.env).make_env().use_expert is True
-    assert make_suite(cfg.env, reads_expert=False).make_env().use_expert is False
+    suite = make_suite(cfg.env)
+    assert suite.make_env().use_expert is True
+    assert suite.make_env(reads_expert=False).use_expert is False
+    for reads_expert, first_expert_action in ((False, None), (True, "look")):  # the trainer's pool, a worker
+        with EnvPool(suite, num_workers=1, step_timeout_s=60, reads_expert=reads_expert) as pool:
+            [(_, info)] = pool.reset([_task(suite, "pick_and_place")])
+            assert info["expert_action"] == first_expert_action
     for forced in (True, False):
         cfg = compose(["env=alfworld", f"env.data_dir={SHARED}", f"env.expert={str(forced).lower()}"])
         assert make_suite(cfg.env).make_env().use_expert is forced
-        assert make_suite(cfg.env, reads_expert=False).make_env().use_expert is forced
-    household = make_suite(compose(["env=household"]).env, reads_expert=False)  # no expert setting: as is
-    assert household.make_env() is not None
+        assert make_suite(cfg.env).make_env(reads_expert=False).use_expert is forced
+    household = make_suite(compose(["env=household"]).env)  # no expert setting: computed either way
+    assert household.make_env(reads_expert=False) is not None
 
 
 def _task(suite_: AlfworldSuite, task_type: str, seed: int = 0) -> Task:
@@ -328,11 +334,11 @@ def test_exact_deepcopy_and_pddl_cache_match_textworld(monkeypatch: pytest.Monke
     from textworld.generator.game import EntityInfo
     from textworld.logic import Placeholder, Variable
 
-    import epo_cli.envs.alfworld as alf
+    import epo_cli.envs.textworld_speedups as speedups
 
-    alf.fast_textgen_copies()
+    speedups.fast_textgen_copies()
     fast = textgen.deepcopy
-    alf.fast_textgen_copies()
+    speedups.fast_textgen_copies()
     assert textgen.deepcopy is fast and fast.epo_exact
 
     info = EntityInfo("apple_1", "o")
@@ -357,11 +363,11 @@ def test_exact_deepcopy_and_pddl_cache_match_textworld(monkeypatch: pytest.Monke
     assert copied["same"] is context["same"]  # deepcopy keeps tuples of atoms
     assert pickle.dumps(context) == original  # the original is untouched
 
-    alf.cache_pddl_translations()
+    speedups.cache_pddl_translations()
     cached = fast_downward.pddl2sas
-    alf.cache_pddl_translations()
+    speedups.cache_pddl_translations()
     assert fast_downward.pddl2sas is cached and cached.epo_cached
-    monkeypatch.setattr(alf, "PDDL_CACHE_GAMES", 1)
+    monkeypatch.setattr(speedups, "PDDL_CACHE_GAMES", 1)
     cached.cache.clear()
     games = [json.loads((SHARED / "json_2.1.1" / task_id / "game.tw-pddl").read_text())
              for task_id, _ in suite().games("train")[:2]]

@@ -29,8 +29,9 @@ def train(tmp_path: Path, name: str, *args: str) -> list[dict]:
 @pytest.mark.parametrize("name,args,expect", [
     ("gigpo", ["algo=gigpo"], {"name: gigpo", "estimator: gigpo"}),
     ("epo_gigpo", ["algo=epo", "algo.base=gigpo"], {"name: epo", "estimator: gigpo"}),
-    ("clip_cov", ["algo=grpo", "algo.policy_loss=clip_cov"], {"policy_loss: clip_cov"}),
-    ("kl_cov", ["algo=grpo", "algo.policy_loss=kl_cov"], {"policy_loss: kl_cov"}),
+    ("clip_cov", ["algo=grpo", "algo.policy_loss=clip_cov", "algo.policy_clip.clip_cov_ratio=0.01"],
+     {"policy_loss: clip_cov"}),
+    ("kl_cov", ["algo=grpo", "algo.policy_loss=kl_cov", "algo.policy_clip.kl_cov_ratio=0.01"], {"policy_loss: kl_cov"}),
 ])
 def test_two_iterations(warm_start: Path, tmp_path: Path, name: str, args: list[str], expect: set[str]) -> None:
     rows = train(tmp_path, name, *args, f"model.path={warm_start / 'final'}", "trainer.total_steps=2", *RL_ARGS)
@@ -41,14 +42,15 @@ def test_two_iterations(warm_start: Path, tmp_path: Path, name: str, args: list[
     assert all(line in saved for line in expect), (expect, saved)
     if name == "epo_gigpo":
         assert "loss/entropy_smoothing" in first
+    # the share is the ratio over the whole mini-batch (here the whole batch, several micro-batches), not one
+    # token per micro-batch: 1% of the > 500 tokens, +-1 token of rounding
     if name == "clip_cov":
-        # a tiny share (ratio 2e-4, at least one token per micro-batch with candidates) is detached
-        assert all(0.0 <= r["policy/cov_clipfrac"] < 0.05 for r in rows)
+        # at most the ratio (fewer when fewer tokens lie in the covariance band)
+        assert all(0.0 <= r["policy/cov_clipfrac"] <= 0.012 for r in rows)
         assert any(r["policy/cov_clipfrac"] > 0.0 for r in rows)
     if name == "kl_cov":
-        # at least one token per micro-batch is penalised (k = max(1, ...)); at step 1 |log ratio| = 0
-        assert all(r["policy/kl_cov_frac"] > 0.0 for r in rows)
-        assert first["policy/kl_cov_penalty"] == pytest.approx(0.0, abs=1e-6)
+        assert all(abs(r["policy/kl_cov_frac"] - 0.01) < 0.002 for r in rows), [r["policy/kl_cov_frac"] for r in rows]
+        assert first["policy/kl_cov_penalty"] == pytest.approx(0.0, abs=1e-6)  # at step 1 |log ratio| = 0
 
 
 def test_gigpo_household_experiment_from_the_warm_start(warm_start: Path, tmp_path: Path) -> None:

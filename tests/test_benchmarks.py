@@ -8,21 +8,31 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts" / "bench"
+
+
+def script_temp_dir(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """The script's temp directory (TMPDIR) inside this test's tmp_path, and the environment that sets it."""
+    folder = tmp_path / "tmp"
+    folder.mkdir()
+    return folder, {**os.environ, "TMPDIR": str(folder)}
 
 
 @pytest.mark.slow
 def test_bench_vs_trl_quick(tmp_path: Path, epo_cache: Path) -> None:
     out = tmp_path / "figures.json"
+    scratch, env = script_temp_dir(tmp_path)
     proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_vs_trl.py"), "--quick", "--json", str(out)],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert not [p for p in scratch.iterdir() if not p.name.startswith("torchinductor_")]  # the script cleans up
     assert "epo / TRL time per iteration" in proc.stdout
     figures = json.loads(out.read_text())
     for side in ("epo", "trl"):
@@ -36,9 +46,11 @@ def test_bench_vs_trl_quick(tmp_path: Path, epo_cache: Path) -> None:
 def test_bench_rollout_iteration_quick(tmp_path: Path, epo_cache: Path) -> None:
     """--iteration --quick: whole RL iterations on household for before / today / today + overlap."""
     out = tmp_path / "figures.json"
+    scratch, env = script_temp_dir(tmp_path)
     proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_rollout.py"), "--iteration", "--quick",
-                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+                           "--json", str(out)], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert not [p for p in scratch.iterdir() if not p.name.startswith("torchinductor_")]  # the script cleans up
     assert "bench_rollout --iteration" in proc.stdout
     rows = json.loads(out.read_text())["household"]
     assert list(rows) == ["before", "today", "today+overlap"]
@@ -52,3 +64,18 @@ def test_bench_rollout_iteration_quick(tmp_path: Path, epo_cache: Path) -> None:
     assert rows["today+overlap"]["settings"]["rollout.overlap"] is True
     assert rows["today"]["means"]["perf/padding_efficiency"] == pytest.approx(1.0)
     assert rows["today"]["means"]["perf/scoring_reused"] > 0
+
+
+@pytest.mark.slow
+def test_bench_diagnostics_quick(tmp_path: Path, epo_cache: Path) -> None:
+    """--quick: one iteration each with the diagnostics off, at their defaults and with MI every iteration."""
+    out = tmp_path / "figures.json"
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench" / "bench_diagnostics.py"), "--quick",
+                           "--iterations", "1", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "bench_diagnostics" in proc.stdout
+    rows = json.loads(out.read_text())
+    assert list(rows) == ["off", "defaults", "mi"]
+    assert rows["off"]["perf/diagnostics_s"] == 0.0  # off: nothing measured, nothing spent
+    assert rows["defaults"]["perf/diagnostics_s"] > 0 and rows["defaults"]["perf/mi_s"] == 0.0
+    assert 0 < rows["mi"]["perf/mi_s"] <= rows["mi"]["perf/diagnostics_s"] < rows["mi"]["iteration_s"]

@@ -7,7 +7,7 @@ import warnings
 import pytest
 
 from epo_cli.compose import compose
-from epo_cli.config import GROUPS, config_dir, group_options
+from epo_cli.config import GROUPS, config_dir, group_options, is_sft
 from epo_cli.errors import ConfigError
 
 from conftest import REPO, run_cli, run_epo
@@ -51,6 +51,20 @@ def test_epo_states_every_setting_and_base_switch() -> None:
     ppo_epo = compose(["algo=epo", "algo.base=ppo"])
     assert ppo_epo.algo.estimator == "gae" and "entropy_smoothing" in ppo_epo.algo.loss_terms
     assert compose(["algo=epo_ppo"]).algo.estimator == "gae"
+
+
+def test_behaviour_cloning_is_an_algorithm_without_an_rl_base() -> None:
+    """One rule (config.is_sft) for every place that asks: algo.base=none, whatever the algorithm's name."""
+    assert is_sft(compose(["algo=sft"]).algo) and is_sft(compose(["algo=sft", "algo.name=bc"]).algo)
+    assert not any(is_sft(compose([f"algo={a}"]).algo) for a in group_options("algo") if a != "sft")
+    with pytest.raises(ConfigError, match="algo.base=none trains by behaviour cloning .* algo.estimator=grpo"):
+        compose(["algo=grpo", "algo.base=none"])
+    with pytest.raises(ConfigError, match="'policy_clip' but algo.estimator=none computes no advantages"):
+        compose(["algo=epo", "algo.base=none"])  # its estimator is auto: none without an RL base
+    # terms that read what only an RL step computes (the update would fail on the first demonstration)
+    for term, what in (("kl", "reference log-probs"), ("entropy_smoothing", "entropy history")):
+        with pytest.raises(ConfigError, match=f"'{term}' but algo.base=none .* computes no {what}"):
+            compose(["algo=sft", f"algo.loss_terms=[nll,{term}]"])
 
 
 @pytest.mark.parametrize(("overrides", "needle"), [

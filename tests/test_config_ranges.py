@@ -18,7 +18,7 @@ import pytest
 
 from epo_cli.config import RunConfig, _nested_schema
 from epo_cli.errors import EXIT_CONFIG, ConfigError
-from epo_cli.launch.local import compose_for_train
+from epo_cli.launch.setup import compose_for_train
 
 from conftest import run_epo
 
@@ -40,7 +40,7 @@ BAD_VALUES = [
     (["algo.mini_batch_size=10", "algo.micro_batch_size=4"], "algo.mini_batch_size", "divisible"),
     (["algo.entropy.mode=nested"], "algo.entropy.mode", "Valid values"),
     (["algo.kl.estimator=k9"], "algo.kl.estimator", "low_var_kl"),
-    (["algo.lr=nan"], "algo.lr", "nan is out of range"),
+    (["algo.lr=nan"], "algo.lr", "nan is not a finite number"),
     # env
     (["env.max_turns=0"], "env.max_turns", "allowed: 1 <= value"),
     (["env.history_length=-1"], "env.history_length", "-1 is out of range"),
@@ -194,7 +194,7 @@ def test_a_setting_nothing_reads_is_warned() -> None:
     with pytest.warns(UserWarning, match=r"algo.entropy_smoothing.alpha=0.05: no effect in this run "
                                          r"\('entropy_smoothing' is not in algo.loss_terms\)"):
         compose_for_train(["algo=grpo", "algo.entropy_smoothing.alpha=0.05"])
-    with pytest.warns(UserWarning, match=r"algo.value.coef=1.0: no effect .*has no critic"):
+    with pytest.warns(UserWarning, match=r"algo.value.coef=1.0: no effect .*read only with algo.estimator=gae"):
         compose_for_train(["algo=grpo", "algo.value.coef=1.0"])
 
 
@@ -218,3 +218,68 @@ def test_shipped_presets_compose_without_warnings(preset: str) -> None:
 def test_settings_of_unused_parts_are_warned(overrides: list[str], text: str) -> None:
     with pytest.warns(UserWarning, match=re.escape(text)):
         compose_for_train(overrides)
+
+
+# ---- settings of a part this run does not use: one warning line each, through `epo config show` ------------
+
+#: (overrides, the warning line; None: no warning at all). The keys a component reads come from its registry
+#: entry (epo_cli/algos/registries.py), a coefficient's schedule from the schedule registry, the rest from
+#: compose's switches: each row is one member of a class, not a special case.
+UNUSED = [
+    # a Clip-Cov ratio under the plain PPO clip; used under clip_cov
+    (["algo=grpo", "algo.policy_clip.clip_cov_ratio=0.01"],
+     "algo.policy_clip.clip_cov_ratio=0.01: no effect in this run (read only with algo.policy_loss=clip_cov)."),
+    (["algo=grpo", "algo.policy_loss=clip_cov", "algo.policy_clip.clip_cov_ratio=0.01"], None),
+    # GiGPO's step weight under GRPO; used under gigpo
+    (["algo=grpo", "algo.gigpo.step_weight=0.5"],
+     "algo.gigpo.step_weight=0.5: no effect in this run (read only with algo.estimator=gigpo)."),
+    (["algo=gigpo", "algo.gigpo.step_weight=0.5"], None),
+    # dynamic-sampling rounds with sampling off; used with it on
+    (["algo=grpo", "algo.dynamic_sampling_max_rounds=5", "algo.group_filter=top_variance"],
+     "algo.dynamic_sampling_max_rounds=5, algo.group_filter=top_variance: no effect in this run "
+     "(algo.dynamic_sampling=false)."),
+    (["algo=grpo", "algo.dynamic_sampling=true", "algo.dynamic_sampling_max_rounds=5"], None),
+    # the phase gamma under grpo (no entropy_smoothing term for beta_k to weight); used under epo
+    (["algo=grpo", "algo.phase.gamma=5"], "algo.phase.gamma=5.0: no effect in this run (beta weights only the "
+                                          "'entropy_smoothing' term, and it is not in algo.loss_terms)."),
+    (["algo=epo", "algo.phase.gamma=5"], None),
+    # overlap with envs stepped in the training process (household); used with env workers
+    (["rollout.overlap=true"], "rollout.overlap=True: no effect in this run (env.num_workers=0 steps the envs in "
+                               "the training process, so no worker runs meanwhile)."),
+    (["env.num_workers=1", "rollout.overlap=true"], None),
+    # more of the class: another policy loss's keys, a schedule the section does not use, the KL ramp's
+    # replaced coefficient, an estimator's section, turn-decay's decay, a curriculum's keys, switches
+    (["algo=grpo", "algo.policy_clip.kl_cov_ratio=0.01"],
+     "algo.policy_clip.kl_cov_ratio=0.01: no effect in this run (read only with algo.policy_loss=kl_cov)."),
+    (["algo=epo", "algo.phase.beta_peak=0.9"],
+     "algo.phase.beta_peak=0.9: no effect in this run (read only with algo.phase.schedule=two_phase)."),
+    (["algo=epo", "entropy.peak=0.01"], "entropy.peak=0.01: no effect in this run (read only with "
+                                        "entropy.schedule=two_phase)."),
+    (["algo=epo", "algo.kl.schedule=two_phase", "algo.kl.coef=0.5"],
+     "algo.kl.coef=0.5: no effect in this run (read only with algo.kl.schedule=constant)."),
+    (["algo=ppo", "algo.grpo.mean_over=trajectories"],
+     "algo.grpo.mean_over=trajectories: no effect in this run (read only with algo.estimator=gigpo|grpo)."),
+    (["algo=epo", "algo.entropy.mode=turn_decay", "algo.entropy.decay=0.5"], None),
+    (["curriculum.replay_share=0.5"], "curriculum.replay_share=0.5: no effect in this run (read only with "
+                                      "curriculum.name=staged)."),
+    (["curriculum.start_turns=4"], "curriculum.start_turns=4: no effect in this run (curriculum.horizon=false)."),
+    (["algo.monitor.clamp_scale=0.5"], "algo.monitor.clamp_scale=0.5: no effect in this run "
+                                       "(algo.monitor.action=warn)."),
+    (["env.step_timeout_s=5"], "env.step_timeout_s=5.0: no effect in this run (env.num_workers=0 steps the envs "
+                               "in the training process, so no worker runs meanwhile)."),
+]
+
+
+@pytest.mark.parametrize(("overrides", "line"), UNUSED, ids=[" ".join(o) for o, _ in UNUSED])
+def test_a_setting_of_a_part_this_run_does_not_use_is_one_warning_line(overrides: list[str], line: str | None,
+                                                                        tmp_path: Path) -> None:
+    proc = run_epo(["config", "show", *overrides], cwd=tmp_path)
+    warned = [w for w in proc.stderr.splitlines() if w.startswith("warning:")]
+    assert warned == ([] if line is None else [f"warning: {line}"])
+
+
+def test_replay_share_of_one_fails_at_config_time() -> None:
+    """The curriculum's ranges are CurriculumConfig's alone: replay_share=1.0 (the current level never trained)
+    fails when composing, not when the Trainer builds the curriculum."""
+    with pytest.raises(ConfigError, match=r"'curriculum.replay_share': 1.0 is out of range; allowed: 0 <= value < 1"):
+        compose_for_train(["curriculum=staged", "curriculum.replay_share=1.0"])

@@ -6,6 +6,7 @@ import pytest
 import torch
 from test_losses import make_mb
 
+from epo_cli.algos.cov_selection import mini_batch_selection, selection_count
 from epo_cli.algos.losses import (
     POLICY_LOSSES,
     ClipCovLoss,
@@ -60,24 +61,40 @@ def test_clip_cov_detaches_the_in_band_tokens():
     close(metrics["policy/clipfrac"], 0.0)
 
 
-def test_clip_cov_draws_one_token_with_the_seeded_generator():
-    # default ratio 2e-4: n = max(1, floor(2e-4 * 5)) = 1 of the two candidates, in row-major order
-    # [(0,0), (1,1)], the one at torch.randperm(2, generator=seed)[0]
-    picks = set()
-    for seed in range(8):
+def test_clip_cov_draws_its_token_at_random_with_the_seed():
+    # ratio 0.2: n = 0.2 * 5 = 1 token, drawn among the two in-band candidates (0,0) and (1,1)
+    candidates = [torch.zeros(2, 3, dtype=torch.bool) for _ in range(2)]
+    candidates[0][0, 0] = candidates[1][1, 1] = True
+    picks = []
+    for seed in range(12):
         mb, out = batch()
-        term = ClipCovLoss()
+        term = ClipCovLoss(clip_cov_ratio=0.2)
         term.reseed(seed)
-        selected = term.select(mb, out, torch.zeros(2, 3, dtype=torch.bool))
-        first = int(torch.randperm(2, generator=torch.Generator().manual_seed(seed))[0])
-        expected = torch.zeros(2, 3, dtype=torch.bool)
-        expected[[(0, 0), (1, 1)][first]] = True
-        assert torch.equal(selected, expected), seed
-        picks.add(first)
-        # the same seed draws the same token again
+        selected = term.select(mb, out)
+        assert any(torch.equal(selected, c) for c in candidates), (seed, selected)
+        term.reseed(seed)  # the same seed draws the same token again
+        assert torch.equal(term.select(mb, out), selected)
+        picks.append(int(selected[1, 1]))
+    assert set(picks) == {0, 1}  # both candidates get drawn over seeds: the draw is random, not fixed
+
+
+def test_the_count_is_the_ratio_in_expectation():
+    # 0.3 * 5 tokens = 1.5: one token, plus a second with probability 0.5 (no floor of one token per
+    # micro-batch as verl's max(1, floor(r * N))); KL-Cov takes the top ones: (1,1), then (0,0)
+    top1 = torch.tensor([[False, False, False], [False, True, False]])
+    top2 = torch.tensor([[True, False, False], [False, True, False]])
+    counts = []
+    for seed in range(200):
+        mb, out = batch()
+        term = KLCovLoss(kl_cov_ratio=0.3)
         term.reseed(seed)
-        assert torch.equal(term.select(mb, out, torch.zeros(2, 3, dtype=torch.bool)), expected)
-    assert picks == {0, 1}  # both candidates get drawn over seeds: the draw is random, not fixed
+        selected = term.select(mb, out)
+        assert torch.equal(selected, top1) or torch.equal(selected, top2)
+        counts.append(int(selected.sum()))
+    # mean of 200 draws of 1 + Bernoulli(0.5): 1.5 +- 0.035 (one standard deviation)
+    assert set(counts) == {1, 2} and abs(sum(counts) / len(counts) - 1.5) < 0.15
+    assert selection_count(0.3, 5, 7) in (1, 2) and selection_count(0.4, 5, 7) == 2  # 0.4 * 5 = 2 exactly
+    assert selection_count(2e-4, 640, 3) in (0, 1)  # 0.128 expected: mostly none, where verl took one
 
 
 def test_clip_cov_skips_tokens_the_ppo_clip_already_clipped():
@@ -107,7 +124,7 @@ def test_clip_cov_without_candidates_is_the_ppo_clip():
 
 
 def test_kl_cov_penalises_the_top_covariance_token():
-    # log ratio (0,0) = +0.1, (1,1) = -0.2, else 0; kl_cov_ratio 2e-3: k = max(1, floor(0.01)) = 1 -> (1,1)
+    # log ratio (0,0) = +0.1, (1,1) = -0.2, else 0; kl_cov_ratio 0.2: k = 0.2 * 5 = 1 -> (1,1)
     # ratio: (0,0) e^0.1 = 1.105171, (1,1) e^-0.2 = 0.818731, others 1
     # pg = -A * ratio + 1.0 * |log ratio| on (1,1):
     #   row 0: -2.210342, -2, -2;  row 1: 2, 2 * 0.818731 + 0.2 = 1.837462
@@ -116,7 +133,7 @@ def test_kl_cov_penalises_the_top_covariance_token():
     #   row 0: [-2.210342, -2, -2] / 5 = [-0.442068, -0.4, -0.4]
     #   row 1: [2 / 5, (1.637462 - 1) / 5] = [0.4, 0.127492]
     mb, out = batch(log_ratio=[[0.1, 0.0, 0.0], [0.0, -0.2, 0.0]])
-    loss, metrics = KLCovLoss()(mb, out)
+    loss, metrics = KLCovLoss(kl_cov_ratio=0.2)(mb, out)
     loss.backward()
     close(loss, -0.474576)
     close(out.logprobs.grad, [[-0.442068, -0.4, -0.4], [0.4, 0.127492, 0.0]])
@@ -148,7 +165,8 @@ def test_policy_loss_registry_and_builder():
     assert (term.clip_cov_ratio, term.clip_cov_lb, term.clip_cov_ub) == (0.01, 0.5, 2.0)
     stack = LossStack(terms)
     stack.reseed(5)
-    assert torch.equal(term.generator.get_state(), torch.Generator().manual_seed(5).get_state())
+    assert term.seed == 5 and stack.token_selector() is term
+    assert LossStack(build_loss_terms(AlgoConfig(loss_terms=["policy_clip", "kl"]))).token_selector() is None
 
 
 def test_cov_configs():
@@ -172,3 +190,130 @@ def test_bad_cov_config_is_one_clear_error(overrides, needle):
     with pytest.raises(ConfigError) as err:
         compose(overrides)
     assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf"), float("inf")])
+def test_a_non_finite_log_prob_at_padding_changes_no_selection(bad):
+    # row 1's last position is padding; a masked log-softmax can leave anything there. The covariance
+    # means run over real tokens only, so the selections stay those of the clean batch: Clip-Cov's two
+    # in-band tokens (0,0) and (1,1) (the old (x * mask).sum() made every covariance NaN: no candidate at
+    # all), and KL-Cov's top-1 (1,1) (with NaN covariances topk picked a wrong token).
+    mb, out = batch()
+    with torch.no_grad():
+        out.logprobs[1, 2] = bad
+    clip_cov = ClipCovLoss(clip_cov_ratio=0.4)
+    expected = torch.tensor([[True, False, False], [False, True, False]])
+    assert torch.equal(clip_cov.select(mb, out), expected)
+    assert torch.equal(KLCovLoss(kl_cov_ratio=0.2).select(mb, out),
+                       torch.tensor([[False, False, False], [False, True, False]]))
+    loss, metrics = clip_cov(mb, out)
+    close(loss, -0.4)  # the value of the clean batch (test_clip_cov_detaches_the_in_band_tokens)
+    close(metrics["policy/cov_clipfrac"], 2 / 5)
+
+
+# ---- the choice spans the whole mini-batch: micro-batch split and ranks do not change it -----------------------
+
+#: a mini-batch of 8 samples: response lengths, advantages, and per-token (log-prob, log ratio to the old
+#: policy), drawn once from a fixed seed; some log ratios are large, so the PPO clip bounds some tokens
+LENGTHS = [3, 7, 1, 5, 6, 2, 8, 4]
+
+
+def mini_batch_data():
+    g = torch.Generator().manual_seed(11)
+    adv = torch.randn(len(LENGTHS), generator=g)
+    logp = [-3 * torch.rand(k, generator=g) for k in LENGTHS]
+    log_ratio = [0.4 * torch.randn(k, generator=g) for k in LENGTHS]
+    return adv, logp, log_ratio
+
+
+def passes(rows, split):
+    """(rows, micro-batch, current log-probs) of `rows` cut into `split` micro-batches."""
+    adv, logp, log_ratio = mini_batch_data()
+    size = -(-len(rows) // split)
+    for part in [rows[i:i + size] for i in range(0, len(rows), size)]:
+        R = max(LENGTHS[r] for r in part)
+        mask = torch.zeros(len(part), R, dtype=torch.bool)
+        cur = torch.zeros(len(part), R)
+        old = torch.zeros(len(part), R)
+        for i, r in enumerate(part):
+            k = LENGTHS[r]
+            mask[i, :k] = True
+            cur[i, :k] = logp[r]
+            old[i, :k] = logp[r] - log_ratio[r]
+        yield part, make_mb(mask, old_logprobs=old, advantages=adv[part]), cur
+
+
+SELECTORS = {
+    # Clip-Cov with a band most tokens reach, and KL-Cov: 36 real tokens, ratio 0.25 -> 9 tokens exactly
+    "clip_cov": lambda: ClipCovLoss(clip_cov_ratio=0.25, clip_cov_lb=-10.0, clip_cov_ub=10.0),
+    "kl_cov": lambda: KLCovLoss(kl_cov_ratio=0.25),
+}
+
+
+def chosen_tokens(selector, rows, split, reduce=None, gather=None) -> set[tuple[int, int]]:
+    chosen = mini_batch_selection(selector, passes(rows, split), lambda r: (r, 0), seed=123,
+                                  all_reduce_sum=reduce, all_gather=gather)
+    return {(r, pos) for r, mask in chosen.items() for pos in torch.nonzero(mask).flatten().tolist()}
+
+
+@pytest.mark.parametrize("name", sorted(SELECTORS))
+def test_the_same_mini_batch_split_1_2_4_ways_selects_the_same_tokens(name):
+    rows = list(range(len(LENGTHS)))
+    whole = chosen_tokens(SELECTORS[name](), rows, 1)
+    assert len(whole) == 9  # 0.25 x 36 tokens: the share is the ratio
+    for split in (2, 4):
+        assert chosen_tokens(SELECTORS[name](), rows, split) == whole
+        # the order of the rows does not matter either (a rank's micro-batches are sorted by length)
+        assert chosen_tokens(SELECTORS[name](), rows[::-1], split) == whole
+    # KL-Cov's choice is the top 9 covariances of the mini-batch, by hand from the definition
+    if name == "kl_cov":
+        adv, logp, _ = mini_batch_data()
+        mean_a = sum(float(a) * k for a, k in zip(adv, LENGTHS)) / 36
+        mean_lp = float(torch.cat(logp).double().sum()) / 36
+        cov = sorted(((float(adv[r]) - mean_a) * (float(x) - mean_lp), r, pos)
+                     for r in rows for pos, x in enumerate(logp[r].double()))
+        assert whole == {(r, pos) for _, r, pos in cov[-9:]}
+    # choosing per micro-batch (each alone: verl's scheme, the trainer's before) depends on the split
+    per_micro = set()
+    for part, mb, cur in passes(rows, 4):
+        term = SELECTORS[name]()
+        term.reseed(123)
+        mask = term.select(mb, PolicyOutputs(logprobs=cur, entropy=torch.zeros_like(cur)))
+        per_micro |= {(part[i], pos) for i, pos in torch.nonzero(mask).tolist()}
+    assert per_micro != whole
+
+
+def _rank_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    from epo_cli.training.engine import all_gather_objects, all_reduce_sum
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mine = list(range(len(LENGTHS)))[rank::world]  # each rank holds every other sample
+        chosen = {name: sorted(chosen_tokens(make(), mine, 2, all_reduce_sum, all_gather_objects))
+                  for name, make in SELECTORS.items()}
+        with open(f"{out_dir}/rank{rank}.json", "w") as f:
+            json.dump(chosen, f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_two_ranks_select_what_one_rank_selects(tmp_path):
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    for name, make in SELECTORS.items():
+        both = {tuple(x) for r in (0, 1) for x in json.loads((tmp_path / f"rank{r}.json").read_text())[name]}
+        assert len(both) == 9 and both == chosen_tokens(make(), list(range(len(LENGTHS))), 1), name

@@ -391,7 +391,7 @@ def test_every_curriculum_is_registered_with_the_settings_it_reads():
     assert (settings.window, settings.exploration_floor, settings.horizon) == (5, 0.3, False)
     assert not hasattr(settings, "promote_at")
     assert not hasattr(CurriculumSettings.of(section), "window")
-    with pytest.raises(ConfigError, match="exploration_floor must be in"):
+    with pytest.raises(ConfigError, match="'curriculum.exploration_floor': 1.5 is out of range"):
         AdaptiveSettings.of(replace(section, exploration_floor=1.5))
 
 

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from epo_cli import checkpoint_paths as checkpoint
 from epo_cli.errors import ConfigError, UserError
 from epo_cli.loggers.jsonl import read_metrics, truncate_metrics_file
 from epo_cli.rollout.demos import read_jsonl
-from epo_cli.training import checkpoint
 
 from conftest import SmallConfig, run_epo
 
@@ -87,7 +87,7 @@ def test_pruning_interrupted_midway_leaves_no_folder_that_looks_complete(tmp_pat
 
     monkeypatch.setattr(checkpoint.shutil, "rmtree", killed_while_deleting)
     with pytest.raises(KeyboardInterrupt):
-        checkpoint._prune(root, keep=2, keep_tags={"step_4"})
+        checkpoint.prune(root, keep=2, keep_tags={"step_4"})
     # step_1 was being deleted: it no longer exists under its name, nor counts as complete anywhere
     assert [p.name for p in checkpoint.complete_checkpoints(tmp_path)] == ["step_2", "step_3", "step_4"]
     assert not (root / "step_1").exists() and (root / ".pruned-step_1").exists()
@@ -96,7 +96,7 @@ def test_pruning_interrupted_midway_leaves_no_folder_that_looks_complete(tmp_pat
         checkpoint.resolve_checkpoint(tmp_path, "step_1")
 
     monkeypatch.undo()
-    checkpoint._prune(root, keep=2, keep_tags={"step_4"})  # the next save finishes the job
+    checkpoint.prune(root, keep=2, keep_tags={"step_4"})  # the next save finishes the job
     assert sorted(p.name for p in root.iterdir()) == ["step_3", "step_4"]
 
 
@@ -109,7 +109,7 @@ def test_pruning_removes_the_marker_before_any_file(tmp_path: Path, monkeypatch:
         _rm(Path(path))
 
     monkeypatch.setattr(checkpoint.shutil, "rmtree", record)
-    checkpoint._prune(root, keep=1, keep_tags=set())
+    checkpoint.prune(root, keep=1, keep_tags=set())
     assert seen == [False] and [p.name for p in root.iterdir()] == ["step_2"]
 
 

@@ -7,11 +7,14 @@ epo_cli.launch.rank. The launcher path itself (`epo train launcher=deepspeed`: r
 failure handling, resume) is exercised through the real CLI by the killed-rank / resume test.
 
     runs (all from the behaviour-cloned warm start, 2 groups x 2 rollouts per iteration)
-    1 rank          grpo (2 iterations), ppo (2), epo (2), gigpo (1), grpo + dynamic sampling (1)
+    1 rank          grpo (2 iterations), ppo (2), epo (2), gigpo (1), grpo + dynamic sampling (1), Clip-Cov (1)
     2 ranks         grpo ZeRO-2 (1), grpo ZeRO-3 (2, checkpoint every step), ppo ZeRO-2 (1),
                     ppo ZeRO-3 (2), epo ZeRO-2 (2), grpo + LoRA ZeRO-2 (1), gigpo ZeRO-2 (1),
-                    grpo + dynamic sampling ZeRO-2 (1), then a collective that must time out
+                    grpo + dynamic sampling ZeRO-2 (1), Clip-Cov ZeRO-2 (1), grpo ZeRO-2 (3: the reference of
+                    the SIGTERM test), then a collective that must time out
     CLI, 2 ranks    grpo ZeRO-3 whose rank 1 dies while saving step 2; then `trainer.resume=<run>`
+                    grpo ZeRO-2 stopped by SIGTERM after its first step(s), then resumed: the uninterrupted
+                    run's metrics; and stopped by two SIGTERMs: it leaves at once, no rank left behind
     CLI, no ranks   batch/world-size checks, SLURM submission (a stand-in `sbatch` records the script)
     in-process      the multi-node deepspeed command from a hostfile; the failure message's choice of cause
 """
@@ -42,6 +45,9 @@ RL_ARGS = [
     # Progress events add rewards; in 8 turns the warm start wins some of the second iteration's tasks.
     "curriculum.subgoal_rewards=true",
 ]
+#: Clip-Cov acting on 5% of the tokens, drawn among all (a band every covariance lies in)
+CLIP_COV = ["algo.policy_loss=clip_cov", "algo.policy_clip.clip_cov_ratio=0.05", "algo.policy_clip.clip_cov_lb=-1e6",
+            "algo.policy_clip.clip_cov_ub=1e6"]
 BASELINE_RUNS = {
     "grpo": ["algo=grpo", "trainer.total_steps=2"],
     "ppo": ["algo=ppo", "trainer.total_steps=2"],
@@ -49,6 +55,7 @@ BASELINE_RUNS = {
     "gigpo": ["algo=gigpo", "trainer.total_steps=1"],
     "grpo_ds": ["algo=grpo", "trainer.total_steps=1", "algo.dynamic_sampling=true",
                 "algo.dynamic_sampling_max_rounds=2"],
+    "clip_cov": ["algo=grpo", "trainer.total_steps=1", *CLIP_COV],
 }
 SHARDED_RUNS = {
     "grpo_z2": ["algo=grpo", "trainer.total_steps=1", "deepspeed=zero2"],
@@ -61,6 +68,11 @@ SHARDED_RUNS = {
     "gigpo_z2": ["algo=gigpo", "trainer.total_steps=1", "deepspeed=zero2"],
     "grpo_ds_z2": ["algo=grpo", "trainer.total_steps=1", "deepspeed=zero2", "algo.dynamic_sampling=true",
                    "algo.dynamic_sampling_max_rounds=2"],
+    # Clip-Cov's tokens are chosen over the whole mini-batch (both ranks' micro-batches): the same tokens
+    "clip_cov_z2": ["algo=grpo", "trainer.total_steps=1", "deepspeed=zero2", *CLIP_COV],
+    # the uninterrupted reference of test_sigterm_then_resume_matches_the_uninterrupted_run (3 steps, so that
+    # a stop after step 1 or 2 leaves a step to resume)
+    "grpo_z2_stop": ["algo=grpo", "trainer.total_steps=3", "deepspeed=zero2"],
 }
 REL_TOL = 1e-4
 #: metrics that must be equal exactly (counts and success rates: the rollouts themselves are identical)
@@ -78,7 +90,7 @@ def _harness(spec_file: str) -> None:
 
     from epo_cli.compose import compose
     from epo_cli.console import quiet_libraries
-    from epo_cli.launch.local import prepare_run_dir
+    from epo_cli.launch.setup import prepare_run_dir
     from epo_cli.training.engine import barrier, init_distributed
     from epo_cli.training.trainer import Trainer
 
@@ -244,7 +256,7 @@ def sharded(warm_start: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple
 # ---- 2 ranks = 1 rank ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("algo,stage", [("grpo", 2), ("grpo", 3), ("ppo", 2), ("ppo", 3), ("epo", 2), ("gigpo", 2),
-                                        ("grpo_ds", 2)])
+                                        ("grpo_ds", 2), ("clip_cov", 2)])
 def test_two_ranks_match_one_rank(baseline: Path, sharded: tuple[Path, dict], algo: str, stage: int) -> None:
     root, facts = sharded
     name = f"{algo}_z{stage}"
@@ -329,6 +341,80 @@ def test_dead_rank_ends_job_then_resume_matches(warm_start: Path, sharded: tuple
     _compare(reference[1], resumed[1], "resumed iteration 2 vs uninterrupted ZeRO-3 run")
     _assert_same_model(run / "final", root / "grpo_z3" / "final")
     assert json.loads((run / "status.json").read_text())["status"] == "finished"
+
+
+# ---- the CLI: a stop signal (SIGTERM from a scheduler) and resume; a second signal leaves at once ---------
+
+def _start_two_ranks(warm_start: Path, run: Path) -> subprocess.Popen:
+    from test_stop_and_resume import start_train
+
+    return start_train(["launcher=deepspeed", "launcher.num_procs=2", *SHARDED_RUNS["grpo_z2_stop"], *RL_ARGS,
+                        f"model.path={warm_start / 'final'}", f"run_dir={run}"], run.parent)
+
+
+def test_sigterm_then_resume_matches_the_uninterrupted_run(warm_start: Path, sharded: tuple[Path, dict],
+                                                           tmp_path: Path) -> None:
+    """SIGTERM to `epo train launcher=deepspeed` (2 CPU ranks): every rank stops after the same step with a
+    checkpoint (each rank's RNG states and ZeRO shard), exit 143; `trainer.resume=<run>` then ends with the
+    metrics and the model of the uninterrupted 2-rank run (as the 1-rank test of test_stop_and_resume)."""
+    import signal
+
+    from test_stop_and_resume import signal_after_first_step, status
+
+    from conftest import run_cli
+
+    root, _ = sharded
+    run = tmp_path / "run"
+    code, err = signal_after_first_step(_start_two_ranks(warm_start, run), run, [signal.SIGTERM])
+    assert code == 143, err[-4000:]
+    assert "Traceback" not in err.split("SIGTERM received")[-1]
+    st = status(run)
+    assert st["status"] == "stopped" and st["signal"] == "SIGTERM" and 1 <= st["step"] < 3, st
+    folder = run / "checkpoints" / f"step_{st['step']}"
+    assert (folder / "COMPLETE").exists()
+    assert (folder / "rng_rank0.pt").exists() and (folder / "rng_rank1.pt").exists()  # both ranks saved it
+    assert len(list(folder.glob("*zero_pp_rank_*_optim_states.pt"))) == 2
+    assert len(_metrics(run)) == st["step"] and not (run / "final").exists()
+
+    run_cli(["train", f"trainer.resume={run}"], cwd=tmp_path, timeout=900)
+    assert status(run)["status"] == "finished"
+    reference, resumed = _metrics(root / "grpo_z2_stop"), _metrics(run)
+    assert [m["step"] for m in resumed] == [1, 2, 3]
+    for step, (a, b) in enumerate(zip(reference, resumed), 1):
+        _compare(a, b, f"iteration {step}: stopped at {st['step']} and resumed vs uninterrupted (2 ranks)")
+    _assert_same_model(run / "final", root / "grpo_z2_stop" / "final")
+
+
+def _processes_naming(text: str) -> list[int]:
+    """Processes whose command line holds `text` (the run directory every rank is started with)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if text in cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                found.append(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_a_second_sigterm_leaves_at_once_and_leaves_no_rank(warm_start: Path, tmp_path: Path) -> None:
+    """Two SIGTERMs back to back: `epo train` kills the ranks' session at once (the step in progress is
+    abandoned), exits 143, and status.json says stopped with the abandoned step; no rank process is left."""
+    import signal
+    import time
+
+    from test_stop_and_resume import signal_after_first_step, status
+
+    run = tmp_path / "run"
+    code, err = signal_after_first_step(_start_two_ranks(warm_start, run), run, [signal.SIGTERM, signal.SIGTERM])
+    assert code == 143, err[-4000:]
+    st = status(run)
+    assert st["status"] == "stopped" and st["signal"] == "SIGTERM" and "abandoned" in st, st
+    assert len(_metrics(run)) < 3 and not (run / "final").exists()  # it did not go on to the end
+    deadline = time.monotonic() + 30
+    while _processes_naming(str(run.resolve())) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _processes_naming(str(run.resolve())) == [], "a rank outlived the second signal"
 
 
 # ---- the CLI without ranks: checks and SLURM submission ------------------------------------------------

@@ -8,8 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from epo_cli.algos.dynamic_sampling import choose_groups, concat_batches, group_has_signal, rows_of_groups
+from epo_cli.algos.advantages import compute_advantages
+from epo_cli.algos.dynamic_sampling import choose_groups, concat_batches, rows_of_groups
+from epo_cli.algos.group_filter import group_return_variance, group_signal, group_stats, passing_groups
 from epo_cli.compose import compose
+from epo_cli.config import AlgoConfig
 from epo_cli.errors import ConfigError
 from epo_cli.rollout.batch import TurnBatch
 
@@ -17,8 +20,9 @@ from conftest import SmallConfig, only_run_dir, run_epo
 
 
 def make_batch(trajs) -> TurnBatch:
-    """trajs: list of (traj_id, group_id, outcome, [turn rewards])."""
-    rows = [(tid, gid, t, len(rs), r, o) for tid, gid, o, rs in trajs for t, r in enumerate(rs)]
+    """trajs: list of (traj_id, group_id, outcome, [turn rewards]) or (..., [anchor observations])."""
+    rows = [(tid, gid, t, len(rs), r, o, obs[t] if obs else f"o{tid}.{t}")
+            for tid, gid, o, rs, *more in trajs for obs in [more[0] if more else None] for t, r in enumerate(rs)]
     col = list(zip(*rows))
     n = len(rows)
     return TurnBatch(
@@ -26,14 +30,14 @@ def make_batch(trajs) -> TurnBatch:
         group_id=torch.tensor(col[1]), turn_index=torch.tensor(col[2]), num_turns=torch.tensor(col[3]),
         reward=torch.tensor(col[4], dtype=torch.float32), outcome=torch.tensor(col[5], dtype=torch.float32),
         valid=torch.ones(n, dtype=torch.bool), won=torch.tensor([o > 0 for o in col[5]]), task_type=["t"] * n,
-        anchor_obs=[f"o{i}" for i in range(n)],
+        anchor_obs=list(col[6]),
     )
 
 
 #: group 0: one win, one loss -> signal either way
-#: group 1: two losses, returns 0 - 0.1 = -0.1 and 0 + 0 = 0 -> signal by return, none by outcome
-#: group 2: two losses of equal return: 1 turn [-0.1] vs 2 turns [0, -0.1] (both -0.1) -> no signal
-#: group 3: two wins of 3 turns, no penalties (returns 10, 10) -> no signal
+#: group 1: two losses, returns 0 - 0.1 = -0.1 and 0 + 0 = 0
+#: group 2: two losses of equal return: 1 turn [-0.1] vs 2 turns [0, -0.1] (both -0.1)
+#: group 3: two wins of 3 turns, no penalties (returns 10, 10)
 BATCH = [
     (0, 0, 10.0, [0.0]), (1, 0, 0.0, [0.0, 0.0]),
     (2, 1, 0.0, [-0.1, 0.0]), (3, 1, 0.0, [0.0, 0.0]),
@@ -41,13 +45,91 @@ BATCH = [
     (6, 3, 10.0, [0.0, 0.0, 0.0]), (7, 3, 10.0, [0.0, 0.0, 0.0]),
 ]
 
+#: The three cases of the dynamic-sampling premise, one group each (anchor observations for GiGPO):
+#: group 0, "shorter path wins": both win (returns 10, 10), by 2 and 3 turns through one shared "start" state
+#: group 1, "penalties on different turns": both lose, -0.1 at turn 0 vs at turn 1 (returns -0.1, -0.1)
+#: group 2, "equal per-turn scores": both lose with a penalty on every turn, [-0.1] vs [-0.1, -0.1]
+#:          (returns -0.1 and -0.2)
+CASES = [
+    (0, 0, 10.0, [0.0, 0.0], ["start", "a"]), (1, 0, 10.0, [0.0, 0.0, 0.0], ["start", "b", "c"]),
+    (2, 1, 0.0, [-0.1, 0.0], ["d", "e"]), (3, 1, 0.0, [0.0, -0.1], ["f", "g"]),
+    (4, 2, 0.0, [-0.1], ["h"]), (5, 2, 0.0, [-0.1, -0.1], ["i", "j"]),
+]
+#: the advantages each estimator gives those rows (defaults: eps 1e-6, GiGPO gamma 0.95, mean_std_norm), by hand:
+#: grpo, mean_over=turns: the per-turn score is outcome + own reward.
+#:   group 0: all 10 -> 0.  group 1: [-0.1, 0, 0, -0.1], mean -0.05, unbiased std = sqrt(4 * 0.05^2 / 3) =
+#:   0.057735 -> -0.05/0.057735 = -0.866025 (penalised turns), +0.866025.  group 2: all -0.1 -> 0.
+#: grpo, mean_over=trajectories / rloo: one score per trajectory = its return.
+#:   groups 0 and 1: returns equal -> 0.  group 2: returns -0.1, -0.2: grpo (+-0.05) / (std 0.070711) =
+#:   +-0.707107; rloo -0.1 - (-0.2) = +0.1 and -0.1.
+#: gigpo (episode level as grpo turns, plus the step level):
+#:   group 0: episode 0; discounted returns R = 0.95 * 10 = 9.5 (traj 0 at start), 0.95^2 * 10 = 9.025
+#:   (traj 1 at start): the "start" step group normalises to +-0.2375 / 0.335876 = +-0.707107; every other
+#:   state is alone -> 0.  group 1: episode +-0.866025, states all alone.  group 2: episode 0, states alone.
+EXPECTED = {
+    "grpo_turns": [0, 0, 0, 0, 0, -0.866025, 0.866025, 0.866025, -0.866025, 0, 0, 0],
+    "grpo_trajectories": [0, 0, 0, 0, 0, 0, 0, 0, 0, 0.707107, -0.707107, -0.707107],
+    "rloo": [0, 0, 0, 0, 0, 0, 0, 0, 0, 0.1, -0.1, -0.1],
+    "gigpo": [0.707107, 0, -0.707107, 0, 0, -0.866025, 0.866025, 0.866025, -0.866025, 0, 0, 0],
+}
+#: so a group has signal (some |A| > 0) by case 0, 1, 2. The rule before, "trajectory returns differ",
+#: said [False, False, True] for every estimator (and "outcomes differ" [False, False, False]): wrong
+#: for grpo over turns (cases 1, 2) and gigpo (cases 0, 1, 2); for grpo over trajectories and rloo (whose
+#: scores ARE the returns) only the outcome rule was wrong (case 2).
+SIGNAL = {
+    "grpo_turns": {0: False, 1: True, 2: False},
+    "grpo_trajectories": {0: False, 1: False, 2: True},
+    "rloo": {0: False, 1: False, 2: True},
+    "gigpo": {0: True, 1: True, 2: False},
+}
 
-def test_zero_variance_groups_by_return_and_by_outcome():
+
+def estimator_algo(name: str, group_filter: str = "signal") -> AlgoConfig:
+    algo = AlgoConfig(estimator=name.split("_")[0], group_filter=group_filter)
+    if name == "grpo_trajectories":
+        algo.grpo.mean_over = "trajectories"
+    return algo
+
+
+@pytest.mark.parametrize("name", sorted(SIGNAL))
+def test_signal_is_what_the_estimator_gives_the_group(name):
+    batch = make_batch(CASES)
+    algo = estimator_algo(name)
+    adv, _ = compute_advantages(batch, algo)
+    assert torch.allclose(adv.double(), torch.tensor(EXPECTED[name], dtype=torch.float64), atol=1e-5), adv
+    assert group_signal(batch, algo) == SIGNAL[name]
+    # what dynamic sampling sees: (group, has signal, return variance) in group order
+    returns_var = [0.0, 0.0, 0.0025]  # group 2: returns -0.1, -0.2 -> population variance 0.05^2
+    stats = group_stats(batch, algo)
+    assert [(g, ok) for g, ok, _ in stats] == sorted(SIGNAL[name].items())
+    assert [v for _, _, v in stats] == pytest.approx(returns_var, abs=1e-9)
+
+
+def test_signal_filter_refuses_an_estimator_without_groups():
+    with pytest.raises(ValueError, match="group estimator"):
+        group_signal(make_batch(CASES), AlgoConfig(estimator="gae"))
+
+
+def test_return_variance_and_the_filters_on_hand_made_groups():
     batch = make_batch(BATCH)
-    assert group_has_signal(batch, "return") == {0: True, 1: True, 2: False, 3: False}
-    assert group_has_signal(batch, "outcome") == {0: True, 1: False, 2: False, 3: False}
-    with pytest.raises(ValueError, match="return | outcome"):
-        group_has_signal(batch, "acc")
+    # returns: group 0: 10, 0 -> var 25; group 1: -0.1, 0 -> 0.0025; group 2: -0.1, -0.1 -> 0; group 3: 0
+    assert group_return_variance(batch) == pytest.approx({0: 25.0, 1: 0.0025, 2: 0.0, 3: 0.0}, abs=1e-9)
+    # GRPO over turns: group 0 (10 vs 0) and group 1 (-0.1 vs 0) have signal; group 2's scores per turn are
+    # [-0.1], [0, -0.1]: mean -0.0667, so they differ too (A != 0); group 3 is all 10
+    assert group_signal(batch, estimator_algo("grpo_turns")) == {0: True, 1: True, 2: True, 3: False}
+    stats = [(7, False, 0.0), (3, True, 4.0), (5, True, 0.5), (9, False, 0.5), (1, True, 1.0)]  # play order
+    assert passing_groups(stats, "none") == [(7, True), (3, True), (5, True), (9, True), (1, True)]
+    assert passing_groups(stats, "signal") == [(7, False), (3, True), (5, True), (9, False), (1, True)]
+    # top_variance keeps ceil(keep x 5): 0.4 -> 2 groups (variances 4.0 and 1.0); 0.6 -> 3: the tie at 0.5
+    # goes to the earlier group (5 before 9); 0.1 -> 1 group; 1.0 -> all
+    assert passing_groups(stats, "top_variance", 0.4) == [(7, False), (3, True), (5, False), (9, False), (1, True)]
+    assert passing_groups(stats, "top_variance", 0.6) == [(7, False), (3, True), (5, True), (9, False), (1, True)]
+    assert [ok for _, ok in passing_groups(stats, "top_variance", 0.1)] == [False, True, False, False, False]
+    assert all(ok for _, ok in passing_groups(stats, "top_variance", 1.0))
+    # 0.5 x 4 = 2 groups exactly (no rounding up past 2)
+    assert sum(ok for _, ok in passing_groups(stats[:4], "top_variance", 0.5)) == 2
+    with pytest.raises(KeyError, match="unknown group filter 'acc'; valid: signal, top_variance, none"):
+        passing_groups(stats, "acc")
 
 
 def test_choose_groups_keeps_the_first_with_signal_in_play_order_then_tops_up():
@@ -76,13 +158,46 @@ def test_concat_and_select_whole_groups():
 
 @pytest.mark.parametrize("overrides,needle", [
     (["algo=ppo", "algo.dynamic_sampling=true"], "group_size >= 2"),
-    (["algo=grpo", "algo.dynamic_sampling_metric=acc"], "return, outcome"),
+    (["algo=ppo", "algo.group_size=4", "algo.dynamic_sampling=true"], "gae has no groups"),
+    (["algo=grpo", "algo.group_filter=variance"], "none, signal, top_variance"),
+    (["algo=grpo", "algo.group_filter_keep=0"], "0 < value <= 1"),
     (["algo=grpo", "algo.dynamic_sampling_max_rounds=-1"], "0 <= value"),
+    (["algo=grpo", "algo.dynamic_sampling_metric=outcome"], "Unknown config key"),
 ])
 def test_bad_dynamic_sampling_config(overrides, needle):
     with pytest.raises(ConfigError) as err:
         compose(overrides)
     assert needle in str(err.value)
+
+
+def test_a_run_saved_with_the_retired_metric_key_still_loads(tmp_path: Path) -> None:
+    from omegaconf import OmegaConf
+
+    from epo_cli.run_dir import load_run_config
+
+    saved = OmegaConf.to_container(compose(["algo=grpo", "algo.dynamic_sampling=true"]), resolve=True)
+    saved["algo"]["dynamic_sampling_metric"] = "outcome"
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(saved)))
+    with pytest.warns(UserWarning, match="dynamic_sampling_metric, which is retired: dynamic sampling now keeps"):
+        cfg = load_run_config(tmp_path)
+    assert "dynamic_sampling_metric" not in cfg.algo and cfg.algo.group_filter == "signal"
+
+
+def test_group_filter_settings_that_have_no_effect_warn():
+    # PPO with groups: the return-variance filter is fine (no estimator involved)
+    cfg = compose(["algo=ppo", "algo.group_size=4", "algo.dynamic_sampling=true", "algo.group_filter=top_variance"])
+    assert cfg.algo.group_filter == "top_variance" and cfg.algo.group_filter_keep == 0.5
+    with pytest.warns(UserWarning, match="group_filter=none: no group is ever dropped"):
+        compose(["algo=grpo", "algo.dynamic_sampling=true", "algo.group_filter=none"])
+    with pytest.warns(UserWarning, match="algo.group_filter=top_variance: no effect .*dynamic_sampling"):
+        compose(["algo=grpo", "algo.group_filter=top_variance"])
+    with pytest.warns(UserWarning, match=r"group_filter_keep=0.25: no effect in this run \(read only with "
+                                         r"algo.group_filter=top_variance\)"):
+        compose(["algo=grpo", "algo.dynamic_sampling=true", "algo.group_filter_keep=0.25"])
+    # top_variance named, but by a key nothing reads: the reason is that key's
+    with pytest.warns(UserWarning, match=r"algo.group_filter_keep=0.25, algo.group_filter=top_variance: no effect "
+                                         r"in this run \(algo.dynamic_sampling=false\)"):
+        compose(["algo=grpo", "algo.group_filter=top_variance", "algo.group_filter_keep=0.25"])
 
 
 @pytest.mark.slow
@@ -94,7 +209,7 @@ def test_dynamic_sampling_two_iterations(warm_start: Path, tmp_path: Path) -> No
     run_epo(["train", "algo=grpo", f"model.path={warm_start / 'final'}", "trainer.total_steps=2",
              *SmallConfig().run("algo.tasks_per_step=2", "algo.group_size=4", "algo.mini_batch_size=512",
                                 "trainer.eval_every=0"), "algo.dynamic_sampling=true",
-             "algo.dynamic_sampling_max_rounds=2", "algo.dynamic_sampling_metric=outcome",
+             "algo.dynamic_sampling_max_rounds=2",
              f"output_dir={out}", "name=ds"], cwd=out)
     run = only_run_dir(out)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -114,3 +229,20 @@ def test_dynamic_sampling_two_iterations(warm_start: Path, tmp_path: Path) -> No
         assert abs(wins - round(wins)) < 1e-6, r
     assert any(r["rollout/sampling_rounds"] > 0 for r in rows) or all(
         r["rollout/groups_dropped"] == 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_top_variance_filter_refills_to_a_full_batch(warm_start: Path, tmp_path: Path) -> None:
+    # 2 groups per round, keep 0.5: each round passes exactly one group (the higher return variance), so
+    # the batch of 2 groups needs exactly one extra round, and the two groups that did not pass are dropped
+    out = tmp_path / "tv"
+    out.mkdir()
+    run_epo(["train", "algo=grpo", f"model.path={warm_start / 'final'}", "trainer.total_steps=1",
+             *SmallConfig().run("algo.tasks_per_step=2", "algo.group_size=4", "algo.mini_batch_size=512",
+                                "trainer.eval_every=0"), "algo.dynamic_sampling=true",
+             "algo.dynamic_sampling_max_rounds=2", "algo.group_filter=top_variance",
+             f"output_dir={out}", "name=tv"], cwd=out)
+    (row,) = [json.loads(line) for line in (only_run_dir(out) / "metrics.jsonl").read_text().splitlines()]
+    assert row["rollout/sampling_rounds"] == 1.0 and row["rollout/groups_dropped"] == 2.0, row
+    assert row["rollout/groups_topped_up"] == 0.0
+    assert abs(row["rollout/success"] * 16 - round(row["rollout/success"] * 16)) < 1e-6  # 2 rounds x 8 episodes

@@ -1,4 +1,4 @@
-"""scripts/exp_entropy.py: its band statistics against hand-computed values, and (slow) its quick mode
+"""scripts/experiments/exp_entropy.py: its band statistics against hand-computed values, and (slow) its quick mode
 through the real `epo sweep` and `epo eval` path, producing a table and a PNG with plausible contents."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts" / "experiments"
 sys.path.insert(0, str(SCRIPTS))
 
 import exp_entropy  # noqa: E402  (a script, importable once scripts/ is on the path)
@@ -43,7 +43,7 @@ def test_entropy_stats_start_end_min_max() -> None:
 
 
 def test_preset_composes_without_warnings_and_each_arm_changes_what_it_names() -> None:
-    from epo_cli.launch.local import compose_for_train
+    from epo_cli.launch.setup import compose_for_train
 
     def compose(key: str) -> dict:
         cfg = compose_for_train(["experiment=entropy_stress", *exp_entropy.ARMS[key].overrides])[0]

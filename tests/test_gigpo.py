@@ -7,7 +7,14 @@ import math
 import pytest
 import torch
 
-from epo_cli.algos.advantages import anchor_groups, discounted_step_returns, gigpo, text_similarity
+from epo_cli.algos.advantages import (
+    anchor_groups,
+    anchor_keys,
+    discounted_step_returns,
+    gigpo,
+    key_similarity,
+    text_similarity,
+)
 from epo_cli.compose import compose
 from epo_cli.config import AlgoConfig, GiGPOConfig, GRPOConfig
 from epo_cli.errors import ConfigError
@@ -162,6 +169,25 @@ def test_admissible_actions_refine_the_anchor():
     batch.admissible = []
     with pytest.raises(ValueError, match="admissible"):
         gigpo(batch, algo.gigpo, algo.grpo)
+
+
+def test_observation_admissible_keys_on_the_pair_not_a_joined_string():
+    # obs 'a\n--\nb' with admissible 'c', and obs 'a' with admissible 'b\n--\nc': the old key, the string
+    # obs + "\n--\n" + adm, was 'a\n--\nb\n--\nc' for both, so two different states shared a step group
+    trajs = [(0, 0, 10.0, [0.0], ["a\n--\nb"]), (1, 0, 0.0, [0.0], ["a"])]
+    batch = make_batch(trajs)
+    batch.admissible = ["c", "b\n--\nc"]
+    assert anchor_keys(batch, "observation_admissible") == [("a\n--\nb", "c"), ("a", "b\n--\nc")]
+    ids = anchor_groups(batch, anchor="observation_admissible").tolist()
+    assert ids[0] != ids[1]
+    # each turn is alone in its step group -> A_step = 0; A = the episode level only (mean_norm, scores
+    # 10 and 0 -> +5, -5). With the two merged it was +5 + 5 and -5 - 5.
+    algo = gigpo_algo(gamma=1.0, mode="mean_norm", anchor="observation_admissible")
+    close(gigpo(batch, algo.gigpo, algo.grpo)[0], [5.0, -5.0])
+    # below similarity 1 the pair is compared field by field (the lower similarity counts): 'a\n--\nb' vs
+    # 'a' = 2*1/6 = 0.33 -> apart at 0.9, however similar the joined strings would be
+    assert len(set(anchor_groups(batch, 0.9, "observation_admissible").tolist())) == 2
+    assert key_similarity(("abcd", "x"), ("abce", "x")) == pytest.approx(0.75)
 
 
 def test_gigpo_needs_anchor_observations():

@@ -4,8 +4,9 @@ The graph is read from the source with `ast` (nothing is imported): every `impor
 epo_cli module, at module level and inside functions (a function-level import is still an edge: it runs
 whenever the function does), without `if TYPE_CHECKING:` blocks (they never run). Relative imports and
 `from package import module` resolve to the module; importing `a.b.c` also runs the package `a.b`'s
-__init__. Registries that import by name (`"epo_cli.envs.household:HouseholdSuite"` strings handed to
-importlib.import_module) are edges too, since those imports run as soon as a name is looked up.
+__init__. Registries that import by name (`"epo_cli.envs.household:HouseholdSuite"` strings, which
+epo_cli.registry imports when the name is first used) are edges too, since those imports run as soon as a
+name is looked up.
 """
 
 from __future__ import annotations
@@ -21,19 +22,11 @@ PACKAGE = Path(__file__).resolve().parents[1] / "epo_cli"
 
 #: function-level imports of epo_cli modules that stay, with why (importer, imported) -> reason
 ALLOWED_FUNCTION_IMPORTS: dict[tuple[str, str], str] = {
-    **{("epo_cli.cli", target): "`epo --help` stays fast: the command imports torch (and, for report, "
-       "numpy) only when it runs"
-       for target in ("epo_cli.launch.local", "epo_cli.launch.deepspeed", "epo_cli.evaluation",
-                      "epo_cli.analysis.report")},
-    ("epo_cli.cli", "epo_cli.launch.slurm"): "as above, and importing launch.rank sets OMP_NUM_THREADS=1, which "
-                                             "only SLURM ranks may get",
-    **{("epo_cli.algos", f"epo_cli.algos.{name}"): "registry_names() imports the torch modules only when a "
-       "config is validated, so composing a config stays torch-free"
-       for name in ("advantages", "aggregation", "losses", "schedules")},
-    **{("epo_cli.compose", target): "the component modules import torch: loaded when a config is validated, "
-       "so importing compose (the CLI, a sweep's parent process) stays torch-free"
-       for target in ("epo_cli.algos", "epo_cli.algos.advantages", "epo_cli.algos.losses",
-                      "epo_cli.algos.schedules")},
+    **{("epo_cli.cli", target): "`epo --help` and `epo config show` load no torch: the commands that train, "
+       "play or plot import torch (and, for report, numpy) only when they run"
+       for target in ("epo_cli.launch.local", "epo_cli.eval_command", "epo_cli.analysis.report")},
+    ("epo_cli.launch.slurm", "epo_cli.launch.rank"): "the submitting process pickles SlurmRank without loading "
+                                                     "torch; the SLURM task imports the rank's code when it runs",
 }
 
 
@@ -74,7 +67,6 @@ def imports_of(module: str, modules: dict[str, Path]) -> list[Import]:
     path = modules[module]
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     tree = ast.parse(path.read_text(), str(path))
-    uses_importlib = "importlib" in path.read_text()
     found: list[Import] = []
 
     def add(name: str | None, node: ast.AST, in_function: bool, by_name: bool = False) -> None:
@@ -111,8 +103,7 @@ def imports_of(module: str, modules: dict[str, Path]) -> list[Import]:
             for alias in node.names:  # `from pkg import mod` imports the module pkg.mod
                 full = f"{source}.{alias.name}"
                 add(full if full in modules else source, node, in_function)
-        elif uses_importlib and isinstance(node, ast.Constant) and isinstance(node.value, str) \
-                and ":" in node.value:
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and ":" in node.value:
             name = node.value.split(":", 1)[0]
             if name in modules:
                 add(name, node, True, by_name=True)
@@ -307,3 +298,72 @@ def test_process_start_imports_no_torch_and_deepspeed_gets_its_settings_on_impor
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
     assert "Setting accelerator" not in proc.stderr  # DeepSpeed did not have to guess
+
+
+# ---- what each command loads: torch and DeepSpeed only where something trains ----------------------------
+
+#: run first in the child: the first import of torch or deepspeed prints the stack that asked for it and ends
+#: the process (exit 97), so nothing after it can hide who imported it
+FIRST_HEAVY_IMPORT = """
+import importlib.abc, os, sys, traceback
+class FirstHeavyImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in ("torch", "deepspeed"):
+            stack = [f"{f.filename}:{f.lineno}" for f in traceback.extract_stack()[:-1]]
+            sys.__stdout__.write("HEAVY IMPORT " + name + "\\n" + "\\n".join(stack) + "\\n")
+            sys.__stdout__.flush()
+            os._exit(97)
+        return None
+sys.meta_path.insert(0, FirstHeavyImport())
+"""
+
+#: the sweep's jobs run `epo train` in child processes; here each job fails at once, so the test sees the
+#: parent process alone (checking the sweep, running Hydra, recording the jobs, summarising them)
+NO_JOBS = ("import epo_cli.launch.sweep as sweep\n"
+           "def fail(cmd, out):\n    out.write('error: not run in this test\\n')\n    return 1\n"
+           "sweep._run_job = fail\n")
+#: the deepspeed launcher's ranks (and the launcher itself) are child processes: here they "fail" at once
+NO_RANKS = "import epo_cli.launch.deepspeed as ds\nds._run_ranks = lambda cmd, layout, run: 1\n"
+GRPO_2 = ["algo=grpo", "algo.tasks_per_step=2", "trainer.total_steps=1"]
+
+COMMANDS = [  # (what, argv after `epo`, set-up code, where torch may first be imported: None = nowhere)
+    ("epo --help", ["--help"], "", None),
+    ("epo config show", ["config", "show", "algo=epo", "curriculum=staged"], "", None),
+    ("the sweep parent", ["sweep", "algo=sft,grpo", "trainer.total_steps=1", "output_dir={tmp}"], NO_JOBS, None),
+    ("the deepspeed launcher's parent", ["train", *GRPO_2, "launcher=deepspeed", "launcher.num_procs=2",
+                                         "run_dir={tmp}/ds"], NO_RANKS, None),
+    ("the slurm submission", ["train", "algo=grpo", "launcher=slurm", "launcher.num_nodes=2", "launcher.num_gpus=8",
+                              "algo.tasks_per_step=16", "algo.micro_batch_size=4", "run_dir={tmp}/slurm"], "", None),
+    ("the local launcher", ["train", "algo=sft", "trainer.total_steps=1", "run_dir={tmp}/local"], "",
+     "epo_cli/training/trainer.py"),
+]
+
+
+@pytest.mark.parametrize(("what", "argv", "setup", "first"), COMMANDS, ids=[c[0] for c in COMMANDS])
+def test_commands_import_torch_only_to_train(what: str, argv: list[str], setup: str, first: str | None,
+                                              tmp_path: Path) -> None:
+    """`epo --help`, `epo config show`, a sweep's parent process and the launchers' parents load neither torch
+    nor DeepSpeed; `epo train` with the local launcher loads them with the Trainer, not before."""
+    import os
+    import stat
+    import subprocess
+    import sys
+
+    bin_dir = tmp_path / "bin"  # stands in for SLURM (as in test_distributed.py): answers like sbatch
+    bin_dir.mkdir()
+    for tool, script in (("sbatch", "#!/bin/sh\necho 'Submitted batch job 4242'\n"), ("srun", "#!/bin/sh\nexit 1\n")):
+        (bin_dir / tool).write_text(script)
+        (bin_dir / tool).chmod((bin_dir / tool).stat().st_mode | stat.S_IEXEC)
+    args = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    code = (FIRST_HEAVY_IMPORT + setup + f"sys.argv = ['epo', *{args!r}]\n"
+            "from epo_cli.cli import main\nmain()\n")
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env,
+                          cwd=tmp_path)
+    heavy = proc.stdout[proc.stdout.find("HEAVY IMPORT"):] if "HEAVY IMPORT" in proc.stdout else ""
+    if first is None:
+        assert not heavy, f"{what} imported {heavy}"
+        assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    else:
+        assert heavy and proc.returncode == 97, f"{what} never imported torch:\n{proc.stdout[-2000:]}"
+        assert first in heavy, f"{what} imported torch before the Trainer:\n{heavy}"

@@ -16,8 +16,8 @@ import torch
 
 from epo_cli.algos.intrinsic import count_bonus, intrinsic_rewards, intrinsic_scale
 from epo_cli.envs.base import Task
-from epo_cli.launch.local import compose_for_train
-from epo_cli.rollout.rollout import Episode, Turn, episodes_to_batch
+from epo_cli.launch.setup import compose_for_train
+from epo_cli.rollout.episodes import Episode, Turn, episodes_to_batch
 from tests.conftest import only_run_dir, run_epo
 
 
@@ -113,8 +113,10 @@ def test_the_bonus_changes_the_update_not_the_rollout(tmp_path: Path, small_conf
                         "algo.intrinsic.coef=1.0")
     # same seed, same weights: the same episodes were played
     for key in ("rollout/success", "rollout/episode_len", "rollout/invalid_rate", "rollout/samples",
-                "rollout/shaped_reward", "rollout/task_reward"):
+                "rollout/task_reward"):
         assert bonus[key] == plain[key], key
+    # the shaped reward is reported without the bonus: (r + b) - b in float32 rounds, so equal to ~1e-6
+    assert bonus["rollout/shaped_reward"] == pytest.approx(plain["rollout/shaped_reward"], rel=1e-5, abs=1e-5)
     assert "rollout/intrinsic_reward" not in plain
     # every turn earns between coef / sqrt(group_size * turns) (all 4 rollouts on one state at every turn)
     # and coef (always a new state)

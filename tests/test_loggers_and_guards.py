@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -31,9 +32,9 @@ def test_non_finite_updates_stop_the_run_with_a_message(tmp_path: Path, epo_cach
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Force NaN log-probs in the training forward: every update is skipped, the weights never change,
     and after trainer.max_nonfinite_skips consecutive skips the run stops with one clear message."""
-    import epo_cli.training.trainer as trainer
+    import epo_cli.training.update as update
 
-    real = trainer.policy_forward
+    real = update.policy_forward
 
     def poisoned(model, mb, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
         out = real(model, mb, *args, **kwargs)
@@ -41,7 +42,7 @@ def test_non_finite_updates_stop_the_run_with_a_message(tmp_path: Path, epo_cach
             out.logprobs = out.logprobs * float("nan")
         return out
 
-    monkeypatch.setattr(trainer, "policy_forward", poisoned)
+    monkeypatch.setattr(update, "policy_forward", poisoned)
     proc = run_epo(["train", "algo=grpo", "env.level=tiny_open_pick_place", "env.prompt_template=compact",
                     "env.max_turns=3", "algo.tasks_per_step=1", "algo.group_size=2", "trainer.total_steps=5",
                     "trainer.max_nonfinite_skips=2", "env.eval_splits=[]", "trainer.save_every=1",
@@ -65,7 +66,14 @@ def test_non_finite_updates_stop_the_run_with_a_message(tmp_path: Path, epo_cach
 
 
 @pytest.mark.slow
-def test_wandb_offline_and_mlflow_local_store(tmp_path: Path, epo_cache: Path) -> None:
+def test_wandb_offline_and_mlflow_local_store(tmp_path: Path, epo_cache: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # wandb keeps folders in the temp directory for the life of the process (media, artifacts, its
+    # service's socket): in this test's own tmp_path, not the session's temp directory
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     run_epo([*SHORT_SFT, "logger=wandb", f"output_dir={tmp_path / 'w'}"], cwd=tmp_path)
     run = only_run_dir(tmp_path / "w")
     offline = list((run / "wandb").glob("offline-run-*"))

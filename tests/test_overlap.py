@@ -18,9 +18,9 @@ import pytest
 
 from epo_cli.envs.base import Env, EnvSuite, StepResult, Task
 from epo_cli.envs.pool import EnvPool
+from epo_cli.rollout.episodes import EpisodeSlot, ModelPolicy, PlaySettings, run_episodes
 from epo_cli.rollout.generation import SamplingParams
 from epo_cli.rollout.prompts import PromptBuilder, chat_encoder
-from epo_cli.rollout.rollout import EpisodeSlot, ModelPolicy, PlaySettings, run_episodes
 
 from conftest import only_run_dir, run_epo
 

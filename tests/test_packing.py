@@ -58,7 +58,7 @@ def _batch(vocab: int, seed: int = 0) -> TurnBatch:
 def _accumulate(model, batch, groups, packed, terms, coefs, modes, critic=None):
     """Sum of the loss stack (and critic value loss) over micro-batches `groups`, as Trainer.update does:
     weights normalised by the whole set's denominators. Returns (loss, value loss, grads, critic grads)."""
-    from epo_cli.training.trainer import _row_denominators
+    from epo_cli.training.update import row_denominators as _row_denominators
 
     den = {m: float(d.sum()) for m, d in _row_denominators(batch, modes, 0.9).items()}
     model.zero_grad()

@@ -314,17 +314,3 @@ def test_stopping_the_owner_leaves_no_orphans(tmp_path: Path, sig: signal.Signal
         assert _wait_gone(workers) == []
     finally:
         owner.kill()
-
-
-@pytest.mark.slow
-def test_ctrl_c_case_passes_when_started_with_sigint_ignored() -> None:
-    """The ctrl-c case above, run by a pytest that inherited SIGINT ignored (as `make test &` in a script)."""
-    def ignore_sigint() -> None:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", f"{__file__}::test_stopping_the_owner_leaves_no_orphans[ctrl-c]",
-         "-q", "-p", "no:cacheprovider"],
-        cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=120, preexec_fn=ignore_sigint)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert "1 passed" in proc.stdout

@@ -3,7 +3,9 @@
 `ToyLoss` below is a loss term that epo_cli does not know: it is registered here, at module level, with its
 own settings dataclass, and selected with overrides only (algo.loss_terms=[..., toy] and
 algo.components.toy.*). The real compose validates its settings, the real builders put it in the loss stack
-with its `coef`, and one in-process RL iteration reports its `loss/toy`.
+with its `coef`, and one in-process RL iteration reports its `loss/toy`. A toy advantage estimator and a toy
+schedule join it (registered by the `toys` fixture, so other tests see the built-in registries): with
+nothing else touched, all three compose, are validated, warn when set but unused, and train one step.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ import pytest
 import torch
 from torch import Tensor
 
-from epo_cli.algos.aggregation import AGGREGATIONS, normalized_weights, weighted_sum
-from epo_cli.algos.losses import LOSS_TERMS, LossStack, LossTerm, PolicyOutputs, build_loss_terms, loss_coefficients
+from epo_cli.algos.aggregation import normalized_weights, weighted_sum
+from epo_cli.algos.losses import LossStack, LossTerm, PolicyOutputs, build_loss_terms, loss_coefficients
+from epo_cli.algos.registries import AGGREGATIONS, ESTIMATORS, LOSS_TERMS
+from epo_cli.algos.schedules import SCHEDULES, Schedule, progress
 from epo_cli.compose import compose
 from epo_cli.config import num, one_of
 from epo_cli.errors import ConfigError
-from epo_cli.rollout.batch import MicroBatch
+from epo_cli.rollout.batch import MicroBatch, TurnBatch
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -160,16 +164,146 @@ def test_toy_term_is_built_into_the_stack_with_its_coef() -> None:
 DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def test_training_step_reports_the_toy_term(epo_cache: Path, tmp_path: Path) -> None:
+def test_every_declared_builtin_has_its_code() -> None:
+    """The algorithm registries are declared torch-free (epo_cli/algos/registries.py) and implemented where
+    their code is: once those modules are imported, no declared name is left without its component."""
+    import epo_cli.algos.advantages
+    import epo_cli.algos.aggregation
+    import epo_cli.algos.group_filter
+    import epo_cli.algos.losses  # noqa: F401 - they implement the declared names
+    from epo_cli.algos import REGISTRIES
+    from epo_cli.registry import Registry
+
+    missing = [f"{reg.kind} '{name}'" for reg in REGISTRIES.values() for name in reg.names()
+               if reg.entry(name).build is None]
+    assert not missing, f"declared but never implemented: {missing}"
+    reg = Registry("thing")
+    reg.declare("a", reads=("x.y",))
+    with pytest.raises(ValueError, match="registered twice"):
+        reg.declare("a")
+    with pytest.raises(ValueError, match="implemented but not declared"):
+        reg.implement("b", print)
+    with pytest.raises(RuntimeError, match="declared but its code was never registered"):
+        reg.target("a")
+    assert reg.implement("a", len) is len and reg["a"] is len and reg.reads("a") == ("x.y",)
+    with pytest.raises(KeyError, match="unknown thing 'c'; valid: a"):
+        reg["c"]  # noqa: B018 - the lookup is what is tested
+
+
+# ---- a toy estimator and a toy schedule beside the toy term ----------------------------------------------
+
+@dataclass
+class ToyAdvantageConfig:
+    #: the advantage is scale * (score - the group's mean score)
+    scale: float = num(1.0, gt=0)
+
+
+#: batch sizes the toy estimator was called with (the training step asserts it ran)
+TOY_ADVANTAGE_CALLS: list[int] = []
+
+
+def toy_advantages(batch: TurnBatch, settings: ToyAdvantageConfig, all_reduce_sum=None) -> tuple[Tensor, Tensor]:
+    scores = batch.outcome + batch.reward  # [N]
+    adv = torch.zeros_like(scores)
+    for group in batch.group_id.unique():
+        member = batch.group_id == group
+        adv[member] = settings.scale * (scores[member] - scores[member].mean())
+    TOY_ADVANTAGE_CALLS.append(len(batch))
+    return adv, scores
+
+
+def _toy_needs_groups(cfg) -> None:  # noqa: ANN001 - a composed config
+    if cfg.algo.group_size < 2:
+        raise ConfigError(f"toy_adv centres scores in groups: algo.group_size >= 2 (got {cfg.algo.group_size}).")
+
+
+class ToyStep(Schedule):
+    """`start` until `exploration_share` of training, then `end` (one step)."""
+
+    start: float
+    end: float
+    exploration_share: float
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.exploration_share < 1.0:
+            raise ValueError(f"toy_step needs 0 < exploration_share < 1 (got {self.exploration_share})")
+
+    def __call__(self, step: int, total_steps: int) -> float:
+        return self.start if progress(step, total_steps) < self.exploration_share else self.end
+
+
+@pytest.fixture
+def toys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """toy_adv (an estimator with its own settings and check) and toy_step (a schedule with no max_value of
+    its own) registered for one test: nothing else in epo_cli is touched."""
+    for registry in (ESTIMATORS, SCHEDULES):
+        monkeypatch.setattr(registry, "_entries", dict(registry._entries))  # restored after the test
+    ESTIMATORS.register("toy_adv", config=ToyAdvantageConfig, check=_toy_needs_groups)(toy_advantages)
+    step = dataclass(ToyStep)
+    SCHEDULES.register("toy_step", config=step)(step)
+
+
+#: EPO's terms plus the toy term, advantages from toy_adv, beta_k from toy_step (algo.phase's keys)
+TOYS = ["algo=epo", "algo.loss_terms=[policy_clip,kl,entropy,entropy_smoothing,toy]", "algo.estimator=toy_adv",
+        "algo.phase.schedule=toy_step", "algo.phase.beta_start=0.3", "algo.phase.beta_end=0.6",
+        "algo.phase.exploration_share=0.5"]
+
+
+def test_the_toys_compose(toys: None) -> None:
+    cfg = compose([*TOYS, "algo.components.toy_adv.scale=2"])
+    assert cfg.algo.estimator == "toy_adv" and dict(cfg.algo.components.toy_adv) == {"scale": 2.0}
+    assert cfg.algo.phase.schedule == "toy_step" and dict(cfg.algo.components.toy)["coef"] == 0.5
+    assert "toy_step" in compose(["entropy.schedule=toy_step"]).entropy.schedule  # the entropy group has its keys
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["algo.components.toy_adv.scale=0"], "'algo.components.toy_adv.scale': 0.0 is out of range; allowed: 0 < value"),
+    (["algo.group_size=1"], "toy_adv centres scores in groups: algo.group_size >= 2 (got 1)"),  # its check
+    (["algo.phase.exploration_share=1.0"], "algo.phase.schedule=toy_step: toy_step needs 0 < exploration_share < 1"),
+    (["algo.components.toy.power=0"], "'algo.components.toy.power': 0 is out of range"),
+    (["algo.estimator=toy_ad"], "Invalid value 'toy_ad' for 'algo.estimator'. Did you mean 'toy_adv'?"),
+])
+def test_the_toys_are_validated(toys: None, overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        compose([*TOYS, *overrides])
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    # set, but not in algo.loss_terms / not algo.estimator
+    (["algo=grpo", "algo.components.toy.coef=1"], "algo.components.toy: no effect in this run"),
+    (["algo=grpo", "algo.components.toy_adv.scale=3"], "algo.components.toy_adv: no effect in this run"),
+    # toy_step reads no gamma: the paper schedule would (read from the schedule registry, nothing else)
+    ([*TOYS, "algo.phase.gamma=5"], "algo.phase.gamma=5.0: no effect in this run (read only with "
+                                    "algo.phase.schedule=paper)"),
+    # the toy schedule's parameters under grpo, whose loss has no entropy_smoothing term for beta_k to weight
+    (["algo=grpo", "algo.phase.schedule=toy_step", "algo.phase.beta_end=0.7"],
+     "algo.phase.schedule=toy_step, algo.phase.beta_end=0.7: no effect in this run (beta weights only the "
+     "'entropy_smoothing' term"),
+    # max beta_k of a schedule without a max_value of its own: evaluated over the run (0.5 * 2.5 >= 1)
+    ([*TOYS, "algo.entropy_smoothing.alpha=0.5", "algo.phase.beta_end=2.5"], r"alpha * max beta_k = 0.5 * 2.5 >= 1"),
+])
+def test_the_toys_warn(toys: None, overrides: list[str], message: str) -> None:
+    with pytest.warns(UserWarning) as caught:
+        compose(overrides)
+    assert any(message in str(w.message) for w in caught), [str(w.message) for w in caught]
+
+
+#: set by init_distributed for a world of one; they must not leak into later tests' subprocesses
+DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def test_a_training_step_runs_the_toys(toys: None, epo_cache: Path, tmp_path: Path) -> None:
     from epo_cli.training.trainer import Trainer
 
-    cfg = compose([*TOY, "algo.components.toy.coef=0.1", "env.level=tiny_open_pick_place",
+    cfg = compose([*TOYS, "algo.components.toy.coef=0.1", "env.level=tiny_open_pick_place",
                    "env.prompt_template=compact", "env.max_turns=3", "algo.tasks_per_step=1", "algo.group_size=2",
                    "algo.micro_batch_size=4", "algo.mini_batch_size=8", "env.eval_splits=[]", "logger.console=false",
                    "logger.tensorboard=false", "trainer.total_steps=2"])
     cfg.run_dir = str(tmp_path / "toy")
     Path(cfg.run_dir).mkdir()
     saved = {key: os.environ.pop(key, None) for key in DIST_ENV}
+    TOY_ADVANTAGE_CALLS.clear()
     try:
         trainer = Trainer(cfg, Path(cfg.run_dir))
         try:
@@ -185,3 +319,5 @@ def test_training_step_reports_the_toy_term(epo_cache: Path, tmp_path: Path) -> 
                 os.environ[key] = value
     # (-log p) ** 2 of sampled tokens is positive: the term ran on the rollout and was logged
     assert metrics["loss/toy"] > 0 and torch.isfinite(torch.tensor(metrics["loss/toy"]))
+    assert TOY_ADVANTAGE_CALLS and TOY_ADVANTAGE_CALLS[0] > 0  # the toy estimator made the advantages
+    assert metrics["coef/beta"] == pytest.approx(0.3)  # step 0 of 2: toy_step's start (the paper's would be 2)

@@ -6,9 +6,9 @@ import torch
 
 from epo_cli.envs.base import Task
 from epo_cli.rollout.actions import parse_action
+from epo_cli.rollout.episodes import Episode, Turn, episodes_to_batch
 from epo_cli.rollout.generation import SamplingParams, generate, sample_next
 from epo_cli.rollout.prompts import EpisodeMemory, PromptBuilder, format_response
-from epo_cli.rollout.rollout import Episode, Turn, episodes_to_batch
 
 
 def test_parse_action_valid_and_normalised() -> None:

@@ -195,3 +195,29 @@ def test_lr_warmup_length_is_robust_to_float_error():
     assert lr_multiplier(6, 100, 0.07, 0.2) == 1.0
     # no warm-up: step 0 starts the cosine at 1
     assert lr_multiplier(0, 100, 0.0, 0.2) == 1.0
+
+
+def test_max_value_by_hand():
+    """max_value: the largest value over a run (EPO's alpha * max beta_k check reads it at config time)."""
+    K = 10
+    assert SCHEDULES.build("paper", gamma=3.0).max_value(K) == 2.0  # beta_0 = 1 + exp(0)
+    assert SCHEDULES.build("constant", value=0.7).max_value(K) == 0.7
+    assert SCHEDULES.build("linear", start=0.2, end=0.5).max_value(K) == 0.5
+    assert SCHEDULES.build("cosine", start=0.5, end=0.1).max_value(K) == 0.5
+    assert SCHEDULES.build("exp_anneal", start=0.005, decay_rate=0.1, end=0.0001).max_value(K) == 0.005
+    assert SCHEDULES.build("two_phase", start=0.1, peak=0.5, end=0.2, exploration_share=0.3).max_value(K) == 0.5
+    assert SCHEDULES.build("delayed_linear", start=0.2, end=0.8, exploration_share=0.3).max_value(K) == 0.8
+    # feedback may raise coef up to max_coef
+    assert SCHEDULES.build("adaptive_target", coef=0.001, target=0.5, adapt_lr=0.1, min_coef=0.0,
+                           max_coef=0.05).max_value(K) == 0.05
+    assert SCHEDULES.build("warmup_cosine", warmup_ratio=0.1, min_lr_ratio=0.2).max_value(K) == 1.0
+
+
+def test_default_max_value_evaluates_every_step():
+    from epo_cli.algos.schedules import Schedule
+
+    class Down(Schedule):
+        def __call__(self, step: int, total_steps: int) -> float:
+            return 3.0 * (1 - step / total_steps)  # steps 0..4 of 4: 3, 2.25, 1.5, 0.75, 0
+
+    assert Down().max_value(4) == 3.0

@@ -41,10 +41,11 @@ def test_rollouts_skip_the_gold_path_unless_it_is_read() -> None:
 
     cfg = compose(["env=scienceworld"])
     assert cfg.env.expert is None
-    assert make_suite(cfg.env).make_env().use_expert is True  # no JVM yet: it starts at the first reset
-    assert make_suite(cfg.env, reads_expert=False).make_env().use_expert is False
+    suite = make_suite(cfg.env)
+    assert suite.make_env().use_expert is True  # no JVM yet: it starts at the first reset
+    assert suite.make_env(reads_expert=False).use_expert is False
     forced = compose(["env=scienceworld", "env.expert=true"])
-    assert make_suite(forced.env, reads_expert=False).make_env().use_expert is True
+    assert make_suite(forced.env).make_env(reads_expert=False).use_expert is True
 
 
 def test_config_is_validated() -> None:

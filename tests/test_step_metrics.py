@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from epo_cli.envs.base import Task
-from epo_cli.rollout.rollout import Episode, RolloutStats, Turn
+from epo_cli.rollout.episodes import Episode, RolloutStats, Turn
 from epo_cli.training.step_metrics import (
     UpdateTally,
     critic_metrics,

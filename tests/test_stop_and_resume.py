@@ -3,7 +3,7 @@
     SIGTERM to a real `epo train` (single process) -> exit 143, status stopped (SIGTERM), a checkpoint of
         the last completed step; `trainer.resume=<run>` then ends with the metrics of an uninterrupted run
     SIGINT once -> exit 130 with a checkpoint; SIGINT twice -> exits at once (130), the step abandoned
-    SIGTERM to `epo train launcher=deepspeed` (2 CPU ranks) -> every rank stops after the same step
+    (2 CPU ranks: the same SIGTERM + resume, against an uninterrupted 2-rank run, is in test_distributed.py)
     trainer.resume=<run> | <run>/checkpoints | <run>/checkpoints/latest | <run>/checkpoints/step_N
     a path that is none of these -> exit 2 with the expected forms, nothing written
 The signal tests run the real console script (conftest.run_cli, a process to signal); the path forms run
@@ -205,29 +205,6 @@ def test_resume_path_that_is_not_a_run_is_exit_2(two_checkpoints: Path, tmp_path
                 (what, proc.stderr)
     assert not (tmp_path / "outputs").exists()  # no default-config run was started anywhere
     assert sorted(str(p) for p in run.rglob("*")) == before  # nothing in the run was touched
-
-
-# ---- 2 ranks: the launcher relays the signal, every rank stops after the same step ---------------------------
-
-@pytest.mark.distributed
-def test_sigterm_stops_every_rank_after_the_same_step(warm_start: Path, tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    args = [*(a for a in RL_ARGS if a != "algo=epo"), "algo=grpo", "launcher=deepspeed", "launcher.num_procs=2",
-            "deepspeed=zero2", "algo.group_size=2", "algo.mini_batch_size=8", "algo.micro_batch_size=2",
-            f"model.path={warm_start / 'final'}", f"run_dir={run}"]
-    proc = start_train(args, tmp_path)
-    code, err = signal_after_first_step(proc, run, [signal.SIGTERM])
-    assert code == 143, err[-4000:]
-    assert "Traceback" not in err.split("SIGTERM received")[-1]
-    st = status(run)
-    assert st["status"] == "stopped" and st["signal"] == "SIGTERM", st
-    folder = run / "checkpoints" / f"step_{st['step']}"
-    assert (folder / "COMPLETE").exists()
-    assert (folder / "rng_rank0.pt").exists() and (folder / "rng_rank1.pt").exists()  # both ranks saved it
-    assert len(list(folder.glob("*zero_pp_rank_*_optim_states.pt"))) == 2
-    run_cli(["train", f"trainer.resume={run}"], cwd=tmp_path, timeout=900)
-    assert status(run)["status"] == "finished"
-    assert [r["step"] for r in metrics_rows(run)] == [1, 2, 3, 4]
 
 
 def test_ctrl_c_in_a_sweep_lets_the_running_job_checkpoint(warm_start: Path, tmp_path: Path) -> None:

@@ -148,7 +148,8 @@ def test_sweep_with_a_failing_job_summarises_the_others(epo_cache: Path, tmp_pat
     status = json.loads((failed / "status.json").read_text())
     assert status["status"] == "failed" and status["exit_code"] != 0 and status["log_tail"]
     job = json.loads((failed / "sweep_job.json").read_text())
-    assert job["objective"]["value"] == -math.inf  # the worst value for sweep.direction=maximize
+    # the worst value for sweep.direction=maximize (-inf), which standard JSON writes as null
+    assert job["objective"]["value"] is None
     summary = _csv(sweep / "summary.csv")
     assert [(row["finished"], row["failed"]) for row in summary] == [("1", "0"), ("0", "1")]
     assert "/nonexistent/demos.jsonl" in (sweep / "summary.md").read_text()

@@ -1,25 +1,34 @@
 """Algorithm components: advantage estimators, loss terms, aggregation modes, schedules, entropy state.
 
-Every component a config names lives in a registry next to its code (epo_cli.registry.Registry for those
-built from settings: estimators, loss terms, policy losses, schedules; a name -> function table for the
-settings-free KL estimators, entropy modes and aggregation modes). `registry_names()` is what config
-validation checks names against, so an unknown name fails at config time with the list of valid names.
+Every component a config names lives in a registry (epo_cli.registry.Registry): the algorithm's are
+declared in epo_cli/algos/registries.py, the schedules in schedules.py, neither of which imports torch.
+`REGISTRIES` is what config validation reads (names, and what each entry says about its component), so an
+unknown name fails at config time with the list of valid names, without loading the components' code.
 """
 
 from __future__ import annotations
 
+from epo_cli.algos.registries import (
+    AGGREGATIONS,
+    ENTROPY_MODES,
+    ESTIMATORS,
+    GROUP_FILTERS,
+    KL_ESTIMATORS,
+    LOSS_TERMS,
+    POLICY_LOSSES,
+)
+from epo_cli.algos.schedules import KL_SCHEDULES, SCHEDULES
+from epo_cli.registry import Registry
 
-def registry_names() -> dict[str, list[str]]:
-    """registry (as `one_of(registry=...)` names it in epo_cli/config.py) -> its component names."""
-    from epo_cli.algos import advantages, aggregation, losses, schedules
-
-    return {
-        "estimators": advantages.ESTIMATORS.names(),
-        "loss_terms": losses.LOSS_TERMS.names(),
-        "policy_losses": losses.POLICY_LOSSES.names(),
-        "kl_estimators": sorted(losses.KL_ESTIMATORS),
-        "entropy_modes": sorted(losses.ENTROPY_MODES),
-        "aggregations": sorted(aggregation.AGGREGATIONS),
-        "schedules": schedules.SCHEDULES.names(),
-        "kl_schedules": sorted(schedules.KL_SCHEDULES),
-    }
+#: the registries as `one_of(registry=...)` names them in epo_cli/config.py
+REGISTRIES: dict[str, Registry] = {
+    "estimators": ESTIMATORS,
+    "loss_terms": LOSS_TERMS,
+    "policy_losses": POLICY_LOSSES,
+    "kl_estimators": KL_ESTIMATORS,
+    "entropy_modes": ENTROPY_MODES,
+    "aggregations": AGGREGATIONS,
+    "schedules": SCHEDULES,
+    "kl_schedules": KL_SCHEDULES,
+    "group_filters": GROUP_FILTERS,
+}

@@ -1,7 +1,7 @@
 """Advantage estimators: one advantage per turn-sample, broadcast later to every token of the turn.
 
-Each estimator is registered in ESTIMATORS under its conf/ name (algo.estimator), with the algo sections
-its settings come from, and has the signature
+Each estimator is declared in ESTIMATORS (epo_cli/algos/registries.py: its conf/ name for algo.estimator, the
+algo sections its settings come from, its checks) and implemented here; it has the signature
 
     fn(batch: TurnBatch, *settings, all_reduce_sum=None) -> (advantages [N], returns [N])
 
@@ -32,14 +32,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from epo_cli.algos.registries import ESTIMATORS
 from epo_cli.config import GAEConfig, GiGPOConfig, GRPOConfig
-from epo_cli.registry import Registry
 from epo_cli.rollout.batch import TurnBatch
 
 AllReduce = Callable[[Tensor], Tensor]
-
-#: algo.estimator -> fn(batch, *settings, all_reduce_sum=None) -> (advantages [N], returns [N])
-ESTIMATORS = Registry("advantage estimator")
 
 
 def whiten(x: Tensor, all_reduce_sum: AllReduce | None = None, eps: float = 1e-8) -> Tensor:
@@ -78,7 +75,7 @@ def _trajectories(batch: TurnBatch) -> dict[int, list[int]]:
     return rows
 
 
-@ESTIMATORS.register("gae", config=GAEConfig, sections=("gae",))
+@ESTIMATORS.implement("gae")
 def gae(batch: TurnBatch, settings: GAEConfig, all_reduce_sum: AllReduce | None = None) -> tuple[Tensor, Tensor]:
     """Turn-level GAE. One "time step" is one turn; V_t = critic value of turn t's prompt.
 
@@ -141,7 +138,7 @@ def _trajectory_scores(batch: TurnBatch) -> tuple[Tensor, Tensor, Tensor]:
     return row_traj, outcome + turn_sum, group
 
 
-@ESTIMATORS.register("grpo", config=GRPOConfig, sections=("grpo",))
+@ESTIMATORS.implement("grpo")
 def grpo(
     batch: TurnBatch, settings: GRPOConfig, all_reduce_sum: AllReduce | None = None
 ) -> tuple[Tensor, Tensor]:
@@ -164,7 +161,7 @@ def grpo(
     raise ValueError(f"unknown algo.grpo.mean_over '{cfg.mean_over}' (turns | trajectories)")
 
 
-@ESTIMATORS.register("rloo", sections=())
+@ESTIMATORS.implement("rloo")
 def rloo(batch: TurnBatch, all_reduce_sum: AllReduce | None = None) -> tuple[Tensor, Tensor]:
     """A_j = score_j - mean of the OTHER trajectories' scores in j's group (0 for a lone trajectory).
 
@@ -200,58 +197,65 @@ def text_similarity(a: str, b: str) -> float:
     return 1.0 if a == b else SequenceMatcher(None, a, b).ratio()
 
 
+def key_similarity(a: tuple[str, ...], b: tuple[str, ...]) -> float:
+    """Similarity of two anchor keys: the lowest text_similarity of their fields (1 only when every field
+    is the same text, so two different states never look identical)."""
+    return min(text_similarity(x, y) for x, y in zip(a, b))
+
+
 #: algo.gigpo.anchor: what identifies a turn's state
 ANCHORS = ("observation", "observation_admissible")
 
 
-def anchor_texts(batch: TurnBatch, anchor: str = "observation") -> list[str]:
-    """The text each turn is matched on: its observation (the paper, verl-agent), or the observation plus
-    the admissible actions of its prompt (separates states whose observation alone is the same, such as
-    household's "Nothing happens." at different places)."""
+def anchor_keys(batch: TurnBatch, anchor: str = "observation") -> list[tuple[str, ...]]:
+    """The key each turn is matched on: (its observation,) (the paper, verl-agent), or (observation,
+    admissible actions of its prompt) (separates states whose observation alone is the same, such as
+    household's "Nothing happens." at different places). A tuple, not a joined string: no choice of
+    separator can make two different (observation, admissible) pairs equal."""
     if anchor not in ANCHORS:
         raise ValueError(f"unknown algo.gigpo.anchor '{anchor}' ({' | '.join(ANCHORS)})")
     if len(batch.anchor_obs) != len(batch):
         raise ValueError("gigpo needs batch.anchor_obs (the observation of every turn); this batch has "
                          f"{len(batch.anchor_obs)} for {len(batch)} turns")
     if anchor == "observation":
-        return list(batch.anchor_obs)
+        return [(o,) for o in batch.anchor_obs]
     if len(batch.admissible) != len(batch):
         raise ValueError("algo.gigpo.anchor=observation_admissible needs batch.admissible for every turn")
-    return [f"{o}\n--\n{a}" for o, a in zip(batch.anchor_obs, batch.admissible)]
+    return list(zip(batch.anchor_obs, batch.admissible))
 
 
 def anchor_groups(batch: TurnBatch, similarity: float = 1.0, anchor: str = "observation") -> Tensor:
-    """Step-group id per turn-sample [N]: turns of ONE episode group whose anchor texts match.
+    """Step-group id per turn-sample [N]: turns of ONE episode group whose anchor keys match.
 
-    similarity = 1.0: exact text match. Below 1: greedy clustering in row order (as verl-agent): a turn
-    joins the first cluster of its group whose first member's text has text_similarity >= similarity,
+    similarity = 1.0: exact match of every field. Below 1: greedy clustering in row order (as verl-agent):
+    a turn joins the first cluster of its group whose first member's key has key_similarity >= similarity,
     else it starts a new cluster. Turns of the same trajectory may share a step group (a revisited state).
     """
-    texts = anchor_texts(batch, anchor)
+    keys = anchor_keys(batch, anchor)
     ids = [0] * len(batch)
     next_id = 0
     by_group: dict[int, list[int]] = defaultdict(list)
     for i, g in enumerate(batch.group_id.tolist()):
         by_group[g].append(i)
     for g in sorted(by_group):
-        exact: dict[str, int] = {}
-        clusters: list[tuple[str, int]] = []  # (representative text, id)
+        exact: dict[tuple[str, ...], int] = {}
+        clusters: list[tuple[tuple[str, ...], int]] = []  # (representative key, id)
         for i in by_group[g]:
-            obs = texts[i]
+            key = keys[i]
             if similarity >= 1.0:
-                if obs not in exact:
-                    exact[obs], next_id = next_id, next_id + 1
-                ids[i] = exact[obs]
+                if key not in exact:
+                    exact[key], next_id = next_id, next_id + 1
+                ids[i] = exact[key]
                 continue
-            match = next((cid for rep, cid in clusters if text_similarity(obs, rep) >= similarity), None)
+            match = next((cid for rep, cid in clusters if key_similarity(key, rep) >= similarity), None)
             if match is None:
                 match, next_id = next_id, next_id + 1
-                clusters.append((obs, match))
+                clusters.append((key, match))
             ids[i] = match
     return torch.tensor(ids, dtype=torch.long)
 
 
-@ESTIMATORS.register("gigpo", config=GiGPOConfig, sections=("gigpo", "grpo"))
+@ESTIMATORS.implement("gigpo")
 def gigpo(
     batch: TurnBatch, settings: GiGPOConfig, episode: GRPOConfig, all_reduce_sum: AllReduce | None = None
 ) -> tuple[Tensor, Tensor]:
@@ -286,4 +290,4 @@ def gigpo(
 def compute_advantages(batch: TurnBatch, algo: Any, all_reduce_sum: AllReduce | None = None) -> tuple[Tensor, Tensor]:
     """Run the estimator algo.estimator names on `batch`, with its own settings read from `algo`."""
     entry = ESTIMATORS.entry(algo.estimator)
-    return entry.build(batch, *entry.settings(algo), all_reduce_sum=all_reduce_sum)
+    return ESTIMATORS.build(algo.estimator, batch, *entry.settings(algo), all_reduce_sum=all_reduce_sum)

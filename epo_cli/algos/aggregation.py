@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from epo_cli.algos.registries import AGGREGATIONS
+
 AllReduce = Callable[[Tensor], Tensor]
 #: (lengths |y| [B] float, turn_index [B] float, num_turns [B] float, decay) -> (c [B], d [B])
 RowScale = Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
@@ -82,22 +84,15 @@ class Aggregation:
         return c[:, None] * mask, d
 
 
-AGGREGATIONS: dict[str, Aggregation] = {
-    a.name: a
-    for a in (
-        Aggregation("token-mean", _token_mean),
-        Aggregation("seq-mean-token-mean", _seq_mean_token_mean),
-        Aggregation("seq-mean-token-sum", _seq_mean_token_sum),
-        Aggregation("trajectory", _trajectory),
-        Aggregation("turn-decay", _turn_decay),
-    )
-}
+# the modes AGGREGATIONS declares (epo_cli/algos/registries.py)
+for _name, _scale in (("token-mean", _token_mean), ("seq-mean-token-mean", _seq_mean_token_mean),
+                      ("seq-mean-token-sum", _seq_mean_token_sum), ("trajectory", _trajectory),
+                      ("turn-decay", _turn_decay)):
+    AGGREGATIONS.implement(_name, Aggregation(_name, _scale))
 
 
 def get_aggregation(mode: str) -> Aggregation:
-    if mode not in AGGREGATIONS:
-        raise KeyError(f"unknown aggregation '{mode}'; valid: {', '.join(AGGREGATIONS)}")
-    return AGGREGATIONS[mode]
+    return AGGREGATIONS[mode]  # KeyError listing the valid modes
 
 
 def normalized_weights(

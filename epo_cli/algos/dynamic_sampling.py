@@ -1,19 +1,20 @@
-"""Dynamic sampling (DAPO, Yu et al. 2025, arXiv 2503.14476, Sec. 3.2): train only on groups that carry a
-learning signal.
+"""Dynamic sampling (DAPO, Yu et al. 2025, arXiv 2503.14476, Sec. 3.2): train only on groups that pass the
+group filter (algo.group_filter, epo_cli/algos/group_filter.py; `signal`: the groups the estimator gives a
+non-zero advantage), replacing the others by fresh rounds.
 
-A group whose trajectories all scored the same has zero score variance, so every group-relative advantage
-in it is 0: it costs a forward/backward and only dilutes the token-mean of the others. With
-`algo.dynamic_sampling=true` such groups are dropped and fresh groups are played, a round of
-`tasks_per_step` groups at a time, until `tasks_per_step` groups with signal are in hand or
+A group without signal has all-zero advantages: it costs a forward/backward and only dilutes the token-mean
+of the others (and feeds the KL and entropy terms nothing but their own pull). With
+`algo.dynamic_sampling=true` the groups that do not pass are dropped and fresh groups are played, a round of
+`tasks_per_step` groups at a time, until `tasks_per_step` groups that pass are in hand or
 `algo.dynamic_sampling_max_rounds` extra rounds have been played.
 
 How the batch is formed (deterministic for a seed, the same on any number of ranks):
 - round r draws its tasks from a seed-and-step-and-round rng, identically on every rank; rank k plays its
   share of whole groups; group and trajectory ids are global (round r, group g -> r * tasks_per_step + g),
   so sampling seeds (and so the episodes) do not depend on the rank that plays them.
-- the batch is the first `tasks_per_step` groups with signal in play order (round, then group), as DAPO
-  truncates its over-full batch. If the rounds run out first it is topped up with zero-variance groups in
-  play order, so the batch ALWAYS has tasks_per_step groups: the learning rate and token-mean scale stay
+- the batch is the first `tasks_per_step` groups that pass in play order (round, then group), as DAPO
+  truncates its over-full batch. If the rounds run out first it is topped up with groups that did not pass,
+  in play order, so the batch ALWAYS has tasks_per_step groups: the learning rate and token-mean scale stay
   those the run was configured with (the shortfall is logged as rollout/groups_topped_up).
 - the chosen groups are then dealt out to ranks by position (rank k gets positions
   [k * G / W, (k + 1) * G / W)): every rank still holds whole groups, and the same number of them.
@@ -27,33 +28,11 @@ import torch
 
 from epo_cli.rollout.batch import TurnBatch
 
-#: algo.dynamic_sampling_metric: what must differ within a group for it to carry signal
-METRICS = ("return", "outcome")
-
-
-def group_has_signal(batch: TurnBatch, metric: str = "return", tol: float = 1e-6) -> dict[int, bool]:
-    """group id -> whether its trajectories' scores differ (max - min > tol).
-
-    return: the trajectory's return (outcome + its turn rewards, e.g. invalid-action penalties), the score
-        GRPO normalises; outcome: the task reward alone (DAPO's accuracy filter).
-    """
-    if metric not in METRICS:
-        raise ValueError(f"unknown dynamic sampling metric '{metric}' ({' | '.join(METRICS)})")
-    per_traj: dict[int, tuple[int, float]] = {}  # traj -> (group, score)
-    for tid, gid, r, o in zip(batch.traj_id.tolist(), batch.group_id.tolist(), batch.reward.tolist(),
-                              batch.outcome.tolist()):
-        g, s = per_traj.get(tid, (gid, o))  # the outcome is the same on every turn: counted once
-        per_traj[tid] = (g, s + (r if metric == "return" else 0.0))
-    scores: dict[int, list[float]] = {}
-    for g, s in per_traj.values():
-        scores.setdefault(g, []).append(s)
-    return {g: max(s) - min(s) > tol for g, s in scores.items()}
-
 
 def choose_groups(played: list[tuple[int, bool]], target: int) -> tuple[list[int], int]:
-    """played: (global group id, has signal) of every group played, in play order.
+    """played: (global group id, passes the filter) of every group played, in play order.
 
-    Returns (the ids of the batch's groups in play order, how many of them are zero-variance top-ups).
+    Returns (the ids of the batch's groups in play order, how many of them are top-ups that did not pass).
     """
     with_signal = [g for g, ok in played if ok][:target]
     top_up = [g for g, ok in played if not ok][:max(target - len(with_signal), 0)]

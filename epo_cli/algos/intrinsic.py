@@ -23,8 +23,9 @@ subgoal rewards sit), never to the task outcome, so success stays the true task 
 it apart in `TurnBatch.intrinsic` (metric `rollout/intrinsic_reward`, summed over the batch like
 `rollout/shaped_reward`, which excludes it). With GRPO's default mean_over=turns a turn's score is the
 outcome plus its own turn reward, so the bonus credits the very turn whose action reached the new
-observation. Note that algo.dynamic_sampling with dynamic_sampling_metric=return then sees almost every
-group as carrying signal; use dynamic_sampling_metric=outcome with it.
+observation. It is added in GroupSampler.play_round (epo_cli/training/group_sampler.py), before the
+group filters: with algo.dynamic_sampling, almost every group then carries signal (its turns' bonuses
+differ), so the filters drop few groups.
 """
 
 from __future__ import annotations

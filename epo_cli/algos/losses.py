@@ -18,10 +18,11 @@ EPO objective (arXiv 2509.22576):  L = L_RL - lambda * (L_H - beta_k * L_smooth)
 i.e. coefficients policy_clip 1, entropy -lambda, entropy_smoothing +lambda*beta_k, kl kl_coef
 (`loss_coefficients`).
 
-Every term is registered in LOSS_TERMS under its conf/ name (algo.loss_terms) with its own settings and
-the algo keys they are read from (`build_loss_term` looks it up: no list of names to keep in step). A new
-term registers itself the same way with its own settings dataclass; its settings are then
-algo.components.<name> and its coefficient is their `coef` (tests/test_registry.py shows one).
+Every term is declared in LOSS_TERMS (epo_cli/algos/registries.py) under its conf/ name (algo.loss_terms)
+with its settings, the algo keys they are read from and its coefficient, and implemented here
+(`@LOSS_TERMS.implement`); `build_loss_term` and `loss_coefficients` read the registry, so there is no list
+of names to keep in step. A term from elsewhere registers itself with its own settings dataclass; its
+settings are then algo.components.<name> and its coefficient their `coef` (tests/test_registry.py shows one).
 """
 
 from __future__ import annotations
@@ -33,6 +34,14 @@ import torch
 from torch import Tensor, nn
 
 from epo_cli.algos.aggregation import weighted_sum
+from epo_cli.algos.cov_selection import (
+    SelectionRule,
+    TokenSelector,
+    micro_batch_rows,
+    select_tokens,
+    selection_mask,
+)
+from epo_cli.algos.registries import ENTROPY_MODES, KL_ESTIMATORS, LOSS_TERMS, POLICY_LOSSES, coef_factors
 from epo_cli.config import (
     EntropyTermConfig,
     KLConfig,
@@ -40,13 +49,7 @@ from epo_cli.config import (
     SmoothingConfig,
     ValueConfig,
 )
-from epo_cli.registry import Registry
 from epo_cli.rollout.batch import MicroBatch
-
-#: algo.loss_terms -> fn(*its settings) -> LossTerm
-LOSS_TERMS = Registry("loss term")
-#: algo.policy_loss -> fn(PolicyClipConfig) -> the module in the `policy_clip` slot of the loss stack
-POLICY_LOSSES = Registry("policy loss")
 
 
 @dataclass
@@ -108,18 +111,7 @@ class PolicyClipLoss(LossTerm):
         """Per-token clipped surrogate [B, R], which tokens any clip bounds [B, R] bool, the token
         weights [B, R] and the detached diagnostics (without the loss value)."""
         w = _weights(mb, self.aggregation)  # [B, R]
-        old_logp = _require(mb.old_logprobs, "old_logprobs", self.name)  # [B, R]
-        adv = _require(mb.advantages, "advantages", self.name)[:, None]  # [B, 1]
-        log_ratio = out.logprobs - old_logp  # [B, R]
-        ratio = torch.exp(log_ratio)  # [B, R]
-        pg1 = -adv * ratio  # [B, R]
-        pg2 = -adv * torch.clamp(ratio, 1.0 - self.clip_low, 1.0 + self.clip_high)  # [B, R]
-        pg = torch.maximum(pg1, pg2)  # [B, R]
-        dual_active = torch.zeros_like(pg, dtype=torch.bool)  # [B, R]
-        if self.dual_clip is not None:
-            pg3 = -adv * self.dual_clip  # [B, 1]
-            dual_active = (adv < 0) & (pg > pg3)
-            pg = torch.where(dual_active, pg3.expand_as(pg), pg)
+        pg, pg1, pg2, dual_active, ratio, log_ratio = self._clipped(mb, out.logprobs)  # [B, R] each
         with torch.no_grad():
             metrics = {
                 "policy/clipfrac": weighted_sum(w, (pg2 > pg1).float()),
@@ -129,38 +121,53 @@ class PolicyClipLoss(LossTerm):
             }
         return pg, (pg2 > pg1) | dual_active, w, metrics
 
+    def _clipped(self, mb: MicroBatch, logprobs: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """(pg, pg1, pg2, dual_active, ratio, log_ratio), each [B, R], for the current log-probs [B, R]."""
+        old_logp = _require(mb.old_logprobs, "old_logprobs", self.name)  # [B, R]
+        adv = _require(mb.advantages, "advantages", self.name)[:, None]  # [B, 1]
+        log_ratio = logprobs - old_logp  # [B, R]
+        ratio = torch.exp(log_ratio)  # [B, R]
+        pg1 = -adv * ratio  # [B, R]
+        pg2 = -adv * torch.clamp(ratio, 1.0 - self.clip_low, 1.0 + self.clip_high)  # [B, R]
+        pg = torch.maximum(pg1, pg2)  # [B, R]
+        dual_active = torch.zeros_like(pg, dtype=torch.bool)  # [B, R]
+        if self.dual_clip is not None:
+            pg3 = -adv * self.dual_clip  # [B, 1]
+            dual_active = (adv < 0) & (pg > pg3)
+            pg = torch.where(dual_active, pg3.expand_as(pg), pg)
+        return pg, pg1, pg2, dual_active, ratio, log_ratio
+
     def forward(self, mb: MicroBatch, out: PolicyOutputs) -> tuple[Tensor, dict[str, Tensor]]:
         pg, _, w, metrics = self.surrogate(mb, out)  # [B, R], _, [B, R]
         loss = weighted_sum(w, pg)
         return loss, {"loss/policy_clip": loss.detach(), **metrics}
 
 
-def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
-    return (x * mask).sum() / mask.sum().clamp(min=1)
-
-
-def _centred_covariance(adv: Tensor, logp: Tensor, mask: Tensor) -> Tensor:
-    """Per-token (A - mean A) * (logp - mean logp), means over the micro-batch's real tokens (Cui et al.
-    2025 Eq. 11, as verl: the statistics of one forward pass), detached: it only selects tokens. [B, R]"""
-    m = mask.float()
-    a, lp = adv.detach(), logp.detach()
-    return (a - _masked_mean(a, m)) * (lp - _masked_mean(lp, m))
+def _choose_within(selector: TokenSelector, mb: MicroBatch, logprobs: Tensor, seed: int) -> Tensor:
+    """The selector's tokens chosen within this micro-batch alone (it is the whole mini-batch: unit use, or
+    a caller that chose nothing over the mini-batch). [B, R] bool"""
+    rows = micro_batch_rows(selector, mb, logprobs, [(0, i) for i in range(mb.response_mask.shape[0])])
+    return selection_mask(dict(enumerate(select_tokens(rows, selector.selection_rule(), seed))),
+                          list(range(len(rows))), mb.response_mask)
 
 
 class ClipCovLoss(PolicyClipLoss):
     """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs", arXiv 2505.22617, Sec. 4.2;
     hyperparameter names and defaults from verl's `clip_cov`).
 
-        cov_i     = (A_i - mean A) * (logp_i - mean logp)            over the micro-batch's real tokens
+        cov_i     = (A_i - mean A) * (logp_i - mean logp)            over the mini-batch's real tokens
         candidates: real tokens not already clipped by the PPO clip with clip_cov_lb < cov_i < clip_cov_ub
-        selected  = max(1, floor(clip_cov_ratio * real tokens)) candidates drawn uniformly at random
+        selected  = clip_cov_ratio x the mini-batch's real tokens (in expectation), drawn uniformly at random
+                    among the candidates (epo_cli/algos/cov_selection.py: chosen over the whole mini-batch,
+                    all micro-batches and ranks; verl chooses max(1, floor(ratio x tokens)) per micro-batch)
         loss      = PPO clipped surrogate (as policy_clip, dual clip included), with the gradient of the
                     selected tokens detached (their loss value is kept; verl multiplies them by 0, which
                     gives the same gradient)
 
     The high-covariance tokens are those whose update lowers the entropy most (paper Eq. 9-10); freezing a
-    tiny random share of them is enough to stop the entropy collapse. `reseed` sets the generator of the
-    random draw (the trainer reseeds it per micro-batch from (seed, step, epoch, mini-batch, micro-batch)).
+    tiny random share of them is enough to stop the entropy collapse. The trainer hands every micro-batch
+    its share of the mini-batch's choice (`mb.token_select`); without one, the micro-batch is taken for the
+    whole mini-batch, with the draw seeded by `reseed`.
     """
 
     name = "policy_clip"
@@ -181,28 +188,28 @@ class ClipCovLoss(PolicyClipLoss):
         if clip_cov_lb >= clip_cov_ub:
             raise ValueError(f"clip_cov_lb ({clip_cov_lb}) must be < clip_cov_ub ({clip_cov_ub})")
         self.clip_cov_ratio, self.clip_cov_lb, self.clip_cov_ub = clip_cov_ratio, clip_cov_lb, clip_cov_ub
-        self.generator = torch.Generator().manual_seed(0)
+        self.seed = 0
 
     def reseed(self, seed: int) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
 
-    def select(self, mb: MicroBatch, out: PolicyOutputs, ppo_clipped: Tensor) -> Tensor:
+    def selection_rule(self) -> SelectionRule:
+        return SelectionRule(self.clip_cov_ratio, (self.clip_cov_lb, self.clip_cov_ub))
+
+    def eligible(self, mb: MicroBatch, logprobs: Tensor) -> Tensor:
+        """Real tokens the PPO clip (or dual clip) does not already bound. [B, R] bool"""
+        _, pg1, pg2, dual_active, _, _ = self._clipped(mb, logprobs.detach())
+        return mb.response_mask & ~((pg2 > pg1) | dual_active)
+
+    def select(self, mb: MicroBatch, out: PolicyOutputs, ppo_clipped: Tensor | None = None) -> Tensor:
         """Boolean [B, R] of the tokens whose gradient is detached."""
-        mask = mb.response_mask  # [B, R] bool
-        adv = _require(mb.advantages, "advantages", self.name)[:, None].expand_as(out.logprobs)  # [B, R]
-        cov = _centred_covariance(adv, out.logprobs, mask)  # [B, R]
-        candidates = mask & ~ppo_clipped & (cov > self.clip_cov_lb) & (cov < self.clip_cov_ub)  # [B, R]
-        selected = torch.zeros_like(mask)  # [B, R] bool
-        positions = torch.nonzero(candidates.cpu())  # [C, 2]
-        if len(positions):
-            n = max(int(self.clip_cov_ratio * int(mask.sum())), 1)
-            pick = positions[torch.randperm(len(positions), generator=self.generator)[:n]]  # [n, 2]
-            selected[pick[:, 0], pick[:, 1]] = True
-        return selected
+        if mb.token_select is not None:
+            return mb.token_select & mb.response_mask
+        return _choose_within(self, mb, out.logprobs, self.seed)
 
     def forward(self, mb: MicroBatch, out: PolicyOutputs) -> tuple[Tensor, dict[str, Tensor]]:
-        pg, ppo_clipped, w, metrics = self.surrogate(mb, out)  # [B, R], [B, R] bool, [B, R]
-        selected = self.select(mb, out, ppo_clipped)  # [B, R]
+        pg, _, w, metrics = self.surrogate(mb, out)  # [B, R], _, [B, R]
+        selected = self.select(mb, out)  # [B, R]
         pg = torch.where(selected, pg.detach(), pg)  # [B, R]
         loss = weighted_sum(w, pg)
         with torch.no_grad():
@@ -214,8 +221,10 @@ class KLCovLoss(LossTerm):
     """KL-Cov (Cui et al. 2025, arXiv 2505.22617, Sec. 4.2; names and defaults from verl's `kl_cov`, ratio
     2e-3 as the paper's 7B setting).
 
-        cov_i    = (A_i - mean A) * (logp_i - mean logp)             over the micro-batch's real tokens
-        selected = the top max(1, floor(kl_cov_ratio * real tokens)) real tokens by cov
+        cov_i    = (A_i - mean A) * (logp_i - mean logp)             over the mini-batch's real tokens
+        selected = the top kl_cov_ratio share (in expectation) of the mini-batch's real tokens by cov, chosen
+                   over the whole mini-batch (epo_cli/algos/cov_selection.py; verl: the top
+                   max(1, floor(ratio x tokens)) of each micro-batch)
         loss_i   = -A_i * ratio_i + ppo_kl_coef * |logp_i - old_logp_i| * [i selected]
 
     No ratio clip (the paper's KL-Cov objective): the KL penalty on the high-covariance tokens takes its
@@ -229,19 +238,22 @@ class KLCovLoss(LossTerm):
         if not 0.0 < kl_cov_ratio <= 1.0:
             raise ValueError(f"kl_cov_ratio must be in (0, 1] (got {kl_cov_ratio})")
         self.aggregation, self.kl_cov_ratio, self.ppo_kl_coef = aggregation, kl_cov_ratio, ppo_kl_coef
+        self.seed = 0
+
+    def reseed(self, seed: int) -> None:
+        self.seed = seed  # the stochastic rounding of the count
+
+    def selection_rule(self) -> SelectionRule:
+        return SelectionRule(self.kl_cov_ratio)
+
+    def eligible(self, mb: MicroBatch, logprobs: Tensor) -> Tensor:
+        return mb.response_mask
 
     def select(self, mb: MicroBatch, out: PolicyOutputs) -> Tensor:
         """Boolean [B, R] of the penalised tokens."""
-        mask = mb.response_mask  # [B, R] bool
-        adv = _require(mb.advantages, "advantages", self.name)[:, None].expand_as(out.logprobs)  # [B, R]
-        cov = _centred_covariance(adv, out.logprobs, mask)  # [B, R]
-        selected = torch.zeros_like(mask)  # [B, R] bool
-        n_real = int(mask.sum())
-        if n_real:
-            k = max(1, int(n_real * self.kl_cov_ratio))
-            flat = torch.where(mask, cov, torch.full_like(cov, -torch.inf)).flatten()  # [B*R]
-            selected.view(-1)[torch.topk(flat, k).indices] = True
-        return selected
+        if mb.token_select is not None:
+            return mb.token_select & mb.response_mask
+        return _choose_within(self, mb, out.logprobs, self.seed)
 
     def forward(self, mb: MicroBatch, out: PolicyOutputs) -> tuple[Tensor, dict[str, Tensor]]:
         w = _weights(mb, self.aggregation)  # [B, R]
@@ -262,23 +274,23 @@ class KLCovLoss(LossTerm):
         return loss, metrics
 
 
-@POLICY_LOSSES.register("clip", config=PolicyClipConfig)
+@POLICY_LOSSES.implement("clip")
 def _clip(pc: PolicyClipConfig) -> LossTerm:
     return PolicyClipLoss(pc.clip_low, pc.clip_high, pc.dual_clip, pc.aggregation)
 
 
-@POLICY_LOSSES.register("clip_cov", config=PolicyClipConfig)
+@POLICY_LOSSES.implement("clip_cov")
 def _clip_cov(pc: PolicyClipConfig) -> LossTerm:
     return ClipCovLoss(pc.clip_low, pc.clip_high, pc.dual_clip, pc.aggregation, pc.clip_cov_ratio, pc.clip_cov_lb,
                        pc.clip_cov_ub)
 
 
-@POLICY_LOSSES.register("kl_cov", config=PolicyClipConfig)
+@POLICY_LOSSES.implement("kl_cov")
 def _kl_cov(pc: PolicyClipConfig) -> LossTerm:
     return KLCovLoss(pc.aggregation, pc.kl_cov_ratio, pc.ppo_kl_coef)
 
 
-@LOSS_TERMS.register("policy_clip", config=PolicyClipConfig, sections=("policy_clip", "policy_loss"))
+@LOSS_TERMS.implement("policy_clip")
 def _policy_clip(pc: PolicyClipConfig, policy_loss: str) -> LossTerm:
     """The policy-gradient slot: the policy loss algo.policy_loss names, with algo.policy_clip's settings."""
     return POLICY_LOSSES.build(policy_loss, pc)
@@ -317,14 +329,6 @@ class ValueLoss(LossTerm):
         return loss, metrics
 
 
-#: algo.entropy.mode -> aggregation used for L_H
-ENTROPY_MODES: dict[str, str] = {
-    "token_mean": "token-mean",
-    "trajectory": "trajectory",
-    "turn_decay": "turn-decay",
-}
-
-
 class EntropyLoss(LossTerm):
     """L_H, the aggregated token entropy, returned POSITIVE (its coefficient -lambda makes it a bonus).
 
@@ -336,10 +340,8 @@ class EntropyLoss(LossTerm):
 
     def __init__(self, mode: str = "token_mean") -> None:
         super().__init__()
-        if mode not in ENTROPY_MODES:
-            raise KeyError(f"unknown entropy mode '{mode}'; valid: {', '.join(ENTROPY_MODES)}")
         self.mode = mode
-        self.aggregation = ENTROPY_MODES[mode]
+        self.aggregation = ENTROPY_MODES[mode]  # KeyError listing the modes
 
     def forward(self, mb: MicroBatch, out: PolicyOutputs) -> tuple[Tensor, dict[str, Tensor]]:
         w = _weights(mb, self.aggregation)  # [B, R]
@@ -408,8 +410,9 @@ def _kl_k3(log_ratio: Tensor) -> Tensor:
     return torch.clamp(torch.exp(neg) - neg - 1.0, -10.0, 10.0)
 
 
-#: per-token KL(p || ref) estimators of log_ratio = logp - ref_logp (Schulman, "Approximating KL")
-KL_ESTIMATORS = {"k1": _kl_k1, "k2": _kl_k2, "k3": _kl_k3, "low_var_kl": _kl_k3}
+# per-token KL(p || ref) estimators of log_ratio = logp - ref_logp (Schulman, "Approximating KL")
+for _name, _estimator in (("k1", _kl_k1), ("k2", _kl_k2), ("k3", _kl_k3), ("low_var_kl", _kl_k3)):
+    KL_ESTIMATORS.implement(_name, _estimator)
 
 
 class KLLoss(LossTerm):
@@ -419,15 +422,14 @@ class KLLoss(LossTerm):
 
     def __init__(self, estimator: str = "low_var_kl", aggregation: str = "token-mean") -> None:
         super().__init__()
-        if estimator not in KL_ESTIMATORS:
-            raise KeyError(f"unknown KL estimator '{estimator}'; valid: {', '.join(KL_ESTIMATORS)}")
+        self.estimate = KL_ESTIMATORS[estimator]  # KeyError listing the estimators
         self.estimator = estimator
         self.aggregation = aggregation
 
     def forward(self, mb: MicroBatch, out: PolicyOutputs) -> tuple[Tensor, dict[str, Tensor]]:
         w = _weights(mb, self.aggregation)  # [B, R]
         ref = _require(mb.ref_logprobs, "ref_logprobs", self.name)  # [B, R]
-        kl = KL_ESTIMATORS[self.estimator](out.logprobs - ref)  # [B, R]
+        kl = self.estimate(out.logprobs - ref)  # [B, R]
         loss = weighted_sum(w, kl)
         return loss, {"loss/kl": loss.detach(), "policy/kl_ref": loss.detach()}
 
@@ -447,28 +449,27 @@ class NLLLoss(LossTerm):
         return loss, {"loss/nll": loss.detach()}
 
 
-# the built-in terms read the algo sections they always have (their yaml keys predate the registry)
-@LOSS_TERMS.register("value", config=ValueConfig, sections=("value",))
+@LOSS_TERMS.implement("value")
 def _value(v: ValueConfig) -> LossTerm:
     return ValueLoss(v.clip)
 
 
-@LOSS_TERMS.register("entropy", config=EntropyTermConfig, sections=("entropy",))
+@LOSS_TERMS.implement("entropy")
 def _entropy(e: EntropyTermConfig) -> LossTerm:
     return EntropyLoss(e.mode)
 
 
-@LOSS_TERMS.register("entropy_smoothing", config=SmoothingConfig, sections=("entropy_smoothing",))
+@LOSS_TERMS.implement("entropy_smoothing")
 def _entropy_smoothing(sm: SmoothingConfig) -> LossTerm:
     return EntropySmoothingLoss(sm.alpha, sm.kappa_low, sm.kappa_high, sm.aggregation)
 
 
-@LOSS_TERMS.register("kl", config=KLConfig, sections=("kl",))
+@LOSS_TERMS.implement("kl")
 def _kl(kl: KLConfig) -> LossTerm:
     return KLLoss(kl.estimator, kl.aggregation)
 
 
-@LOSS_TERMS.register("nll", sections=("nll_aggregation",))
+@LOSS_TERMS.implement("nll")
 def _nll(aggregation: str) -> LossTerm:
     return NLLLoss(aggregation)
 
@@ -507,6 +508,10 @@ class LossStack(nn.Module):
             if hasattr(term, "reseed"):
                 term.reseed(seed)
 
+    def token_selector(self) -> TokenSelector | None:
+        """The term that acts on tokens chosen over the mini-batch (Clip-Cov, KL-Cov), if any."""
+        return next((t for t in self.terms.values() if hasattr(t, "selection_rule")), None)
+
     def forward(
         self, mb: MicroBatch, out: PolicyOutputs, coefs: dict[str, float]
     ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -534,28 +539,27 @@ class LossStack(nn.Module):
 def loss_coefficients(
     algo: Any, entropy_coef: float, phase_beta: float, kl_weight: float, entropy_scale: float = 1.0
 ) -> dict[str, float]:
-    """Coefficients of L = L_RL - lambda * (L_H - beta_k * L_smooth) + kl_weight * KL for algo.loss_terms.
+    """Each term's coefficient in L = L_RL - lambda * (L_H - beta_k * L_smooth) + kl_weight * KL, for
+    algo.loss_terms: the product its registry entry names (Entry.coef, e.g. "lambda*beta").
 
     entropy_coef = lambda (entropy schedule), phase_beta = beta_k (phase schedule), kl_weight = the KL
-    coefficient at this step. entropy_scale multiplies both entropy-driven terms (the fluctuation
-    monitor's `clamp` action passes monitor.clamp_scale while it alerts; 1 otherwise). A term outside the
-    EPO objective (registered elsewhere) is weighted by its own `coef` setting.
+    coefficient at this step. entropy_scale multiplies lambda, so both entropy-driven terms (the fluctuation
+    monitor's `clamp` action passes monitor.clamp_scale while it alerts; 1 otherwise). "settings" is the
+    term's own `coef` setting (a term outside the EPO objective, or the critic's value.coef).
     """
-    lam = entropy_coef * entropy_scale
-    table = {
-        "policy_clip": 1.0,
-        "nll": 1.0,
-        "kl": kl_weight,
-        "entropy": -lam,
-        "entropy_smoothing": lam * phase_beta,
-        "value": algo.value.coef,
-    }
-    return {name: table[name] if name in table else _own_coef(name, algo) for name in algo.loss_terms}
+    factors = {"lambda": entropy_coef * entropy_scale, "beta": phase_beta, "kl": kl_weight}
+    coefs = {}
+    for name in algo.loss_terms:
+        sign, names = coef_factors(LOSS_TERMS.entry(name).coef)
+        coefs[name] = sign
+        for factor in names:
+            coefs[name] *= _own_coef(name, algo) if factor == "settings" else factors[factor]
+    return coefs
 
 
 def _own_coef(name: str, algo: Any) -> float:
     settings = LOSS_TERMS.entry(name).settings(algo)
     if not settings or not hasattr(settings[0], "coef"):
-        raise ValueError(f"loss term '{name}' is not part of the EPO objective, so its settings class needs a "
-                         "`coef` field (its coefficient in the loss)")
+        raise ValueError(f"loss term '{name}' is weighted by its own settings (coef 'settings'), so its settings "
+                         "class needs a `coef` field (its coefficient in the loss)")
     return float(settings[0].coef)

@@ -13,10 +13,12 @@ schedule's field names or the section's own names for them (the `*_KEYS` maps be
     learning-rate multiplier     algo.warmup_ratio, min_lr_ratio   build_lr_schedule        (warmup_cosine)
 
 A section can use every schedule whose parameters it has (`usable_schedules`); config validation checks
-that, so a new schedule is one registered dataclass here.
+that, builds the schedules the run uses (a schedule's __post_init__ checks its own parameters) and reads
+their `max_value` (e.g. max beta_k for EPO's smoothing check), so a new schedule is one registered dataclass here.
 
 Every schedule has observe(entropy) and state_dict()/load_state_dict() (JSON-serialisable); they are
-no-ops except for the stateful adaptive_target, so the training loop can treat all of them alike.
+no-ops except for the stateful adaptive_target, so the training loop can treat all of them alike. This
+module imports no torch (config validation reads it).
 """
 
 from __future__ import annotations
@@ -59,6 +61,11 @@ class Schedule:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
 
+    def max_value(self, total_steps: int) -> float:
+        """The largest value over a run of `total_steps` steps. Built-ins give it in closed form; this default
+        evaluates the schedule at every step (a stateful schedule must override it)."""
+        return max(self(step, total_steps) for step in range(total_steps + 1))
+
 
 def _register(name: str) -> Any:
     """Register a schedule dataclass under `name`; its fields are its parameters."""
@@ -74,6 +81,9 @@ def _register(name: str) -> Any:
 class Constant(Schedule):
     value: float
 
+    def max_value(self, total_steps: int) -> float:
+        return self.value
+
     def __call__(self, step: int, total_steps: int) -> float:
         return self.value
 
@@ -88,6 +98,9 @@ class Linear(Schedule):
     def __call__(self, step: int, total_steps: int) -> float:
         return self.start + (self.end - self.start) * progress(step, total_steps)
 
+    def max_value(self, total_steps: int) -> float:
+        return max(self.start, self.end)
+
 
 @_register("cosine")
 class Cosine(Schedule):
@@ -100,6 +113,9 @@ class Cosine(Schedule):
         p = progress(step, total_steps)
         return self.end + (self.start - self.end) * 0.5 * (1.0 + math.cos(math.pi * p))
 
+    def max_value(self, total_steps: int) -> float:
+        return max(self.start, self.end)
+
 
 @_register("exp_anneal")
 class ExpAnneal(Schedule):
@@ -111,6 +127,9 @@ class ExpAnneal(Schedule):
 
     def __call__(self, step: int, total_steps: int) -> float:
         return max(self.start * self.decay_rate ** progress(step, total_steps), self.end)
+
+    def max_value(self, total_steps: int) -> float:
+        return max(self.start, self.end)  # decay_rate <= 1: it falls from start
 
 
 @_register("two_phase")
@@ -128,6 +147,9 @@ class TwoPhase(Schedule):
 
     def __call__(self, step: int, total_steps: int) -> float:
         return _two_phase(progress(step, total_steps), self.exploration_share, self.start, self.peak, self.end)
+
+    def max_value(self, total_steps: int) -> float:
+        return max(self.start, self.peak, self.end)
 
 
 @_register("delayed_linear")
@@ -148,6 +170,9 @@ class DelayedLinear(Schedule):
         if share >= 1.0:
             return self.start
         return self.start + (self.end - self.start) * (p - share) / (1.0 - share)
+
+    def max_value(self, total_steps: int) -> float:
+        return max(self.start, self.end, 0.0)
 
 
 @_register("adaptive_target")
@@ -183,6 +208,9 @@ class AdaptiveTarget(Schedule):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.coef = float(state["coef"])
 
+    def max_value(self, total_steps: int) -> float:
+        return max(self.coef, self.max_coef)  # feedback may drive it up to max_coef
+
 
 @_register("paper")
 class PaperPhase(Schedule):
@@ -196,6 +224,9 @@ class PaperPhase(Schedule):
     def __call__(self, step: int, total_steps: int) -> float:
         half = max(total_steps // 2, 1)  # K = 1 would give floor(K/2) = 0
         return 1.0 + math.exp(-self.gamma * step / half)
+
+    def max_value(self, total_steps: int) -> float:
+        return 2.0  # beta_0 = 1 + exp(0)
 
 
 @_register("warmup_cosine")
@@ -215,6 +246,9 @@ class WarmupCosine(Schedule):
         p = min(max((step - warmup) / decay_steps, 0.0), 1.0) if decay_steps > 0 else 1.0
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * p))
 
+    def max_value(self, total_steps: int) -> float:
+        return 1.0
+
 
 # ----------------------------------------------------------------------------------------------------
 # Where each coefficient's schedule finds its parameters
@@ -225,10 +259,24 @@ ENTROPY_KEYS = {"value": "coef"}
 #: algo.phase: schedule parameter -> its key there
 PHASE_KEYS = {"start": "beta_start", "peak": "beta_peak", "end": "beta_end"}
 #: algo.kl.schedule -> (schedule, algo section of its parameters, parameter -> key there)
-KL_SCHEDULES: dict[str, tuple[str, str, dict[str, str]]] = {
-    "constant": ("constant", "kl", {"value": "coef"}),
-    "two_phase": ("delayed_linear", "phase", {"start": "kl_start", "end": "kl_end"}),  # algo.phase's KL ramp
-}
+KL_SCHEDULES = Registry("KL schedule")
+KL_SCHEDULES.register("constant", ("constant", "kl", {"value": "coef"}))
+# the KL ramp of algo.phase: 0 while exploring, then kl_start -> kl_end
+KL_SCHEDULES.register("two_phase", ("delayed_linear", "phase", {"start": "kl_start", "end": "kl_end"}))
+
+
+def coefficient_schedule(factor: str, cfg: Any) -> tuple[str, str, str, dict[str, str]]:
+    """Where a loss coefficient's schedule is read (a factor of a loss term's coefficient, Entry.coef):
+    (the key naming the schedule, the schedule, the section holding its parameters, parameter -> key there).
+    lambda is the entropy group's schedule, beta algo.phase's, kl the one algo.kl.schedule names."""
+    if factor == "lambda":
+        return "entropy.schedule", cfg.entropy.schedule, "entropy", ENTROPY_KEYS
+    if factor == "beta":
+        return "algo.phase.schedule", cfg.algo.phase.schedule, "algo.phase", PHASE_KEYS
+    if factor == "kl":
+        name, section, keys = KL_SCHEDULES[cfg.algo.kl.schedule]
+        return "algo.kl.schedule", name, f"algo.{section}", keys
+    raise ValueError(f"no schedule for the coefficient factor '{factor}'")
 
 
 def parameter_keys(name: str, keys: dict[str, str] | None = None) -> dict[str, str]:

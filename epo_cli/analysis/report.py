@@ -8,7 +8,13 @@ index page (Markdown) that shows them with a small table. Default output: <first
     kl.png                   policy/kl_ref
     coefficients.png         every coef/* (one panel each)
     lr.png                   perf/lr
-    index.md                 the table and the images
+    collapse.png             the collapse panel: on one step axis, entropy with EPO's band, collapse/mi, the
+                             groups' return std and zero-std share, state diversity and the samples outside the
+                             band (above solid, below dashed); steps with collapse/alert = 1 are shaded
+    entropy_turns.png        per-turn entropy (policy/entropy_turn/<t>): turn index x step, one heatmap per
+                             configuration (mean over its seeds)
+    index.md                 the table, a line per run whose collapse alert fired (the steps it went on), and
+                             the images
 
 Runs whose overrides differ only in `seed` are one configuration: its seeds are drawn as the mean with a
 shaded band of +- one standard deviation. The EPO reference is recomputed from the logged policy/entropy
@@ -38,6 +44,7 @@ from epo_cli.analysis.sweep_summary import (
 from epo_cli.errors import UserError
 from epo_cli.loggers.jsonl import read_metrics
 from epo_cli.run_dir import read_status, read_yaml_data
+from epo_cli.writable import check_output_dir
 
 
 @dataclass
@@ -173,7 +180,7 @@ def _axes(n: int, title: str):
     return fig, flat[:n]
 
 
-def draw_metric(ax: Any, groups: list[Group], key: str, title: str) -> bool:
+def draw_metric(ax: Any, groups: list[Group], key: str, title: str, linestyle: str = "-", suffix: str = "") -> bool:
     """One metric, one line per configuration (mean over seeds, shaded +- std). False if nothing logged."""
     drawn = False
     for i, group in enumerate(groups):
@@ -183,7 +190,7 @@ def draw_metric(ax: Any, groups: list[Group], key: str, title: str) -> bool:
         steps, mean, std = mean_band(parts)
         color = f"C{i % 10}"
         few = len(steps) <= 3  # sparse series (evaluations): show the points
-        ax.plot(steps, mean, color=color, label=f"{group.label} (n={len(parts)})",
+        ax.plot(steps, mean, color=color, label=f"{group.label}{suffix} (n={len(parts)})", linestyle=linestyle,
                 marker="o" if few else None)
         if len(parts) > 1:
             ax.fill_between(steps, mean - std, mean + std, color=color, alpha=0.2, linewidth=0)
@@ -268,7 +275,109 @@ def make_plots(groups: list[Group], out: Path) -> dict[str, tuple[str, bool]]:
 
     fig, (ax,) = _axes(1, "Learning rate")
     save(fig, "lr.png", "Learning rate", draw_metric(ax, groups, "perf/lr", "perf/lr"))
+
+    fig, drawn = collapse_panel(groups, runs)
+    save(fig, "collapse.png", "Collapse diagnostics", drawn)
+    fig, drawn = entropy_heatmaps(groups)
+    save(fig, "entropy_turns.png", "Entropy per turn", drawn)
     return written
+
+
+#: the collapse panel's rows: (title, [(metric, line style, label suffix)])
+COLLAPSE_ROWS = (
+    ("policy/entropy (EPO's band dashed/shaded)", [("policy/entropy", "-", "")]),
+    ("collapse/mi: nats/token (~0: answers ignore the prompt)", [("collapse/mi", "-", "")]),
+    ("collapse/reward_std: return std within groups", [("collapse/reward_std", "-", "")]),
+    ("collapse/zero_std_groups: share of groups without return spread", [("collapse/zero_std_groups", "-", "")]),
+    ("collapse/state_diversity: distinct actions per shared state", [("collapse/state_diversity", "-", "")]),
+    ("collapse/corridor: samples above (solid) / below (dashed) the band",
+     [("collapse/corridor_above", "-", " above"), ("collapse/corridor_below", "--", " below")]),
+)
+
+
+def alert_steps(rows: list[dict[str, Any]]) -> list[int]:
+    """Steps with collapse/alert = 1 (a signal beyond its threshold)."""
+    steps, values = series(rows, "collapse/alert")
+    return [int(s) for s, v in zip(steps, values) if v > 0]
+
+
+def alert_onsets(rows: list[dict[str, Any]]) -> list[int]:
+    """Steps where collapse/alert went from 0 (or not logged) to 1."""
+    steps, values = series(rows, "collapse/alert")
+    return [int(s) for i, (s, v) in enumerate(zip(steps, values)) if v > 0 and (i == 0 or values[i - 1] <= 0)]
+
+
+def collapse_panel(groups: list[Group], runs: list[RunData]) -> tuple[Any, bool]:
+    """The collapse panel (one figure, rows on one shared step axis) and whether anything was drawn."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(len(COLLAPSE_ROWS), 1, figsize=(9.0, 2.3 * len(COLLAPSE_ROWS)), sharex=True,
+                             squeeze=False)
+    fig.suptitle("Collapse diagnostics")
+    alerts = sorted({s for r in runs for s in alert_steps(r.rows)})
+    drawn = False
+    for ax, (title, keys) in zip(axes[:, 0], COLLAPSE_ROWS):
+        row_drawn = False
+        for key, style, suffix in keys:
+            row_drawn |= draw_metric(ax, groups, key, title, linestyle=style, suffix=suffix)
+        is_entropy = keys[0][0] == "policy/entropy"
+        if is_entropy and row_drawn and any(smoothing_settings(r.config) is not None for r in runs):
+            draw_entropy_band(ax, groups)
+        for step in alerts:
+            ax.axvspan(step - 0.5, step + 0.5, color="red", alpha=0.12, linewidth=0)
+        ax.set_xlabel("")
+        drawn |= row_drawn and not is_entropy  # the panel counts as drawn when a collapse signal is
+    axes[-1, 0].set_xlabel("step" + ("  (red: collapse alert)" if alerts else ""))
+    return fig, drawn
+
+
+def turn_entropy_grid(rows: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(steps [S], turns [T], entropy [T, S], NaN where a turn had no sample) from policy/entropy_turn/<t>."""
+    prefix = "policy/entropy_turn/"
+    turns = sorted({int(k[len(prefix):]) for r in rows for k in r if k.startswith(prefix)})
+    steps = sorted({int(r["step"]) for r in rows if any(k.startswith(prefix) for k in r)})
+    grid = np.full((len(turns), len(steps)), np.nan)
+    col = {s: j for j, s in enumerate(steps)}
+    row = {t: i for i, t in enumerate(turns)}
+    for r in rows:
+        for k, v in r.items():
+            if k.startswith(prefix) and math.isfinite(_num(v)):
+                grid[row[int(k[len(prefix):])], col[int(r["step"])]] = _num(v)
+    return np.array(steps, dtype=float), np.array(turns, dtype=float), grid
+
+
+def entropy_heatmaps(groups: list[Group]) -> tuple[Any, bool]:
+    """Per-turn entropy heatmaps, one per configuration (the mean over its seeds where they logged a turn)."""
+    grids = []
+    for group in groups:
+        parts = [turn_entropy_grid(r.rows) for r in group.runs]
+        parts = [p for p in parts if p[2].size]
+        if not parts:
+            grids.append((group.label, None))
+            continue
+        steps = np.unique(np.concatenate([p[0] for p in parts]))
+        turns = np.unique(np.concatenate([p[1] for p in parts]))
+        stack = np.full((len(parts), len(turns), len(steps)), np.nan)
+        for n, (s, t, g) in enumerate(parts):
+            stack[n][np.ix_(np.searchsorted(turns, t), np.searchsorted(steps, s))] = g
+        with np.errstate(all="ignore"):
+            mean = np.nanmean(stack, axis=0) if len(parts) > 1 else stack[0]
+        grids.append((f"{group.label} (n={len(parts)})", (steps, turns, mean)))
+    fig, axes = _axes(len(grids), "Entropy per turn index (policy/entropy_turn/<t>)")
+    drawn = False
+    for ax, (label, data) in zip(axes, grids):
+        ax.set_title(label, fontsize=8)
+        if data is None:
+            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
+            continue
+        steps, turns, mean = data
+        image = ax.imshow(np.ma.masked_invalid(mean), aspect="auto", origin="lower", cmap="viridis",
+                          extent=(steps[0] - 0.5, steps[-1] + 0.5, turns[0] - 0.5, turns[-1] + 0.5),
+                          interpolation="nearest")
+        ax.figure.colorbar(image, ax=ax, label="nats/token")
+        ax.set_xlabel("step")
+        ax.set_ylabel("turn index")
+        drawn = True
+    return fig, drawn
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -302,6 +411,15 @@ def write_index(groups: list[Group], written: dict[str, tuple[str, bool]], out: 
                      f"{_fmt([_last(r.rows, 'eval/success') for r in g.runs])} | "
                      f"{_fmt([_last(r.rows, 'policy/entropy') for r in g.runs])} | {', '.join(statuses)} |")
     lines.append("")
+    alerted = [(r, alert_onsets(r.rows), len(alert_steps(r.rows))) for g in groups for r in g.runs]
+    for r, onsets, on in alerted:
+        if onsets:
+            shown = ", ".join(str(s) for s in onsets[:20]) + (", ..." if len(onsets) > 20 else "")
+            lines.append(f"**Collapse alert** in `{r.path.name}` from step{'s' if len(onsets) > 1 else ''} {shown} "
+                         f"(on for {on} step{'s' if on > 1 else ''}; what crossed which threshold: the run's "
+                         f"console log and `status.json`; see [collapse.png](collapse.png))  ")
+    if any(onsets for _, onsets, _ in alerted):
+        lines.append("")
     for name, (title, drawn) in written.items():
         note = "" if drawn else " (not logged by these runs)"
         lines += [f"## {title}", "", f"![{title}]({name}){note}", ""]
@@ -319,6 +437,7 @@ def run_report(paths: list[Path], out: Path | None = None) -> Path:
         raise UserError(f"No metrics to plot: none of {', '.join(str(r.path) for r in runs[:3])} has a "
                         "metrics.jsonl with rows yet (logger.jsonl=false, or the run failed before step 1).")
     out = Path(out) if out is not None else Path(paths[0]).expanduser() / "plots"
+    check_output_dir(out, "--out")
     out.mkdir(parents=True, exist_ok=True)
     groups = group_runs(runs)
     written = make_plots(groups, out)

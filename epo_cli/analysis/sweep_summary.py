@@ -21,6 +21,7 @@ import csv
 import json
 import math
 import re
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,9 @@ def split_sweep_options(args: list[str], base: SweepOptions | None = None) -> tu
                 opts.threshold = float(value)
             except ValueError:
                 raise ConfigError(f"sweep.threshold must be a number (got '{value}').") from None
+            if not math.isfinite(opts.threshold):  # nan would also be written into sweep.json, which is JSON
+                raise ConfigError(f"sweep.threshold must be a finite number (got '{value}'), e.g. "
+                                  "sweep.threshold=0.5.")
         else:
             setattr(opts, name, value)
     if opts.direction not in ("maximize", "minimize"):
@@ -144,6 +148,41 @@ def run_result(rows: list[dict[str, Any]], threshold: float, metric: str = "eval
     return result
 
 
+def read_json_file(path: Path, what: str) -> dict[str, Any] | None:
+    """A JSON object that a sweep wrote (sweep.json, sweep_job.json), or None with a one-line warning when it
+    is damaged: the summary goes on without it."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        warnings.warn(f"'{path}' is unreadable ({type(err).__name__}); {what}.", stacklevel=2)
+        return None
+    if not isinstance(data, dict):
+        warnings.warn(f"'{path}' is not a JSON object; {what}.", stacklevel=2)
+        return None
+    return data
+
+
+def saved_options(sweep_dir: Path) -> SweepOptions:
+    """The options a sweep was started with (sweep.json), checked like the command line's; the defaults
+    (with a warning) when the file is missing or damaged."""
+    path = Path(sweep_dir) / "sweep.json"
+    if not path.exists():
+        return SweepOptions()
+    data = read_json_file(path, "its sweep options are taken as the defaults")
+    options = data.get("options") if data is not None else None
+    if data is not None and not isinstance(options, dict):
+        warnings.warn(f"'{path}' holds no `options` object; its sweep options are taken as the defaults.",
+                      stacklevel=2)
+    if not isinstance(options, dict):
+        return SweepOptions()
+    args = [f"sweep.{k}={v}" for k, v in options.items() if k in SweepOptions.__dataclass_fields__]
+    try:
+        return split_sweep_options(args)[0]
+    except ConfigError as err:
+        warnings.warn(f"'{path}': {err}; its sweep options are taken as the defaults.", stacklevel=2)
+        return SweepOptions()
+
+
 def job_number(path: Path) -> int | None:
     match = re.match(r"(\d+)", path.name)
     return int(match.group(1)) if match else None
@@ -151,8 +190,12 @@ def job_number(path: Path) -> int | None:
 
 def run_overrides(path: Path) -> list[str]:
     job = path / "sweep_job.json"
-    if job.exists():
-        return list(json.loads(job.read_text()).get("overrides", []))
+    record = read_json_file(job, "the job's overrides are read from its other files") if job.exists() else None
+    if record is not None and isinstance(record.get("overrides"), list):
+        return [str(o) for o in record["overrides"]]
+    if record is not None:
+        warnings.warn(f"'{job}' holds no `overrides` list; the job's overrides are read from its other files.",
+                      stacklevel=2)
     if (path / ".hydra" / "overrides.yaml").exists():
         listed = read_yaml_data(path / ".hydra" / "overrides.yaml")
         return [str(o) for o in listed] if isinstance(listed, list) else []
@@ -366,9 +409,7 @@ def summarize(sweep_dir: Path, options: SweepOptions | None = None) -> list[Conf
         raise UserError(f"Sweep directory '{sweep_dir}' does not exist. Pass the folder `epo sweep` printed, "
                         "e.g. outputs/sweeps/<date>/<time>-<name>.")
     if options is None:
-        saved = sweep_dir / "sweep.json"
-        options = SweepOptions(**json.loads(saved.read_text())["options"]) if saved.exists() \
-            else SweepOptions()
+        options = saved_options(sweep_dir)
     runs = collect_runs(sweep_dir, options)
     if not runs:
         raise UserError(f"No runs in '{sweep_dir}' (no job folders with sweep_job.json or config.yaml). Pass "
@@ -385,7 +426,8 @@ def summarize_command(args: list[str]) -> None:
     if len(paths) != 1:
         raise UserError("Usage: epo sweep summarize <sweep_dir> [sweep.threshold=0.5]")
     sweep_dir = Path(paths[0]).expanduser()
-    saved = sweep_dir / "sweep.json"
-    base = SweepOptions(**json.loads(saved.read_text())["options"]) if saved.exists() else SweepOptions()
-    options, _ = split_sweep_options([a for a in args if "=" in a], base)
+    if not sweep_dir.is_dir():
+        raise UserError(f"Sweep directory '{sweep_dir}' does not exist or is not a folder. Pass the folder "
+                        "`epo sweep` printed, e.g. outputs/sweeps/<date>/<time>-<name>.")
+    options, _ = split_sweep_options([a for a in args if "=" in a], saved_options(sweep_dir))
     summarize(sweep_dir, options)

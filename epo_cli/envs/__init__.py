@@ -1,4 +1,4 @@
-"""Environment registry: `env=<name>` -> (config schema, suite class), imported lazily.
+"""Environment registry: `env=<name>` -> suite class and config schema, imported when first used.
 
 Suites for real simulators import their packages only inside methods, so composing a config or listing
 options never needs alfworld, scienceworld or textworld installed.
@@ -6,44 +6,32 @@ options never needs alfworld, scienceworld or textworld installed.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from epo_cli.envs.base import Env, EnvSuite, StepResult, Task
-from epo_cli.errors import ConfigError
+from epo_cli.registry import Registry
 
-#: name -> "module:SuiteClass:ConfigClass"
-ENV_SUITES: dict[str, str] = {
-    "household": "epo_cli.envs.household:HouseholdSuite:HouseholdConfig",
-    "alfworld": "epo_cli.envs.alfworld:AlfworldSuite:AlfworldConfig",
-    "scienceworld": "epo_cli.envs.scienceworld:ScienceWorldSuite:ScienceWorldConfig",
-    "textworld": "epo_cli.envs.textworld_games:TextWorldSuite:TextWorldConfig",
-}
-
-
-def _load(name: str, which: int) -> Any:
-    if name not in ENV_SUITES:
-        raise ConfigError(f"Unknown environment '{name}'. Valid environments: {', '.join(ENV_SUITES)}.")
-    module, *classes = ENV_SUITES[name].split(":")
-    return getattr(importlib.import_module(module), classes[which])
+#: env=<name> -> its EnvSuite class (config: its settings schema), by "module:name"
+ENV_SUITES = Registry("environment")
+ENV_SUITES.register("household", "epo_cli.envs.household:HouseholdSuite",
+                    config="epo_cli.envs.household:HouseholdConfig")
+ENV_SUITES.register("alfworld", "epo_cli.envs.alfworld:AlfworldSuite", config="epo_cli.envs.alfworld:AlfworldConfig")
+ENV_SUITES.register("scienceworld", "epo_cli.envs.scienceworld:ScienceWorldSuite",
+                    config="epo_cli.envs.scienceworld:ScienceWorldConfig")
+ENV_SUITES.register("textworld", "epo_cli.envs.textworld_games:TextWorldSuite",
+                    config="epo_cli.envs.textworld_games:TextWorldConfig")
 
 
 def env_config_class(name: str) -> type:
-    """The dataclass schema of `env=<name>`."""
-    return _load(name, 1)
+    """The dataclass schema of `env=<name>` (ConfigError listing the environments for an unknown name)."""
+    return ENV_SUITES.config_class(name)
 
 
-def make_suite(env_cfg: Any, reads_expert: bool = True) -> EnvSuite:
-    """Build the suite named by `env_cfg.name` (cheap; call `.check()` before running).
-
-    `reads_expert=False`: the caller never reads info["expert_action"] (RL rollouts), so an env whose
-    `expert` setting is null (the default: "where the run reads it") skips computing it; an explicit
-    env.expert=true|false is kept as given."""
-    if not reads_expert and getattr(env_cfg, "expert", False) is None:
-        env_cfg = OmegaConf.merge(env_cfg, {"expert": False})
-    return _load(env_cfg.name, 0)(env_cfg)
+def make_suite(env_cfg: Any) -> EnvSuite:
+    """Build the suite named by `env_cfg.name` (cheap; call `.check()` before running). One per run: whether
+    an env computes its expert (env.expert=null: where it is read) is told to the suite's make_env, by the
+    EnvPool that builds the envs (`reads_expert`)."""
+    return ENV_SUITES.build(env_cfg.name, env_cfg)
 
 
 __all__ = ["ENV_SUITES", "Env", "EnvSuite", "StepResult", "Task", "env_config_class", "make_suite"]

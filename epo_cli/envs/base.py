@@ -90,8 +90,15 @@ class EnvSuite(ABC):
         (missing data directory, Java missing, package not installed)."""
 
     @abstractmethod
-    def make_env(self) -> Env:
-        """Build one environment instance. Called in worker processes too."""
+    def make_env(self, reads_expert: bool = True) -> Env:
+        """Build one environment instance. Called in worker processes too. `reads_expert=False`: the caller
+        never reads info["expert_action"] (RL rollouts), so an env may skip computing it (`wants_expert`)."""
+
+    def wants_expert(self, reads_expert: bool) -> bool:
+        """Whether an env computes its expert: env.expert=true|false as given; null (the default, or a suite
+        without the setting) where the caller reads it."""
+        setting = getattr(self.cfg, "expert", None)
+        return reads_expert if setting is None else bool(setting)
 
     @abstractmethod
     def sample_tasks(self, split: str, n: int, rng: random.Random, level: str | None = None) -> list[Task]:

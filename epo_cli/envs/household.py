@@ -654,7 +654,7 @@ class HouseholdSuite(EnvSuite):
     def check(self) -> None:
         get_level(self.default_level)
 
-    def make_env(self) -> HouseholdEnv:
+    def make_env(self, reads_expert: bool = True) -> HouseholdEnv:  # its expert is cheap: always computed
         return HouseholdEnv(self.default_level)
 
     def levels(self) -> list[str]:

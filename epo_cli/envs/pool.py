@@ -46,8 +46,10 @@ import atexit
 import logging
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -123,8 +125,15 @@ def _portable_exception(err: BaseException) -> BaseException:
         return RuntimeError(f"{type(err).__name__}: {err}")
 
 
-def _worker_main(conn: Connection, suite: EnvSuite, parent_pid: int) -> None:
-    """Serve one pool: build env slots with `suite.make_env()` and play them as the parent asks.
+def make_env(suite: EnvSuite, reads_expert: bool | None) -> Env:
+    """One env of `suite`; `reads_expert` tells the suite whether anyone reads the env's expert (None: the
+    suite's own default, for suites whose make_env takes no such argument)."""
+    return suite.make_env() if reads_expert is None else suite.make_env(reads_expert=reads_expert)
+
+
+def _worker_main(conn: Connection, suite: EnvSuite, parent_pid: int, reads_expert: bool | None = None,
+                 scratch: str | None = None) -> None:
+    """Serve one pool: build env slots with `make_env(suite, reads_expert)` and play them as the parent asks.
 
     Messages in: ("reset", [(slot, task)]), ("step", [(slot, action)]), ("close", None).
     Messages out, one per slot as soon as it is done (so a hang is pinned on the slot that hangs):
@@ -136,6 +145,8 @@ def _worker_main(conn: Connection, suite: EnvSuite, parent_pid: int) -> None:
     # through `finally` so the envs close their JVMs.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _raise_system_exit)
+    if scratch:  # this worker's temp files (ScienceWorld's object trees, ...) go where the parent removes them
+        os.environ["TMPDIR"] = tempfile.tempdir = scratch
     _die_with_parent()
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         return
@@ -152,7 +163,7 @@ def _worker_main(conn: Connection, suite: EnvSuite, parent_pid: int) -> None:
                     try:
                         started = time.monotonic()
                         if slot not in envs:
-                            envs[slot] = suite.make_env()
+                            envs[slot] = make_env(suite, reads_expert)
                         obs, info = envs[slot].reset(task)
                         conn.send(("reset", slot, obs, info, started, time.monotonic()))
                     except Exception as err:  # noqa: BLE001 - raised again in the parent
@@ -236,11 +247,15 @@ class _ResetError:
 class _Worker:
     """The parent's handle on one worker process."""
 
-    def __init__(self, ctx: Any, suite: EnvSuite, index: int) -> None:
+    def __init__(self, ctx: Any, suite: EnvSuite, index: int, reads_expert: bool | None = None) -> None:
         self.index = index
+        # the worker's temp directory: removed by `kill`, also after a SIGKILL left the worker no time to
+        # remove its own temp files
+        self.scratch = tempfile.mkdtemp(prefix=f"epo-env-worker-{index}-")
         self.conn, child_conn = ctx.Pipe(duplex=True)
         self.process = ctx.Process(
-            target=_worker_main, args=(child_conn, suite, os.getpid()), name=f"epo-env-worker-{index}",
+            target=_worker_main, args=(child_conn, suite, os.getpid(), reads_expert, self.scratch),
+            name=f"epo-env-worker-{index}",
             daemon=True,
         )
         self.process.start()
@@ -250,12 +265,12 @@ class _Worker:
     def wait_ready(self, timeout: float) -> None:
         if not self.conn.poll(timeout):
             why = "died" if not self.process.is_alive() else f"did not start within {timeout:.0f}s"
-            _kill_tree(self.process)
+            self.kill()
             raise RuntimeError(f"env worker {self.index} {why} (exit code {self.process.exitcode})")
         try:
             tag, self.pid = self.conn.recv()
         except (EOFError, OSError):
-            _kill_tree(self.process)
+            self.kill()
             raise RuntimeError(
                 f"env worker {self.index} died while starting (exit code {self.process.exitcode}); "
                 "is the env suite picklable?"
@@ -272,6 +287,7 @@ class _Worker:
     def kill(self) -> None:
         _kill_tree(self.process)
         self.conn.close()
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -318,7 +334,10 @@ def _install_hooks() -> None:
 
 
 class EnvPool:
-    """Slots of `suite` envs, in-process (`num_workers=0`) or spread over `num_workers` processes."""
+    """Slots of `suite` envs, in-process (`num_workers=0`) or spread over `num_workers` processes.
+
+    `reads_expert`: whether the caller reads info["expert_action"] (False for RL rollouts: an env whose
+    `expert` setting is null then skips computing it); None leaves it to the suite (see make_env)."""
 
     def __init__(
         self,
@@ -326,8 +345,9 @@ class EnvPool:
         num_workers: int | None,
         step_timeout_s: float = 60.0,
         reset_timeout_s: float | None = None,
+        reads_expert: bool | None = None,
     ) -> None:
-        self.suite = suite
+        self.suite, self.reads_expert = suite, reads_expert
         self.num_workers = resolve_num_workers(num_workers)
         self.step_timeout_s = float(step_timeout_s)
         # A reset may build the env first (ScienceWorld: start a JVM, ~4 s; ALFWorld: ~1.3 s per game).
@@ -367,7 +387,7 @@ class EnvPool:
         self._lost.clear()
         if not self.num_workers:
             while len(self._envs) < len(tasks):
-                self._envs.append(self.suite.make_env())
+                self._envs.append(make_env(self.suite, self.reads_expert))
             return [self._envs[i].reset(task) for i, task in enumerate(tasks)]
         results, error = self._guarded(self._reset_workers, tasks)
         if error is not None:  # the exchange itself went fine: the pool stays usable
@@ -528,7 +548,7 @@ class EnvPool:
             if worker is None or not worker.process.is_alive():
                 if worker is not None:
                     worker.kill()
-                self._workers[i] = _Worker(self._ctx, self.suite, i)
+                self._workers[i] = _Worker(self._ctx, self.suite, i, self.reads_expert)
                 fresh.append(self._workers[i])
         for worker in fresh:
             worker.wait_ready(START_TIMEOUT_S)

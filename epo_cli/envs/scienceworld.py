@@ -12,7 +12,7 @@ Each env owns a JVM (~0.7 GB, ~4 s to start), started on its first reset; `close
 process dies instead, the JVM exits by itself (py4j's die-on-broken-pipe watches its stdin). The JVM gets
 `env.jvm_options` through JAVA_TOOL_OPTIONS (ScienceWorld's launcher takes no JVM flags): by default one
 serial GC thread and one CPU per JVM, since every env has a JVM of its own and a JVM sized for the whole
-machine spends cores on parallel GC and JIT threads (scripts/bench_envs.py: 20-30% less CPU per step).
+machine spends cores on parallel GC and JIT threads (scripts/bench/bench_envs.py: 20-30% less CPU per step).
 
 Info keys: goal (the task description), admissible_commands, won (score 100), lost (a wrong `focus on`:
 score -100, the episode is over), task_type (the task name), task_id, subgoals, progress, expert_action,
@@ -90,7 +90,7 @@ class ScienceWorldConfig(EnvConfig):
     #: sparse: success only | dense: also score progress (info.progress) and subgoal events (info.subgoals)
     reward: str = one_of("sparse", ("sparse", "dense"))
     #: worker processes; null = one per CPU (each holds its envs' JVMs, ~0.7 GB each)
-    num_workers: int | None = num(None, ge=0)
+    num_workers: int | None = num(None, ge=0, le=1024)
     #: cap on info.admissible_commands (0 = all valid action-object combinations)
     max_admissible: int = num(50, ge=0)
     #: generate the gold path at each reset for info.expert_action: null = where the run reads it (SFT
@@ -113,6 +113,24 @@ def java_problem() -> str | None:
     if done.returncode != 0:
         return f"`{java} -version` exited with code {done.returncode}: {done.stderr.strip()[:200]}"
     return None
+
+
+def jvm_options_problem(jvm_options: str) -> str | None:
+    """What the JVM says about `jvm_options` (passed as start_simulator passes them), or None when it starts
+    with them: checked before any env starts, so a bad option is one message naming the setting."""
+    java = shutil.which("java")
+    if not jvm_options or java is None:
+        return None
+    saved = os.environ.get("JAVA_TOOL_OPTIONS")
+    env = {**os.environ, "JAVA_TOOL_OPTIONS": f"{saved} {jvm_options}" if saved else jvm_options}
+    try:
+        done = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=60, env=env)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"`java -version` with them failed to run ({err})"
+    if done.returncode == 0:
+        return None
+    said = [line for line in done.stderr.splitlines() if line.strip() and not line.startswith("Picked up")]
+    return " ".join(said[:2])[:300] or f"exit code {done.returncode}"
 
 
 def _task_names() -> list[str]:
@@ -163,7 +181,15 @@ class ScienceWorldSuite(EnvSuite):
                 f"Invalid value '{self.cfg.reward}' for 'env.reward'. Valid values: sparse, dense.")
         if self.cfg.max_admissible < 0:
             raise ConfigError("env.max_admissible must be >= 0 (0 = no cap).")
+        unknown = [s for s in str(self.cfg.simplification).split(",") if s and s not in SIMPLIFICATIONS]
+        if unknown:
+            raise ConfigError(f"env.simplification: unknown simplification(s) {', '.join(unknown)}. Valid: "
+                              f"{', '.join(SIMPLIFICATIONS)} (a comma list without spaces, or \"\" for none).")
         self.task_names()  # validates the names
+        rejected = jvm_options_problem(self.cfg.jvm_options)
+        if rejected:
+            raise ConfigError(f"env.jvm_options='{self.cfg.jvm_options}' is refused by the JVM: {rejected}. Fix "
+                              "the options, or set env.jvm_options='' for the JVM's defaults.")
 
     def curriculum_levels(self) -> list[str]:
         """env.tasks in the order given, one task per level; with env.tasks empty, `STAGES` (all 30 tasks in
@@ -216,11 +242,11 @@ class ScienceWorldSuite(EnvSuite):
             tasks.append(Task(f"{name}/{variation}", name, rng.randrange(2**31), split))
         return tasks
 
-    def make_env(self) -> Env:
+    def make_env(self, reads_expert: bool = True) -> Env:
         cfg = self.cfg
         return ScienceWorldGame(simplification=cfg.simplification, max_turns=cfg.max_turns,
                                 dense=cfg.reward == "dense", max_admissible=cfg.max_admissible,
-                                expert=cfg.expert is not False, jvm_options=cfg.jvm_options)
+                                expert=self.wants_expert(reads_expert), jvm_options=cfg.jvm_options)
 
     def versions(self) -> dict[str, str]:
         from importlib.metadata import PackageNotFoundError, version
@@ -229,6 +255,11 @@ class ScienceWorldSuite(EnvSuite):
             return {"scienceworld": version("scienceworld")}
         except PackageNotFoundError:
             return {}
+
+
+#: ScienceWorld's simplifications (ScienceWorldEnv.get_possible_simplifications, plus "easy" for all of them)
+SIMPLIFICATIONS = ("easy", "teleportAction", "selfWateringFlowerPots", "openContainers", "openDoors",
+                   "noElectricalAction")
 
 
 def start_simulator(jvm_options: str) -> Any:
@@ -241,11 +272,33 @@ def start_simulator(jvm_options: str) -> Any:
     try:
         # We end episodes at max_turns ourselves; ScienceWorld's own step limit must never fire first.
         return ScienceWorldEnv("", envStepLimit=10**6)
+    except Exception as err:  # noqa: BLE001 - the JVM refused its options, or did not start at all
+        first = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+        _collect_half_made_simulator(err)
+        raise UserError(f"ScienceWorld's Java VM did not start (env.jvm_options='{jvm_options}'): {first}. Check "
+                        "the options (`java <options> -version` shows what the JVM says), or set "
+                        "env.jvm_options='' for the JVM's defaults.") from None
     finally:
         if saved is None:
             os.environ.pop("JAVA_TOOL_OPTIONS", None)
         else:
             os.environ["JAVA_TOOL_OPTIONS"] = saved
+
+
+def _collect_half_made_simulator(err: BaseException) -> None:
+    """A ScienceWorldEnv whose JVM did not start is only referenced from the exception's frames; its __del__
+    then fails (it never got a gateway) and Python would print that as an "Exception ignored" traceback
+    after epo's message. Collect it now, with that one report silenced."""
+    import gc
+    import sys
+
+    err.__traceback__ = None
+    hook = sys.unraisablehook
+    sys.unraisablehook = lambda unraisable: None
+    try:
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
 
 
 def _shutdown(sim: Any) -> None:

@@ -60,7 +60,7 @@ class TextWorldConfig(EnvConfig):
     seed: int = num(1234, ge=0)
     max_turns: int = num(50, ge=1)
     #: TextWorld steps at ~200 steps/s in-process; workers only pay off for long resets
-    num_workers: int | None = num(0, ge=0)
+    num_workers: int | None = num(0, ge=0, le=1024)
 
 
 @dataclass(frozen=True)
@@ -193,7 +193,7 @@ class TextWorldSuite(EnvSuite):
             picked.extend(rng.sample(games, min(len(games), n - len(picked))))
         return [Task(game, "textworld", rng.randrange(2**31), split) for game in picked]
 
-    def make_env(self) -> Env:
+    def make_env(self, reads_expert: bool = True) -> Env:
         return TextWorldGame(self, max_turns=self.cfg.max_turns)
 
     def versions(self) -> dict[str, str]:

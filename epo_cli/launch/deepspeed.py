@@ -24,12 +24,13 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from epo_cli import trust
+from epo_cli.checkpoint_paths import latest_tag
 from epo_cli.errors import Stopped, UserError
 from epo_cli.launch.layout import Layout, check_resume, check_world, clear_rank_records, layout_for
-from epo_cli.launch.local import prepare_run_dir, stopped_message
+from epo_cli.launch.setup import prepare_run_dir, stopped_message
 from epo_cli.run_dir import read_status, write_status
-from epo_cli.training.checkpoint import latest_tag
-from epo_cli.training.engine import free_port
+from epo_cli.training.deepspeed_config import free_port
 from epo_cli.training.stop import STOP, Interrupted, exit_code, signal_name, write_relay
 
 #: launcher.master_port=0 picks a free port on a single node; multi-node jobs need a fixed one
@@ -63,8 +64,8 @@ def deepspeed_command(cfg: DictConfig, run: Path, layout: Layout) -> list[str]:
         if lc.master_addr not in ("127.0.0.1", "localhost", ""):  # else: the first host (ssh hostname -I)
             cmd += ["--master_addr", lc.master_addr]
     cmd += ["--module", "epo_cli.launch.rank", "--run-dir", str(run.resolve())]
-    if cfg.model.trust_remote_code:  # from this command line: the ranks' config.yaml cannot turn it on
-        cmd.append("--trust-remote-code")
+    # settings that can start code come from this command line: the ranks' config.yaml cannot set them
+    cmd += ["--command-line-settings", trust.encode(trust.command_line_values(cfg))]
     return cmd
 
 

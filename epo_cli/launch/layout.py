@@ -2,21 +2,25 @@
 
 `layout_for` turns launcher.* (and the GPUs this machine has) into ranks per node x nodes; `check_world`
 and `check_resume` fail with one message here instead of one traceback per rank. Both launchers
-(epo_cli.launch.deepspeed and epo_cli.launch.slurm) start from them.
+(epo_cli.launch.deepspeed and epo_cli.launch.slurm) start from them. Nothing here imports torch or
+DeepSpeed: the process that starts the ranks only reads the config, the run directory and checkpoint paths.
 """
 
 from __future__ import annotations
 
+import glob
 import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from omegaconf import DictConfig
 
+from epo_cli.checkpoint_paths import check_world_size, resolve_resume
+from epo_cli.config import is_sft
 from epo_cli.errors import ConfigError, UserError
-from epo_cli.training import checkpoint
-from epo_cli.training.engine import deepspeed_config
+from epo_cli.training.deepspeed_config import deepspeed_config
 
 
 @dataclass
@@ -33,7 +37,17 @@ class Layout:
 
 
 def _cuda_count() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    """CUDA GPUs this process may use. Without a GPU driver (no /dev/nvidia*, no ROCm /dev/kfd) none, at once;
+    otherwise torch counts them in a child process (CUDA_VISIBLE_DEVICES, MIG and ROCm as the ranks will see
+    them), so this process never loads torch."""
+    if not (glob.glob("/dev/nvidia[0-9]*") or Path("/dev/kfd").exists() or shutil.which("nvidia-smi")):
+        return 0
+    probe = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+    try:
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+        return int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else 0
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return 0
 
 
 def hostfile_hosts(path: str) -> list[tuple[str, int]]:
@@ -43,17 +57,25 @@ def hostfile_hosts(path: str) -> list[tuple[str, int]]:
         raise UserError(f"launcher.hostfile='{path}' does not exist. Write one line per node, e.g.\n"
                         "  node-1 slots=8\n  node-2 slots=8\n"
                         "(the nodes reach each other by passwordless ssh).")
+    try:
+        text = file.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"launcher.hostfile '{path}' cannot be read as text ({type(err).__name__}). Write one "
+                        "line per node, e.g. 'node-1 slots=8'.") from None
     hosts = []
-    for line in file.read_text().splitlines():
+    for number, line in enumerate(text.splitlines(), 1):
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
         parts = line.split()
-        slots = next((int(p.split("=", 1)[1]) for p in parts[1:] if p.startswith("slots=")), None)
-        if slots is None:
-            raise UserError(f"launcher.hostfile '{path}': line '{line}' has no 'slots=N' "
-                            "(the number of GPUs on that node).")
-        hosts.append((parts[0], slots))
+        given = [p.split("=", 1)[1] for p in parts[1:] if p.startswith("slots=")]
+        extra = [p for p in parts[1:] if not p.startswith("slots=")]
+        if len(given) != 1 or extra or not given[0].isdigit() or int(given[0]) < 1 or "=" in parts[0]:
+            raise UserError(f"launcher.hostfile '{path}', line {number}: '{line[:200]}' is not '<host> slots=N' "
+                            "(N >= 1: the GPUs or processes on that node), e.g. 'node-1 slots=8'.")
+        hosts.append((parts[0], int(given[0])))
+    if len({host for host, _ in hosts}) != len(hosts):
+        raise UserError(f"launcher.hostfile '{path}' lists a node twice; list each node once with its slots.")
     if not hosts:
         raise UserError(f"launcher.hostfile '{path}' lists no nodes.")
     return hosts
@@ -99,9 +121,8 @@ def layout_for(cfg: DictConfig) -> Layout:
 
 def check_world(cfg: DictConfig, layout: Layout) -> None:
     """The batch layout must split over the world: one clear message here instead of one per rank."""
-    device = torch.device("cuda" if layout.gpu else "cpu")
-    deepspeed_config(cfg, layout.world_size, device)  # ConfigError: mini/micro batch vs world size
-    if cfg.algo.name != "sft" and cfg.algo.tasks_per_step % layout.world_size:
+    deepspeed_config(cfg, layout.world_size, "cuda" if layout.gpu else "cpu")  # ConfigError: batch vs world size
+    if not is_sft(cfg.algo) and cfg.algo.tasks_per_step % layout.world_size:
         w = layout.world_size
         raise ConfigError(
             f"algo.tasks_per_step={cfg.algo.tasks_per_step} must be divisible by the number of ranks ({w}) "
@@ -114,9 +135,9 @@ def check_resume(cfg: DictConfig, layout: Layout) -> None:
     """A ZeRO checkpoint reloads only on the world size that saved it: say so before any rank starts."""
     if not cfg.trainer.resume or (cfg.trainer.resume == "auto" and not cfg.run_dir):
         return
-    folder = checkpoint.resolve_resume(cfg.trainer.resume, Path(cfg.run_dir or "."))
+    folder = resolve_resume(cfg.trainer.resume, Path(cfg.run_dir or "."))
     if folder is not None:
-        checkpoint.check_world_size(folder, layout.world_size)
+        check_world_size(folder, layout.world_size)
 
 
 def clear_rank_records(run: Path) -> None:

@@ -1,10 +1,5 @@
-"""A run's config and run directory, and `launcher=local`: training in this process.
-
-`epo train OVERRIDES` composes and validates the config once (`compose_for_train`), then either trains
-here (`run_local`, which creates the run directory and saves the resolved config there), or hands the
-config to epo_cli.launch.deepspeed (the deepspeed launcher's ranks) or epo_cli.launch.slurm (a SLURM job),
-which write the run directory with `prepare_run_dir` before any rank starts. Every rank reads the same
-config.yaml from the run directory, so all ranks agree on what runs.
+"""`launcher=local`: training in this process (a world of one), after epo_cli.launch.setup composed the
+config; the run directory is written here, or, when resuming, once the checkpoint has loaded.
 """
 
 from __future__ import annotations
@@ -12,72 +7,35 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from epo_cli.analysis.run_summary import print_summary
-from epo_cli.compose import compose, validate
+from epo_cli.checkpoint_paths import latest_tag
 from epo_cli.envs import make_suite
-from epo_cli.errors import ConfigError, Stopped, UserError
-from epo_cli.run_dir import check_lengths, load_run_config, new_run_dir, write_config, write_status
-from epo_cli.training.checkpoint import latest_tag, locate_resume
+from epo_cli.errors import Stopped
+from epo_cli.launch.setup import prepare_run_dir, stopped_message
+from epo_cli.models.attention import check_attention, planned_device
+from epo_cli.run_dir import write_status
 from epo_cli.training.stop import STOP, Interrupted, exit_code, signal_name
 from epo_cli.training.trainer import Trainer
-
-
-def compose_for_train(overrides: list[str]) -> tuple[DictConfig, list[str]]:
-    """Compose a run's config. `trainer.resume=<run dir>` starts from that run's saved config (the other
-    overrides apply on top, e.g. a longer trainer.total_steps) and continues in the same directory."""
-    check_lengths(overrides)
-    resume = next((o.split("=", 1)[1] for o in overrides if o.startswith("trainer.resume=")), None)
-    if resume and resume not in ("auto", "null", "None", ""):
-        # a run dir, <run>/checkpoints[/latest|best|step_N]: always THAT run's saved config, never defaults
-        target = locate_resume(resume)
-        base = load_run_config(target.run)
-        rest = [o for o in overrides if not o.startswith("trainer.resume=")]
-        groups = [o for o in rest if "." not in o.split("=", 1)[0] and o.split("=", 1)[0] not in ("seed", "name")]
-        if groups:
-            raise ConfigError(f"When resuming, config groups cannot change ({', '.join(groups)}); only "
-                              "section.key=value overrides apply on top of the run's saved config.")
-        try:
-            merged = OmegaConf.merge(base, OmegaConf.from_dotlist(rest))
-        except Exception as err:  # noqa: BLE001 - reported as a config error
-            raise ConfigError(f"Invalid override when resuming: {err}") from None
-        merged.trainer.resume = str(target.checkpoint)
-        merged.run_dir = str(target.run)
-        if not any(o.startswith("trainer.stop_after=") for o in rest):
-            merged.trainer.stop_after = None  # the earlier stop point is behind us
-        return validate(merged), overrides
-    return compose(overrides), overrides
-
-
-def prepare_run_dir(cfg: DictConfig, overrides: list[str]) -> Path:
-    """Create the run directory and save the resolved config (with versions and command) in it."""
-    run = new_run_dir(cfg)
-    cfg.run_dir = str(run)
-    versions = make_suite(cfg.env).versions()
-    try:
-        write_config(run, cfg, overrides, versions)
-    except OSError as err:  # read-only, full, or a file where a folder must go: before any work
-        raise UserError(f"Cannot write the run directory {run}: {err.strerror or err} "
-                        f"({err.filename or run}). Choose a writable output_dir=DIR (or run_dir=DIR), or free "
-                        "disk space.") from None
-    return run
 
 
 def run_local(cfg: DictConfig, overrides: list[str]) -> dict:
     """Train in this process (a world of one)."""
     resuming = bool(cfg.trainer.resume) and cfg.run_dir and (Path(cfg.run_dir) / "config.yaml").exists()
+    check_attention(cfg.model, planned_device(cfg.trainer.device))  # before the run directory is written
     STOP.install()  # SIGTERM/SIGINT/SIGUSR1: finish the step, checkpoint it, exit 128+N
     try:
+        suite = make_suite(cfg.env)  # the run's one env suite, handed down
         if resuming:
             # load the checkpoint first: if it is unusable, the run directory stays exactly as it was
             run = Path(cfg.run_dir)
-            trainer = Trainer(cfg, run)
-            prepare_run_dir(cfg, overrides)
+            trainer = Trainer(cfg, run, suite)
+            prepare_run_dir(cfg, overrides, suite)
         else:
-            run = prepare_run_dir(cfg, overrides)
+            run = prepare_run_dir(cfg, overrides, suite)
         try:
-            trainer = trainer if resuming else Trainer(cfg, run)
+            trainer = trainer if resuming else Trainer(cfg, run, suite)
             metrics = trainer.train()
         except (KeyboardInterrupt, Interrupted) as err:
             signum = err.signum if isinstance(err, Interrupted) else 2
@@ -95,13 +53,6 @@ def run_local(cfg: DictConfig, overrides: list[str]) -> dict:
     print_summary(cfg, run, metrics)
     sys.stdout.flush()
     return metrics
-
-
-def stopped_message(run: Path, signum: int, step: int) -> str:
-    tag = latest_tag(run)
-    saved = f"the checkpoint {run / 'checkpoints' / tag}" if tag else "no checkpoint (no step had completed)"
-    return (f"{signal_name(signum)}: stopped after step {step}; status.json says `stopped`, and {saved} holds "
-            f"the run. Continue with: epo train trainer.resume={run}")
 
 
 def _latest_step(run: Path) -> int | None:

@@ -5,7 +5,8 @@
 `epo train launcher=deepspeed ...` (epo_cli.launch.deepspeed) composes and validates the config once,
 writes <run>/config.yaml, and starts this module on every rank through the deepspeed launcher, which sets
 RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT. Under `launcher=slurm` every SLURM task calls
-`SlurmRank` instead, which derives the same variables from the SLURM allocation. Either way all ranks read
+epo_cli.launch.slurm.SlurmRank instead, which derives the same variables from the SLURM allocation and
+calls `run_rank`. Either way all ranks read
 the same config.yaml, so they agree on what runs; rank 0 alone logs and writes the run's files.
 
 A rank that fails records why in <run>/ranks/rank<r>.error (JSON) before it exits non-zero: the launcher
@@ -36,12 +37,14 @@ from typing import Any  # noqa: E402
 import torch.distributed as torch_dist  # noqa: E402
 from rich.markup import escape  # noqa: E402
 
+from epo_cli import trust  # noqa: E402
 from epo_cli.analysis.run_summary import print_summary  # noqa: E402
+from epo_cli.checkpoint_paths import latest_tag  # noqa: E402
 from epo_cli.console import err_console, quiet_libraries  # noqa: E402
 from epo_cli.errors import UserError  # noqa: E402
 from epo_cli.run_dir import load_run_config, write_status  # noqa: E402
 from epo_cli.training import checkpoint  # noqa: E402
-from epo_cli.training.stop import STOP, STOP_SIGNALS, Interrupted, exit_code, signal_name  # noqa: E402
+from epo_cli.training.stop import STOP, Interrupted, exit_code, signal_name  # noqa: E402
 from epo_cli.training.trainer import Trainer  # noqa: E402
 
 KILL_HOOK_ENV = "EPO_TEST_KILL_RANK"
@@ -125,16 +128,16 @@ def install_test_hook(rank: int) -> None:
     checkpoint.save = save  # the trainer calls checkpoint.save through the module
 
 
-def run_rank(run: Path, resume_latest: bool = False, trust_remote_code: bool = False) -> int:
+def run_rank(run: Path, resume_latest: bool = False, command_line: dict[str, Any] | None = None) -> int:
     """Train this rank of the run in `run`; returns the process exit code. `resume_latest`: continue from
-    the run's latest complete checkpoint if it has one (a requeued SLURM job). `trust_remote_code`: passed
-    by the launching invocation when its command line asked for it (config.yaml cannot turn it on)."""
+    the run's latest complete checkpoint if it has one (a requeued SLURM job). `command_line`: the launching
+    invocation's values of the settings that can start code (epo_cli.trust: config.yaml cannot set them)."""
     quiet_libraries()
     run = Path(run).resolve()
     rank = int(os.environ.get("RANK", "0"))
     timeout_s: float | None = None
     try:
-        cfg = load_run_config(run, command_line={"model.trust_remote_code": trust_remote_code})
+        cfg = load_run_config(run, command_line=command_line or {})
         cfg.run_dir = str(run)  # absolute: every rank (and node) names the same folder
         if resume_latest:
             cfg.trainer.resume = "auto"
@@ -169,7 +172,7 @@ def run_rank(run: Path, resume_latest: bool = False, trust_remote_code: bool = F
 
 def _record_abandoned(run: Path, signum: int) -> None:
     try:
-        write_status(run, "stopped", signal=signal_name(signum), checkpoint=checkpoint.latest_tag(run),
+        write_status(run, "stopped", signal=signal_name(signum), checkpoint=latest_tag(run),
                      abandoned="a second signal abandoned the step in progress",
                      resume=f"epo train trainer.resume={run}")
     except Exception:  # noqa: BLE001 - best effort while leaving
@@ -184,47 +187,15 @@ def _leave_process_group() -> None:
         pass
 
 
-class SlurmRank:
-    """The callable that launcher=slurm submits (epo_cli.launch.slurm.submit_slurm): one per SLURM task.
-
-    SLURM starts one task per rank (srun); submitit's TorchDistributedEnvironment exports RANK, WORLD_SIZE,
-    LOCAL_RANK and MASTER_ADDR/PORT (first node of the allocation) for init_distributed. GPU selection
-    stays with LOCAL_RANK (all of a node's GPUs remain visible to each task).
-
-    When the job reaches its time limit or is preempted, submitit calls `checkpoint` and requeues the job;
-    SIGTERM (scancel, preemption) and SIGUSR1 (`--signal=USR1@T`) stop every rank after the current step
-    with a checkpoint (epo_cli.training.stop). Whichever way a job is started again (submitit's requeue or
-    SLURM's own), its ranks resume from the run's latest complete checkpoint.
-    """
-
-    def __call__(self, run_dir: str, resume: bool = False, trust_remote_code: bool = False) -> None:
-        import submitit  # optional (epo[sweep]); only SLURM tasks need it
-
-        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
-        # requeued by submitit (resume=True) or by SLURM itself (preemption: SLURM_RESTART_COUNT > 0)
-        requeued = resume or int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0
-        code = run_rank(Path(run_dir), resume_latest=requeued, trust_remote_code=trust_remote_code)
-        if code in {exit_code(s) for s in STOP_SIGNALS}:
-            return  # stopped on a signal with a checkpoint: status.json says so; not a failure
-        if code != 0:
-            rank = int(os.environ.get("RANK", "0"))
-            record = rank_error_file(Path(run_dir), rank)
-            raise RuntimeError(f"rank {rank} failed (exit code {code}); see {record}")
-
-    def checkpoint(self, run_dir: str, resume: bool = False, trust_remote_code: bool = False) -> Any:
-        import submitit  # optional, as in __call__
-
-        return submitit.helpers.DelayedSubmission(SlurmRank(), run_dir, True, trust_remote_code=trust_remote_code)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m epo_cli.launch.rank", description=__doc__.split("\n\n")[0])
     parser.add_argument("--run-dir", required=True, help="run directory holding config.yaml")
-    parser.add_argument("--trust-remote-code", action="store_true",
-                        help="load the model with trust_remote_code (the launcher passes it when asked to)")
+    parser.add_argument("--command-line-settings", default=None,
+                        help="JSON: the launching command line's values of the settings that can start code "
+                             "(epo_cli.trust; config.yaml cannot set them)")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # older launchers
     args = parser.parse_args(argv)
-    sys.exit(run_rank(Path(args.run_dir), trust_remote_code=args.trust_remote_code))
+    sys.exit(run_rank(Path(args.run_dir), command_line=trust.decode(args.command_line_settings)))
 
 
 if __name__ == "__main__":

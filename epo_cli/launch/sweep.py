@@ -61,6 +61,7 @@ from epo_cli.config import GROUPS, config_dir, group_options
 from epo_cli.errors import ConfigError, UserError
 from epo_cli.loggers.jsonl import read_metrics
 from epo_cli.run_dir import check_lengths, check_name, check_path, read_status, write_status
+from epo_cli.writable import prepare_output_dir
 
 log = logging.getLogger("epo.sweep")
 
@@ -166,13 +167,24 @@ def _error_line(tail: str) -> str | None:
     return lines[-1][:500] if lines else None
 
 
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def _now() -> str:
     return datetime.datetime.now().isoformat(timespec="seconds")
 
 
 def _write_json(path: Path, payload: dict[str, Any]) -> None:
+    """JSON as the standard has it: a non-finite number (a failed job's worst objective, -inf) is null."""
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload, indent=2, default=str))
+    tmp.write_text(json.dumps(_finite(payload), indent=2, default=str, allow_nan=False))
     tmp.replace(path)
 
 
@@ -289,7 +301,7 @@ def run_sweep(args: list[str]) -> Path:
     sweep_dir = Path(given).resolve() if given else new_sweep_dir(str(output_dir), options.name)
     check_path(sweep_dir, "the sweep directory")
     created = [d for d in (sweep_dir, *sweep_dir.parents) if not d.exists()]  # removed again if nothing runs
-    sweep_dir.mkdir(parents=True, exist_ok=True)
+    prepare_output_dir(sweep_dir, "hydra.sweep.dir" if given else "output_dir")
     _write_json(sweep_dir / "sweep.json", {"options": asdict(options), "overrides": overrides,
                                            "command": " ".join(["epo", *sys.argv[1:]]), "started": _now()})
 

@@ -69,6 +69,7 @@ class MetricsLogger:
             shown = "  ".join(f"{SHORT[k]}={clean[k]:.3g}" for k in CONSOLE_KEYS if k in clean)
             where = f"{step}/{total}" if total else str(step)
             alert = "  [bold red]entropy alert[/]" if clean.get("policy/entropy_alert") else ""
+            alert += "  [bold red]collapse alert[/]" if clean.get("collapse/alert") else ""
             self.console.print(f"[cyan]step {where}[/]  {shown}{alert}", soft_wrap=True)
             if total and self.console.is_terminal:
                 self._show_progress(step, total)

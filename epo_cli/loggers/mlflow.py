@@ -16,7 +16,18 @@ def start_mlflow(mc: Any, run: Path, config: Any, run_ids: dict[str, str]) -> An
     except ImportError:
         raise UserError("logger=mlflow needs mlflow: pip install 'epo[loggers]'.") from None
     # default: a local SQLite store in the run directory (MLflow 3 retired the plain file store)
-    mlflow.set_tracking_uri(mc.tracking_uri or f"sqlite:///{(run / 'mlflow.db').resolve()}")
+    uri = mc.tracking_uri or f"sqlite:///{(run / 'mlflow.db').resolve()}"
+    try:
+        return _start(mlflow, mc, uri, run, config, run_ids)
+    except Exception as err:  # noqa: BLE001 - MLflow refusing the URI (unknown scheme, no server, bad path)
+        first = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
+        raise UserError(f"MLflow cannot log to {uri} (logger.mlflow.tracking_uri): {type(err).__name__}: {first}. "
+                        "Fix the URI (e.g. http://host:5000, sqlite:////path/mlflow.db), or leave it null for a "
+                        "store in the run directory.") from None
+
+
+def _start(mlflow: Any, mc: Any, uri: str, run: Path, config: Any, run_ids: dict[str, str]) -> Any:
+    mlflow.set_tracking_uri(uri)
     if mlflow.get_experiment_by_name(mc.experiment) is None:
         mlflow.create_experiment(mc.experiment, artifact_location=(run / "mlartifacts").resolve().as_uri())
     mlflow.set_experiment(mc.experiment)

@@ -19,8 +19,9 @@ from torch import nn
 
 from epo_cli.envs.base import EnvSuite
 from epo_cli.errors import UserError
-from epo_cli.models.tiny import build_tiny
-from epo_cli.safe_load import refused_message
+from epo_cli.models.tiny import build_tiny, cache_root
+from epo_cli.safe_load import quiet_unpickler, refused_message
+from epo_cli.writable import check_output_dir
 
 
 def resolve_dtype(model_cfg: Any, device: torch.device) -> torch.dtype:
@@ -53,6 +54,7 @@ def model_source(model_cfg: Any, suite: EnvSuite, seed: int) -> str:
                 )
             return str(local)
         return path
+    check_output_dir(cache_root(model_cfg), "model.cache_dir (or $EPO_CACHE)")  # the tiny model is built there
     return str(build_tiny(model_cfg, suite, seed=0))
 
 
@@ -63,6 +65,10 @@ def load_tokenizer(source: str, model_cfg: Any):
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=model_cfg.trust_remote_code)
     except OSError as err:
         raise UserError(_hub_message(source, err)) from None
+    except (ValueError, KeyError) as err:
+        if not _known_refusal(err):
+            raise
+        raise UserError(_unloadable_message(source, err)) from None
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -73,25 +79,81 @@ def load_causal_lm(source: str, model_cfg: Any, dtype: torch.dtype) -> nn.Module
     from transformers import AutoModelForCausalLM
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            source,
-            dtype=dtype,
-            trust_remote_code=model_cfg.trust_remote_code,
-            attn_implementation=model_cfg.attn_implementation,
-            weights_only=True,  # a pytorch_model.bin from elsewhere is never fully unpickled
-        )
+        with quiet_unpickler():  # a refused pytorch_model.bin: epo's message only
+            model = AutoModelForCausalLM.from_pretrained(
+                source,
+                dtype=dtype,
+                trust_remote_code=model_cfg.trust_remote_code,
+                attn_implementation=model_cfg.attn_implementation,
+                weights_only=True,  # a pytorch_model.bin from elsewhere is never fully unpickled
+            )
     except OSError as err:
         raise UserError(_hub_message(source, err)) from None
     except pickle.UnpicklingError as err:  # the restricted unpickler refused a weights file
         raise UserError(refused_message(Path(source), err)) from None
-    except (ValueError, RuntimeError) as err:
+    except ImportError as err:  # an attention implementation whose package is missing (see epo_cli/models/attention.py)
+        raise UserError(f"model.attn_implementation={model_cfg.attn_implementation} cannot be used here: "
+                        f"{str(err).splitlines()[0]} Use model.attn_implementation=sdpa (the default).") from None
+    except (ValueError, RuntimeError, KeyError) as err:
         if "safetensors" in str(err).lower() or "header" in str(err).lower() or "size mismatch" in str(err):
             raise UserError(f"The model files in '{source}' are corrupt or incomplete: {err}") from None
-        raise
+        if not _known_refusal(err):
+            raise
+        raise UserError(_unloadable_message(source, err)) from None
+    bad = nonfinite_parameters(model)
+    if bad:  # e.g. the export of a run that diverged: refused before anything samples from it
+        raise UserError(f"The model in '{source}' holds non-finite weights (nan or inf, e.g. in {', '.join(bad)}): "
+                        "it cannot be sampled from or trained. It was probably exported by a run that diverged; "
+                        "use an earlier checkpoint of that run (checkpoint=step_N) or another model.")
     if model_cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
     return model
+
+
+def nonfinite_parameters(module: nn.Module, limit: int = 3) -> list[str]:
+    """Names of (at most `limit`) parameters holding nan or inf, found in one pass and one device sync.
+    ZeRO-3 keeps each rank's share of a parameter in `ds_tensor` (the parameter is a placeholder there)."""
+    tensors = []
+    for name, p in module.named_parameters():
+        shard = getattr(p, "ds_tensor", None)
+        tensors.append((name, (p if shard is None else shard).detach()))
+    if not tensors:
+        return []
+    finite = torch.stack([torch.isfinite(t).all() for _, t in tensors]).cpu().tolist()
+    return [name for (name, _), ok in zip(tensors, finite) if not ok][:limit]
+
+
+#: what transformers says when a folder's config names code (auto_map) or an architecture it does not know
+_CUSTOM_CODE = ("trust_remote_code", "custom code")
+_UNKNOWN_ARCHITECTURE = ("does not recognize this architecture", "Unrecognized configuration class",
+                         "Unrecognized model", "model_type")
+
+
+def _known_refusal(err: Exception) -> bool:
+    """transformers refusing a folder (its code, its architecture); other errors are bugs and keep their traceback."""
+    return any(s in str(err) for s in _CUSTOM_CODE + _UNKNOWN_ARCHITECTURE)
+
+
+def _unloadable_message(source: str, err: Exception) -> str:
+    text = str(err)
+    if any(s in text for s in _CUSTOM_CODE):
+        return (f"'{source}' holds its own model code (auto_map in its config.json), which must run to load it; "
+                "epo runs a model folder's code only when this command line says model.trust_remote_code=true "
+                "(a saved config cannot). Pass it if you trust that code, or use another model.")
+    return (f"'{source}' is not a model transformers can load: {text.splitlines()[0]} Pass a folder written "
+            "by save_pretrained of a supported architecture (e.g. <run>/final), or a hub id.")
+
+
+def check_context(model: nn.Module, rollout_cfg: Any, source: str) -> None:
+    """A prompt (rollout.max_prompt_tokens) and its response (rollout.max_new_tokens) must fit the model's
+    positions (config.max_position_embeddings), checked when the model is known, before it runs."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    need = rollout_cfg.max_prompt_tokens + rollout_cfg.max_new_tokens
+    if isinstance(limit, int) and limit < need:
+        raise UserError(f"The model in '{source}' holds {limit} positions (max_position_embeddings), fewer than "
+                        f"rollout.max_prompt_tokens + rollout.max_new_tokens = {need}. Lower them (e.g. "
+                        f"rollout.max_prompt_tokens={max(1, limit - rollout_cfg.max_new_tokens)}).")
 
 
 def _hub_message(source: str, err: Exception) -> str:
@@ -117,7 +179,15 @@ def apply_lora(model: nn.Module, lora_cfg: Any) -> nn.Module:
         target_modules=list(lora_cfg.target_modules),
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, config)
+    try:
+        return get_peft_model(model, config)
+    except ValueError as err:  # peft: a target name that matches no module of this model
+        if "not found in the base model" not in str(err) and "Target modules" not in str(err):
+            raise
+        linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
+        raise UserError(f"model.lora.target_modules={list(lora_cfg.target_modules)} matches no module of this model. "
+                        f"Its linear layers are named: {', '.join(linear)}. Fix: "
+                        f"model.lora.target_modules=[{','.join(linear[:4])}] (or some of them).") from None
 
 
 class ValueModel(nn.Module):

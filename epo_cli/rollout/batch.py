@@ -143,3 +143,6 @@ class MicroBatch:
     num_real: int = 0
     #: set for packed micro-batches: the model runs on this layout instead of input_ids/attention_mask
     packed: PackedLayout | None = None
+    #: Clip-Cov / KL-Cov: the tokens they act on, chosen over the whole mini-batch (epo_cli/algos/cov_selection.py);
+    #: None: the loss chooses within this micro-batch alone
+    token_select: Tensor | None = None  # [B, R] bool

@@ -21,8 +21,8 @@ import torch
 
 from epo_cli.errors import UserError
 from epo_cli.rollout.batch import TurnBatch
+from epo_cli.rollout.episodes import Episode
 from epo_cli.rollout.prompts import EpisodeMemory, PromptBuilder, format_response
-from epo_cli.rollout.rollout import Episode
 
 
 def episodes_to_records(episodes: list[Episode]) -> list[dict]:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from epo_cli.errors import UserError
+
 
 @dataclass
 class SamplingParams:
@@ -57,10 +59,19 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 
+def _refuse_nonfinite(ok: torch.Tensor) -> None:
+    """One message instead of torch.multinomial's traceback when the policy's outputs are nan/inf."""
+    if not bool(ok.all()):
+        raise UserError("The policy's outputs (logits) hold nan or inf, so no token can be sampled: its weights "
+                        "are non-finite (e.g. a model exported by a run that diverged). Use an earlier "
+                        "checkpoint or another model.")
+
+
 def sample_next(logits: torch.Tensor, params: SamplingParams,
                 generators: list[torch.Generator] | None) -> torch.Tensor:
     """One token per row from logits [B, V] (float32) -> [B] long."""
     if params.temperature <= 0:
+        _refuse_nonfinite(~torch.isnan(logits))
         return logits.argmax(-1)
     logits = logits / params.temperature
     if params.top_k > 0:
@@ -73,6 +84,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams,
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     probs = logits.softmax(-1)
+    _refuse_nonfinite(torch.isfinite(probs))  # nan or +inf logits (top-k/top-p's -inf ones give 0)
     if generators is None:
         return torch.multinomial(probs, 1).squeeze(-1)
     return torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(generators)])

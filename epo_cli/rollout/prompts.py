@@ -10,14 +10,17 @@ its middle. Both events are counted (rollout/truncated, rollout/obs_trimmed).
 
 from __future__ import annotations
 
+import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from epo_cli.errors import ConfigError, UserError
+from epo_cli.registry import Registry
 
-# name -> (template for the first turn, template for later turns)
-PROMPT_TEMPLATES: dict[str, tuple[str, str]] = {
+#: env.prompt_template name -> (template for the first turn, template for later turns)
+PROMPT_TEMPLATES = Registry("prompt template")
+for _name, _pair in {
     # The same information as `alfworld` without the prose (a third of the tokens), ordered so that what
     # the next action depends on most (the task, then the observation) sits right before the response:
     # small models on CPU learn to copy from a nearly fixed relative position far sooner than by a
@@ -65,7 +68,8 @@ PROMPT_TEMPLATES: dict[str, tuple[str, str]] = {
         "First reason step-by-step inside <think> </think> tags, then give exactly one action inside "
         "<action> </action> tags.",
     ),
-}
+}.items():
+    PROMPT_TEMPLATES.register(_name, _pair)
 
 
 def chat_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
@@ -84,11 +88,35 @@ def format_response(thought: str, action: str) -> str:
     return f"<think>{thought}</think><action>{action}</action>"
 
 
+#: the {fields} a template may use (render fills all of them; on the first turn the history is empty)
+TEMPLATE_FIELDS = ("task", "observation", "admissible", "step_count", "history_count", "history", "current_step")
+
+
+def check_literal_template(text: str) -> None:
+    """A literal template is data: plain {field} names from TEMPLATE_FIELDS only (str.format would otherwise
+    read attributes and items of the values, `{task.__class__...}`), and its braces balanced ({{ and }} for
+    literal ones). One ConfigError naming the problem."""
+    try:
+        parsed = list(string.Formatter().parse(text))
+    except ValueError as err:
+        raise ConfigError(f"env.prompt_template is not a valid template ({err}); write literal braces as {{{{ "
+                          "and }}.") from None
+    for _, field_name, _, _ in parsed:
+        if field_name is None:
+            continue
+        if field_name not in TEMPLATE_FIELDS:
+            raise ConfigError(f"env.prompt_template uses {{{field_name}}}, which is not one of its fields: "
+                              f"{', '.join('{' + f + '}' for f in TEMPLATE_FIELDS)} (plain names only; literal "
+                              "braces are written {{ and }}).")
+
+
 def get_template(name_or_text: str) -> tuple[str, str]:
-    """A template by name, or a literal template (one string containing `{observation}`)."""
+    """A template by name, or a literal template (one string containing `{observation}`, checked by
+    check_literal_template)."""
     if name_or_text in PROMPT_TEMPLATES:
         return PROMPT_TEMPLATES[name_or_text]
     if "{observation}" in name_or_text:
+        check_literal_template(name_or_text)
         return name_or_text, name_or_text
     raise ConfigError(
         f"Unknown prompt template '{name_or_text}' (env.prompt_template). Valid names: "
@@ -127,8 +155,9 @@ class PromptBuilder:
     def render(self, memory: EpisodeMemory, observation: str, admissible: list[str], window: int) -> str:
         step = len(memory.actions)
         admissible_text = ", ".join(f"'{a}'" for a in admissible)
-        if step == 0 or window == 0:
-            return self.first.format(task=memory.task, observation=observation, admissible=admissible_text)
+        if step == 0 or window == 0:  # every field has a value, also for a literal template's first turn
+            return self.first.format(task=memory.task, observation=observation, admissible=admissible_text,
+                                     step_count=step, history_count=0, history="", current_step=step + 1)
         start = max(0, step - window)
         history = "".join(
             f"\n[Observation {i + 1}: '{memory.observations[i]}', Action {i + 1}: '{memory.actions[i]}']"

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import copy
 import datetime
-import math
 import os
-import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +19,8 @@ import torch
 import torch.distributed as torch_dist
 from torch import nn
 
-from epo_cli.errors import ConfigError, UserError
+from epo_cli.errors import UserError
+from epo_cli.training.deepspeed_config import deepspeed_config, free_port
 
 
 @dataclass
@@ -34,13 +33,6 @@ class DistInfo:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def free_port() -> int:
-    """A TCP port that is free on this machine now (for a single-node MASTER_PORT)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pick_device(cfg: Any, local_rank: int) -> torch.device:
@@ -142,51 +134,7 @@ def set_lr(engine: Any, lr: float) -> None:
         group["lr"] = lr
 
 
-# ---- DeepSpeed config and engines -----------------------------------------------------------------------
-
-def precision(cfg: Any, device: torch.device) -> str:
-    p = cfg.deepspeed.precision
-    return ("bf16" if device.type == "cuda" else "fp32") if p == "auto" else p
-
-
-def deepspeed_config(cfg: Any, world_size: int, device: torch.device) -> dict[str, Any]:
-    """DeepSpeed's JSON config from the run config; batch sizes must divide over the world."""
-    algo = cfg.algo
-    per_rank = algo.micro_batch_size * world_size
-    if algo.mini_batch_size % per_rank:
-        raise ConfigError(
-            f"algo.mini_batch_size={algo.mini_batch_size} must be divisible by algo.micro_batch_size="
-            f"{algo.micro_batch_size} x world size {world_size} = {per_rank}. Change one of them "
-            f"(e.g. algo.mini_batch_size={math.ceil(algo.mini_batch_size / per_rank) * per_rank})."
-        )
-    stage = cfg.deepspeed.zero_stage
-    zero: dict[str, Any] = {"stage": stage}
-    if cfg.deepspeed.offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
-    if cfg.deepspeed.offload_param and stage == 3:
-        zero["offload_param"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
-    if stage == 3:
-        zero.update(stage3_gather_16bit_weights_on_model_save=True)
-    dtype = precision(cfg, device)
-    config: dict[str, Any] = {
-        "train_batch_size": algo.mini_batch_size,
-        "train_micro_batch_size_per_gpu": algo.micro_batch_size,
-        "gradient_accumulation_steps": algo.mini_batch_size // per_rank,
-        "managed_gradient_accumulation": False,
-        # stage 0: GuardedAdamW clips (DeepSpeed would not report the norm); ZeRO clips itself
-        "gradient_clipping": algo.grad_clip if stage > 0 else 0.0,
-        "zero_optimization": zero,
-        "bf16": {"enabled": dtype == "bf16"},
-        "zero_allow_untested_optimizer": True,
-        "zero_force_ds_cpu_optimizer": False,
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
-    # deepspeed.activation_checkpointing is applied as Hugging Face gradient checkpointing in build_engine:
-    # DeepSpeed's own "activation_checkpointing" section only configures deepspeed.checkpointing, which
-    # HF models never call.
-    return config
-
+# ---- engines (their JSON config: epo_cli/training/deepspeed_config.py) ---------------------------------------
 
 def zero_bucket_sizes(model: nn.Module, stage: int) -> dict[str, int]:
     """ZeRO bucket sizes scaled to the model (the recipe of transformers' "auto" DeepSpeed values).
@@ -224,7 +172,7 @@ def build_engine(model: nn.Module, cfg: Any, dist: DistInfo, lr: float, weight_d
     """Wrap `model` in a DeepSpeed engine with GuardedAdamW (the loop sets the learning rate per step)."""
     import deepspeed
 
-    config = deepspeed_config(cfg, dist.world_size, dist.device)
+    config = deepspeed_config(cfg, dist.world_size, dist.device.type)
     config["zero_optimization"].update(zero_bucket_sizes(model, cfg.deepspeed.zero_stage))
     if cfg.deepspeed.activation_checkpointing:
         enable_gradient_checkpointing(model)

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from epo_cli.algos.entropy import response_diversity
+from epo_cli.algos.entropy import response_diversity, step_statistics
 from epo_cli.rollout.batch import TurnBatch
-from epo_cli.rollout.rollout import Episode, RolloutStats, episode_metrics
+from epo_cli.rollout.episodes import Episode, RolloutStats, episode_metrics
 from epo_cli.training.engine import all_gather_objects, all_reduce_sum
 
 _LEVEL_WINS, _LEVEL_EPISODES = "curriculum/level_wins/", "curriculum/level_episodes/"
@@ -32,7 +32,7 @@ def reduce_sums(sums: dict[str, tuple[float, float]], device: torch.device) -> d
 
 def rollout_sums(episodes: list[Episode], stats: RolloutStats) -> dict[str, tuple[float, float]]:
     """This rank's (sum, count) of every rollout quantity, for `reduce_sums`."""
-    sums = episode_metrics(episodes)  # rollout/success, episode_len, invalid_rate, ... (epo_cli.rollout)
+    sums = episode_metrics(episodes)  # rollout/success, episode_len, invalid_rate, ... (epo_cli.rollout.episodes)
     for ep in episodes:  # wins and episodes per curriculum level: counters, summed over ranks
         for key, value in ((f"{_LEVEL_WINS}{ep.task.level}", float(ep.won)),
                            (f"{_LEVEL_EPISODES}{ep.task.level}", 1.0)):
@@ -59,6 +59,19 @@ def rollout_metrics(reduced: dict[str, float]) -> dict[str, float]:
     out.update({f"curriculum/level_success/{level}": wins / max(n, 1.0)
                 for level, (wins, n) in level_results(reduced).items()})
     return out
+
+
+def entropy_statistics(entropy: list[torch.Tensor], turn_index: torch.Tensor,
+                       width: int) -> tuple[torch.Tensor, torch.Tensor, float, dict[str, float]]:
+    """Per-turn sums and counts ([width] float64) of the rollout's token entropies over all ranks, their
+    mean, and policy/entropy, policy/entropy_turn/<t>. Collectives: every rank calls this."""
+    sums, counts = step_statistics(entropy, turn_index, width)
+    sums, counts = all_reduce_sum(sums.double()), all_reduce_sum(counts.double())
+    mean = float(sums.sum() / counts.sum().clamp(min=1))
+    metrics = {"policy/entropy": mean}
+    for t in torch.nonzero(counts).flatten().tolist():
+        metrics[f"policy/entropy_turn/{t}"] = float(sums[t] / counts[t])
+    return sums, counts, mean, metrics
 
 
 def batch_metrics(batch: TurnBatch, reused_rows: int, subgoal_coef: float, max_turns: int) -> dict[str, float]:

@@ -22,9 +22,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from epo_cli.envs.household import HouseholdConfig, HouseholdSuite
 from epo_cli.envs.pool import EnvPool
+from epo_cli.rollout.episodes import EpisodeSlot, ModelPolicy, PlaySettings, run_episodes
 from epo_cli.rollout.generation import SamplingParams
 from epo_cli.rollout.prompts import PromptBuilder, chat_encoder
-from epo_cli.rollout.rollout import EpisodeSlot, ModelPolicy, PlaySettings, run_episodes
 
 
 def main() -> None:

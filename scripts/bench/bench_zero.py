@@ -1,7 +1,7 @@
 """ZeRO stages on 2 ranks: per-rank memory of parameters + gradients + optimizer state, and step time.
 
-    OMP_NUM_THREADS=1 python scripts/bench_zero.py                  # tiny Qwen2 (~1.9M params), CPU ranks
-    python scripts/bench_zero.py --hidden 256 --layers 4 --steps 5 --ranks 2
+    OMP_NUM_THREADS=1 python scripts/bench/bench_zero.py                  # tiny Qwen2 (~1.9M params), CPU ranks
+    python scripts/bench/bench_zero.py --hidden 256 --layers 4 --steps 5 --ranks 2
 
 For ZeRO-0..3 the engine is built exactly as training builds it (epo_cli.training.engine.build_engine
 with the config of `deepspeed=zeroN`), then trained on random tokens: one global mini-batch of

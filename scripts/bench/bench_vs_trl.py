@@ -1,6 +1,6 @@
 """epo vs TRL's GRPOTrainer: time per GRPO iteration on the same model, prompts and batch shape.
 
-    python scripts/bench_vs_trl.py [--model PATH] [--prompts 4] [--group 8] [--max-new-tokens 64]
+    python scripts/bench/bench_vs_trl.py [--model PATH] [--prompts 4] [--group 8] [--max-new-tokens 64]
                                    [--iterations 3] [--quick]
 
 Single-turn on purpose (household with env.max_turns=1), the only setting TRL's GRPOTrainer supports:
@@ -13,7 +13,7 @@ Each side runs in its own child process (one torch thread each, same environment
 in this command; the first iteration of each warms up and is not timed. Printed: median seconds per
 iteration, generated tokens per iteration and the per-token time, and the ratios epo / TRL. Both stop
 only at EOS or the token limit (TRL cannot stop at a string; `--epo-stop` keeps epo's </action> stop).
-Target (issue 12): <= 0.8.
+Target: <= 0.8.
 
 TRL is an optional dependency: `pip install 'epo[bench]'` (make install includes it).
 """
@@ -21,8 +21,10 @@ TRL is an optional dependency: `pip install 'epo[bench]'` (make install includes
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -37,6 +39,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 KL_BETA = 0.01
 LR = 1e-5
+
+
+def scratch_dir(prefix: str) -> Path:
+    """A temporary folder removed when this script exits: a benchmark leaves nothing in the temp directory."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 def epo_overrides(args: argparse.Namespace) -> list[str]:
@@ -68,21 +77,21 @@ def run_epo(args: argparse.Namespace, out: Path) -> None:
 
     torch.set_num_threads(1)
     cfg = compose(epo_overrides(args))
-    run = Path(tempfile.mkdtemp(prefix="bench_vs_trl_epo_"))
+    run = scratch_dir("bench_vs_trl_epo_")
     cfg.run_dir = str(run)
     trainer = Trainer(cfg, run)
     seconds, tokens, samples = [], [], []
-    original_rollout = trainer.rollout
+    sample = trainer.sampler.sample
 
-    def recording_rollout(step: int, total: int):  # the trainer's own rollout, prompts kept for TRL
-        episodes, batch, stats = original_rollout(step, total)
-        for ep in episodes:
-            samples.append({"prompt": trainer.tokenizer.decode(ep.turns[0].prompt_ids),
+    def recording_sample(policy, step: int, total: int):  # the trainer's own rollout, prompts kept for TRL
+        rollout = sample(policy, step, total)
+        for ep in rollout.episodes:
+            samples.append({"prompt": trainer.models.tokenizer.decode(ep.turns[0].prompt_ids),
                             "task": dataclasses.asdict(ep.task)})
-        tokens.append(stats.generated_tokens)
-        return episodes, batch, stats
+        tokens.append(rollout.stats.generated_tokens)
+        return rollout
 
-    trainer.rollout = recording_rollout
+    trainer.sampler.sample = recording_sample
     for step in range(args.iterations + 1):
         t0 = time.perf_counter()
         trainer.rl_step(step, cfg.trainer.total_steps)
@@ -122,7 +131,7 @@ def run_trl(args: argparse.Namespace, epo_result: Path, out: Path) -> None:
     tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(recorded["model"], dtype=torch.float32)
     config = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="bench_vs_trl_trl_"), per_device_train_batch_size=args.prompts * args.group,
+        output_dir=str(scratch_dir("bench_vs_trl_trl_")), per_device_train_batch_size=args.prompts * args.group,
         gradient_accumulation_steps=1, num_generations=args.group, max_completion_length=args.max_new_tokens,
         max_steps=args.iterations + 1, num_iterations=1, beta=KL_BETA, learning_rate=LR, lr_scheduler_type="constant",
         temperature=1.0, top_p=1.0, shuffle_dataset=False, use_cpu=True, bf16=False, fp16=False,
@@ -195,7 +204,7 @@ def main() -> None:
     except ImportError:
         sys.exit("TRL is not installed: pip install 'epo[bench]' (or trl) into this environment, then rerun.")
 
-    workdir = Path(tempfile.mkdtemp(prefix="bench_vs_trl_"))
+    workdir = scratch_dir("bench_vs_trl_")
     results = {side: _child(side, args, workdir) for side in ("epo", "trl")}
     print(f"GRPO iteration: {args.prompts} prompts x {args.group} completions, <= {args.max_new_tokens} new "
           f"tokens, 1 update with KL; median of {args.iterations} after 1 warm-up")

@@ -1,7 +1,7 @@
 """Env throughput: steps/s of EnvPool with 1 and 2 workers, against independent processes as the ceiling.
 
-    python scripts/bench_envs.py --quick
-    python scripts/bench_envs.py --envs alfworld,scienceworld --slots 4 --rounds 30 --alfworld-data DIR
+    python scripts/bench/bench_envs.py --quick
+    python scripts/bench/bench_envs.py --envs alfworld,scienceworld --slots 4 --rounds 30 --alfworld-data DIR
 
 For each env the same work is measured four ways: `--slots` episodes (tasks from the train split, fixed
 seeds) each take `--rounds` steps of a random admissible action (seeded per slot, so every way plays the
@@ -20,7 +20,7 @@ measured `--repeats` times and the best is kept.
 ScienceWorld's random policy never picks `focus on ...` (a wrong focus ends the episode at once).
 Envs whose packages or data are missing are reported and skipped.
 
-    python scripts/bench_envs.py --alfworld-speedups [--games 3 --steps 20 --repeats 2]
+    python scripts/bench/bench_envs.py --alfworld-speedups [--games 3 --steps 20 --repeats 2]
 
 instead compares ALFWorld's own speed-ups (epo_cli/envs/alfworld.py), one plain process each, all playing
 the very same games and actions:
@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from epo_cli.envs.base import EnvSuite, Task  # noqa: E402
@@ -193,7 +193,8 @@ def speedup_child_main(args: argparse.Namespace) -> None:
     """One ALFWorld variant: waits for "go <round>", plays that round's games, reports times and a digest."""
     import hashlib
 
-    from epo_cli.envs.alfworld import AlfworldConfig, AlfworldSuite, memoize_textworld_parsers
+    from epo_cli.envs.alfworld import AlfworldConfig, AlfworldSuite
+    from epo_cli.envs.textworld_speedups import memoize_textworld_parsers
 
     overrides, parser_cache = SPEEDUP_VARIANTS[args.speedup_child]
     suite = AlfworldSuite(AlfworldConfig(data_dir=args.alfworld_data, max_turns=NO_LIMIT, **overrides))

@@ -1,7 +1,7 @@
 """Helpers the experiment scripts share (exp_algos.py, exp_entropy.py): running the CLI, evaluating a
 policy on fixed tasks, reading a run's metrics, the entropy-fluctuation statistics and table cells.
 
-The scripts import it as a sibling module (`python scripts/exp_*.py` puts scripts/ on sys.path).
+The scripts import it as a sibling module (`python scripts/experiments/exp_*.py` puts scripts/experiments/ on sys.path).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Scoring + update time of one household batch: padded vs packed micro-batches, with and without the
 scoring reuse (the update's first mini-batch scoring its own samples), in one process.
 
-    python scripts/bench_update.py [--model PATH] [--algo epo] [--repeats 3] [--no-large] [--out F.json] [OVERRIDES]
+    python scripts/bench/bench_update.py [--model PATH] [--algo epo] [--repeats 3] [--no-large] [--out F.json] \
+        [OVERRIDES]
 
 One rollout of the tiny model gives the batch; every variant scores and updates that same batch from the
 same weights (restored before each run), interleaved (A B C D A B C D ...) so machine noise hits all alike.
@@ -18,9 +19,11 @@ layout before packing, with a separate scoring pass).
 from __future__ import annotations
 
 import argparse
+import atexit
 import copy
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -40,12 +43,19 @@ LARGE = ["model.hidden_size=128", "model.intermediate_size=512", "model.num_hidd
          "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.padded_vocab_size=16384"]
 
 
+def scratch_dir(prefix: str) -> Path:
+    """A temporary folder removed when this script exits: a benchmark leaves nothing in the temp directory."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
 def _trainer(overrides: list[str]):
     from epo_cli.compose import compose
     from epo_cli.training.trainer import Trainer
 
     cfg = compose(overrides)
-    run = Path(tempfile.mkdtemp(prefix="bench_update_"))
+    run = scratch_dir("bench_update_")
     cfg.run_dir = str(run)
     return Trainer(cfg, run)
 
@@ -56,18 +66,17 @@ def _measure(trainer, batch, variant: str) -> dict[str, float]:
     from epo_cli.algos.losses import loss_coefficients
 
     packed, reuse = VARIANTS[variant]
-    trainer.packing = packed
-    trainer.cfg.algo.reuse_scoring_forward = reuse
-    algo = trainer.cfg.algo
-    b = batch.select(list(range(len(batch))))
+    trainer.models.packing = packed
+    trainer.cfg.algo.reuse_scoring_forward = reuse  # the update part reads cfg.algo
+    algo, update = trainer.cfg.algo, trainer.update
     t0, c0 = time.perf_counter(), time.process_time()
-    on_policy = trainer.on_policy_rows(b, 0)
-    trainer.score(b, skip_policy=on_policy)
+    on_policy = update.on_policy_rows(batch, 0)
+    b = update.score(batch, skip_policy=on_policy).apply(batch)
     score_s, score_cpu = time.perf_counter() - t0, time.process_time() - c0
     b.advantages, b.returns = compute_advantages(b, algo)
     coefs = loss_coefficients(algo, 0.001, 2.0, algo.kl.coef)
     t0, c0 = time.perf_counter(), time.process_time()
-    metrics = trainer.update(b, coefs, 0, on_policy=on_policy)
+    metrics = update.run(b, coefs, 0, on_policy=on_policy).metrics
     update_s, update_cpu = time.perf_counter() - t0, time.process_time() - c0
     return {"score_s": score_s, "update_s": update_s, "score_cpu_s": score_cpu, "update_cpu_s": update_cpu,
             "padding_efficiency": metrics["perf/padding_efficiency"], "reused_share": len(on_policy) / len(b)}
@@ -75,7 +84,8 @@ def _measure(trainer, batch, variant: str) -> dict[str, float]:
 
 def bench_model(name: str, overrides: list[str], batch, repeats: int) -> dict[str, dict[str, float]]:
     trainer = _trainer(overrides)
-    modules = [trainer.engine.module] + ([trainer.critic_engine.module] if trainer.critic_engine else [])
+    critic = trainer.models.critic_engine
+    modules = [trainer.engine.module] + ([critic.module] if critic else [])
     initial = [copy.deepcopy(m.state_dict()) for m in modules]
     runs: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
     for r in range(repeats):
@@ -121,7 +131,8 @@ def main() -> None:
             "logger.console=false", "logger.tensorboard=false", "trainer.total_steps=100", *args.overrides]
     tiny = [*base, f"model.path={args.model}"] if args.model else base
     roller = _trainer(tiny)
-    _, batch, _ = roller.rollout(0, roller.cfg.trainer.total_steps)  # the training loop's own rollout
+    policy = roller.models.sampling_policy(roller.cfg.rollout)
+    batch = roller.sampler.sample(policy, 0, roller.cfg.trainer.total_steps).batch  # the training loop's own rollout
     roller.pool.close()
     lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
     print(f"batch: {len(batch)} turn-samples, {sum(lengths)} tokens, lengths {min(lengths)}-{max(lengths)}")

@@ -1,9 +1,9 @@
 """Entropy stress study: GRPO with a constant entropy bonus drives the policy entropy away; which remedy holds
 it in EPO's band, and at what success cost?
 
-    python scripts/exp_entropy.py --warm-start RUN [--out outputs/exp_entropy] [--arms grpo,grpo_bonus,...]
+    python scripts/experiments/exp_entropy.py --warm-start RUN [--out outputs/exp_entropy] [--arms grpo,grpo_bonus,...]
                                   [--seeds 0,1,2] [--steps 60] [--jobs 2] [--episodes 64] [OVERRIDES...]
-    python scripts/exp_entropy.py --quick --warm-start RUN --out /tmp/exp_entropy_quick    # smoke test
+    python scripts/experiments/exp_entropy.py --quick --warm-start RUN --out /tmp/exp_entropy_quick    # smoke test
 
 Every arm is `experiment=entropy_stress` (GRPO + a constant entropy bonus, household, from the warm start)
 plus the overrides in ARMS, swept over the seeds by one `epo sweep` per arm (OUT/sweeps/<arm>/seeds-<seeds>/);

@@ -1,13 +1,13 @@
 """Warm start benchmark: household env speed, SFT throughput and wall time, greedy success per level.
 
-    python scripts/bench_sft.py [--out DIR] [--episodes 32] [--skip-train RUN_DIR] [OVERRIDES...]
+    python scripts/bench/bench_sft.py [--out DIR] [--episodes 32] [--skip-train RUN_DIR] [OVERRIDES...]
 
 1. household env steps/s (expert and random admissible actions, one process)
 2. `epo train experiment=warm_start` (behaviour cloning of the tiny model on the easiest level):
    wall time of the whole command, and perf/tokens_per_s of its SFT steps (mean over steps)
 3. `epo eval ... greedy=true` of the warm start on every household level, next to a random-admissible
    policy on the same tasks (the baseline SFT must beat)
-The issue's target: at least 50% greedy success on the easiest level within 5 minutes on 2 cores.
+Target: at least 50% greedy success on the easiest level within 5 minutes on 2 cores.
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """PPO vs GRPO vs PPO+EPO vs GRPO+EPO on household from the warm start: success and entropy stability.
 
-    python scripts/exp_algos.py --out outputs/exp_algos [--warm-start RUN] [--algos ppo,grpo,epo_ppo,epo]
+    python scripts/experiments/exp_algos.py --out outputs/exp_algos [--warm-start RUN] [--algos ppo,grpo,epo_ppo,epo]
                                 [--seeds 0,1,2] [--steps 20] [--jobs 2] [--episodes 64] [OVERRIDES...]
 
 An ablation sweeps one more key and groups the table by its value (`--vary` names the key to group by):
 
-    python scripts/exp_algos.py --out outputs/exp_ablation --algos epo --vary algo.loss_terms \
+    python scripts/experiments/exp_algos.py --out outputs/exp_ablation --algos epo --vary algo.loss_terms \
         'algo.loss_terms=[policy_clip,kl,entropy],[policy_clip,kl,entropy,entropy_smoothing]' entropy.coef=0.02
 
-Serves two checks of the issues:
+Serves two checks:
 - learning check (RL core): from the SFT warm start, do ppo and grpo raise household success above the
   warm start's? Success is measured the same way for every policy: `epo eval` on the same fixed tasks of
   eval_in_distribution at the sampling temperature (1.0) and greedily.

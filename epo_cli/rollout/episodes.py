@@ -1,4 +1,4 @@
-"""The rollout engine: play a batch of episodes turn by turn and return one sample per turn.
+"""Episodes: play a batch of them turn by turn (the rollout) and return one sample per turn.
 
     for each turn, until every episode has ended or hit max_turns:
         prompts  <- PromptBuilder(task, history window, observation, admissible actions)   (all active envs)

@@ -13,8 +13,8 @@ Every run is a real `epo train` subprocess (its own run directory under OUT/runs
 runs' metrics.jsonl and writes OUT/results.md (table + per-iteration curves) and OUT/curves.png. Runs that
 already finished are not repeated, so an interrupted experiment continues where it stopped.
 
-    python scripts/exp_curriculum.py --out outputs/exp_curriculum                 # full: 3 seeds
-    python scripts/exp_curriculum.py --quick --out /tmp/exp_curriculum_quick      # smoke test, ~3 min
+    python scripts/experiments/exp_curriculum.py --out outputs/exp_curriculum                 # full: 3 seeds
+    python scripts/experiments/exp_curriculum.py --quick --out /tmp/exp_curriculum_quick      # smoke test, ~3 min
 
 Cost on a 2-core CPU: ~35 s per iteration at the defaults while episodes fail (4 tasks x 8 rollouts x 20
 turns), ~15 s per evaluation: ~25 min per run, ~2.5 h for 2 arms x 3 seeds (--jobs 2: ~1.8 h).

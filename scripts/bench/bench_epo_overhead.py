@@ -1,17 +1,19 @@
 """What EPO adds to the update step: the same rollout batch updated with and without the EPO terms.
 
-    python scripts/bench_epo_overhead.py [--model PATH] [--repeats 6] [OVERRIDES...]
+    python scripts/bench/bench_epo_overhead.py [--model PATH] [--repeats 6] [OVERRIDES...]
 
 Both variants run in this process on the same batch, interleaved (A B A B ...) so machine noise hits
 both alike: `grpo` = [policy_clip, kl]; `epo` = [policy_clip, kl, entropy, entropy_smoothing] (the
 entropy of the full next-token distribution in the forward pass, the nested-mean entropy term, the
-smoothing hinge against the history). Target (issue): ratio <= 1.05.
+smoothing hinge against the history). Target: ratio <= 1.05.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -20,6 +22,13 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def scratch_dir(prefix: str) -> Path:
+    """A temporary folder removed when this script exits: a benchmark leaves nothing in the temp directory."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 def main() -> None:
@@ -36,35 +45,37 @@ def main() -> None:
     from epo_cli.algos.losses import LossStack, build_loss_terms, loss_coefficients
     from epo_cli.compose import compose
     from epo_cli.training.trainer import Trainer
+    from epo_cli.training.update import PolicyUpdate
 
     overrides = ["experiment=epo_household", "logger.console=false", "logger.tensorboard=false"]
     if args.model:
         overrides.append(f"model.path={args.model}")
     cfg = compose([*overrides, *args.overrides])
-    run = Path(tempfile.mkdtemp(prefix="bench_epo_"))
+    run = scratch_dir("bench_epo_")
     cfg.run_dir = str(run)
     trainer = Trainer(cfg, run)
     algo = cfg.algo
 
-    _, batch, _ = trainer.rollout(0, cfg.trainer.total_steps)
-    trainer.score(batch)
+    rollout = trainer.sampler.sample(trainer.models.sampling_policy(cfg.rollout), 0, cfg.trainer.total_steps)
+    batch = trainer.update.score(rollout.batch).apply(rollout.batch)
     batch.advantages, batch.returns = compute_advantages(batch, algo)
     # a non-empty history, so the smoothing term does its full work
     sums, counts = step_statistics(batch.entropy, batch.turn_index, cfg.env.max_turns)
-    trainer.history.update(sums, counts)
+    trainer.entropy.history.update(sums, counts)
 
-    stacks = {"epo": (trainer.loss_stack, list(algo.loss_terms))}
+    # two update parts on the same models: the EPO loss stack, and it without its entropy terms
+    updates = {"epo": (trainer.update, list(algo.loss_terms))}
     base_terms = [t for t in algo.loss_terms if t not in ("entropy", "entropy_smoothing")]
     algo.loss_terms = base_terms
-    stacks["grpo"] = (LossStack(build_loss_terms(algo)), base_terms)
+    updates["grpo"] = (PolicyUpdate(cfg, trainer.dist, trainer.models, LossStack(build_loss_terms(algo))), base_terms)
     times: dict[str, list[float]] = {"epo": [], "grpo": []}
     for rep in range(args.repeats + 1):
         for name in ("grpo", "epo") if rep % 2 else ("epo", "grpo"):
-            stack, terms = stacks[name]
-            trainer.loss_stack, algo.loss_terms = stack, terms
+            update, terms = updates[name]
+            algo.loss_terms = terms  # the update part reads cfg.algo (e.g. whether entropies are needed)
             coefs = loss_coefficients(algo, 0.001, 1.5, algo.kl.coef)
             t0 = time.perf_counter()
-            trainer.update(batch, coefs, step=rep, history=trainer.history)
+            update.run(batch, coefs, step=rep, history=trainer.entropy.history)
             if rep > 0:  # the first round warms up allocator and caches
                 times[name].append(time.perf_counter() - t0)
     epo_s, base_s = statistics.median(times["epo"]), statistics.median(times["grpo"])

@@ -1,8 +1,8 @@
 """Rollout and update overheads of the RL loop, measured in one process against in-process baselines.
 
-    python scripts/bench_rollout.py [--model PATH] [--algo grpo] [--iterations 3] [OVERRIDES...]
-    python scripts/bench_rollout.py --modes [--envs household,alfworld] [--iterations 2] [--model PATH]
-    python scripts/bench_rollout.py --iteration [--envs alfworld,household] [--iterations 2] [--model PATH]
+    python scripts/bench/bench_rollout.py [--model PATH] [--algo grpo] [--iterations 3] [OVERRIDES...]
+    python scripts/bench/bench_rollout.py --modes [--envs household,alfworld] [--iterations 2] [--model PATH]
+    python scripts/bench/bench_rollout.py --iteration [--envs alfworld,household] [--iterations 2] [--model PATH]
 
 --modes: the rollout's speed-ups (rollout.overlap, rollout.shared_prefill) on each env, against lock-step
 rollouts of the same tasks in the same run (modes interleaved per iteration, so drift in the machine's
@@ -11,15 +11,15 @@ overlap ratio = rollout_s / (generate_s + env_s); env_s = resets + time some env
 ALFWorld plays the shared games (--alfworld-data, default $ALFWORLD_DATA or ../shared/alfworld) with
 --alfworld-workers env workers (default 2). household-sleepy: household in as many workers, each step
 sleeping --sleep-ms (an env that waits instead of computing: what overlap hides when the CPU is busy).
-Targets (issue 12): overlap ratio <= 0.75 and rollout >= 1.4x faster on ALFWorld with 2 workers;
+Targets: overlap ratio <= 0.75 and rollout >= 1.4x faster on ALFWorld with 2 workers;
 household not slower. The modes share one Trainer's env workers and replay the same games, so with
 env.cache_pddl=true (the default) the first mode of an iteration pays the resets the later ones find
 cached: compare modes with `env.cache_pddl=false`, or use --iteration (own workers per variant).
 
 --iteration: whole RL iterations (Trainer.rl_step: rollout, scoring, advantages, update) with the settings
-from before issue 12 ("before": rollout.overlap=false, rollout.shared_prefill=false, algo.pack_tokens=0,
+from before the speed-ups ("before": rollout.overlap=false, rollout.shared_prefill=false, algo.pack_tokens=0,
 algo.reuse_scoring_forward=false, env.cache_pddl=false and TextWorld's parser cache alone, which is what
-env.fast_textgen was when issue 12 was filed), today's defaults ("today") and today's defaults with
+env.fast_textgen was before its exact deepcopy), today's defaults ("today") and today's defaults with
 rollout.overlap=true ("today+overlap"); "before-stock" (before, stock TextWorld) on request (--variants).
 Each variant is its own Trainer (same seed, so the same tasks and, as long as the updates agree, the same
 episodes) with its own env workers, which install only that variant's ALFWorld patches (they are
@@ -29,13 +29,15 @@ rollout overhead = wall time of a rollout / (time inside generate + time inside 
 update overhead  = loss-stack update time / a plain causal-LM forward+backward(+step) over the same
                    micro-batches (same padded tokens, HF's built-in cross-entropy on all positions)
 padding efficiency = real tokens / padded tokens in the update's micro-batches
-Targets (issue): rollout overhead <= 1.10, update overhead <= 1.15.
+Targets: rollout overhead <= 1.10, update overhead <= 1.15.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -43,6 +45,13 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+def scratch_dir(prefix: str) -> Path:
+    """A temporary folder removed when this script exits: a benchmark leaves nothing in the temp directory."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 class SleepyEnv:
@@ -63,12 +72,29 @@ class SleepyEnv:
         self.env.close()
 
 
-class SleepySuite:
-    def __init__(self, suite, delay_s: float) -> None:
-        self.suite, self.delay_s = suite, delay_s
+class WrappedSuite:
+    """A run's env suite whose envs are wrapped (`wrap`); everything else is the inner suite's. Handed to the
+    Trainer as the run's suite, so its env pool (workers included: it is pickled into them) plays the wrapped envs."""
 
-    def make_env(self) -> SleepyEnv:
-        return SleepyEnv(self.suite.make_env(), self.delay_s)
+    def __init__(self, suite) -> None:
+        self.suite = suite
+
+    def __getattr__(self, name: str):
+        if name == "suite":  # unpickling looks up attributes before __dict__ is filled
+            raise AttributeError(name)
+        return getattr(self.suite, name)
+
+    def make_env(self, reads_expert: bool = True):
+        return self.wrap(self.suite.make_env(reads_expert=reads_expert))
+
+
+class SleepySuite(WrappedSuite):
+    def __init__(self, suite, delay_s: float) -> None:
+        super().__init__(suite)
+        self.delay_s = delay_s
+
+    def wrap(self, env) -> SleepyEnv:
+        return SleepyEnv(env, self.delay_s)
 
 
 #: (name, rollout.overlap, rollout.shared_prefill); the first is the baseline
@@ -77,7 +103,7 @@ MODES = [("lock-step", False, False), ("shared prefill", False, True), ("overlap
 
 
 def env_data(args: argparse.Namespace) -> str:
-    shared = [Path(__file__).resolve().parents[1].parent / "shared" / "alfworld", Path("/work/shared/alfworld")]
+    shared = [Path(__file__).resolve().parents[2].parent / "shared" / "alfworld", Path("/work/shared/alfworld")]
     found = [str(p) for p in shared if (p / "json_2.1.1").is_dir()]
     return args.alfworld_data or os.environ.get("ALFWORLD_DATA") or (found[0] if found else str(shared[0]))
 
@@ -94,6 +120,8 @@ def env_overrides(env: str, args: argparse.Namespace) -> list[str]:
 def compare_modes(env: str, args: argparse.Namespace) -> list[tuple[str, dict[str, float], bool]]:
     """Each mode's mean rollout figures on `env`, and whether it played the same episodes as lock-step."""
     from epo_cli.compose import compose
+    from epo_cli.envs import make_suite
+    from epo_cli.models.loading import model_source
     from epo_cli.training.trainer import Trainer
 
     overrides = [f"algo={args.algo}", *env_overrides(env, args), f"algo.tasks_per_step={args.tasks}",
@@ -102,14 +130,13 @@ def compare_modes(env: str, args: argparse.Namespace) -> list[tuple[str, dict[st
     if args.model:
         overrides.append(f"model.path={args.model}")
     cfg = compose([*overrides, *args.overrides])
-    run = Path(tempfile.mkdtemp(prefix=f"bench_rollout_{env}_"))
+    run = scratch_dir(f"bench_rollout_{env}_")
     cfg.run_dir = str(run)
-    trainer = Trainer(cfg, run)
+    suite = make_suite(cfg.env)
     if env == "household-sleepy":  # steps that wait without computing: what overlap can hide on a busy CPU
-        from epo_cli.envs.pool import EnvPool
-
-        trainer.pool.close()
-        trainer.pool = EnvPool(SleepySuite(trainer.suite, args.sleep_ms / 1000), num_workers=args.alfworld_workers)
+        model_source(cfg.model, suite, cfg.seed)  # the tiny model, built (once) on the plain envs
+        suite = SleepySuite(suite, args.sleep_ms / 1000)
+    trainer = Trainer(cfg, run, suite)
     try:
         # start the workers and build every slot's env before timing (a one-off cost of the first rollout)
         import random
@@ -123,7 +150,10 @@ def compare_modes(env: str, args: argparse.Namespace) -> list[tuple[str, dict[st
             played = {}
             for name, overlap, prefill in order:
                 cfg.rollout.overlap, cfg.rollout.shared_prefill = overlap, prefill
-                episodes, _, stats = trainer.rollout(it, cfg.trainer.total_steps)
+                trainer.sampler.overlap = overlap  # the sampler reads rollout.overlap when it is built
+                policy = trainer.models.sampling_policy(cfg.rollout)  # reads rollout.shared_prefill
+                rollout = trainer.sampler.sample(policy, it, cfg.trainer.total_steps)
+                episodes, stats = rollout.episodes, rollout.stats
                 first_prompts = [ep.turns[0].prompt_ids for ep in episodes if ep.turns]
                 played[name] = [(ep.traj_id, [(t.response_ids, t.observation) for t in ep.turns]) for ep in episodes]
                 for key in sums[name]:
@@ -148,7 +178,7 @@ def time_first_turn(trainer, prompts: list[list[int]]) -> dict[bool, float]:
     shared prefill (interleaved): the saving, without the rest of the rollout's noise."""
     from epo_cli.rollout.generation import generate
 
-    policy = trainer._model_policy(trainer.cfg.rollout.temperature)
+    policy = trainer.models.sampling_policy(trainer.cfg.rollout)
     seeds = list(range(len(prompts)))
     best = {False: float("inf"), True: float("inf")}
     for _ in range(5):
@@ -180,14 +210,14 @@ def print_modes(results: dict[str, list[tuple[str, dict[str, float], bool]]], ar
 
 
 # ----------------------------------------------------------------------------------------------------------
-# --iteration: whole RL iterations, before issue 12 / today / today + overlap
+# --iteration: whole RL iterations, before the speed-ups / today / today + overlap
 # ----------------------------------------------------------------------------------------------------------
 
-#: the issue-12 speed-ups switched off (all envs)
+#: the rollout and update speed-ups switched off (all envs)
 BEFORE = ["rollout.overlap=false", "rollout.shared_prefill=false", "algo.pack_tokens=0",
           "algo.reuse_scoring_forward=false"]
 #: ALFWorld's env speed-ups switched off; "before" then installs TextWorld's parser cache alone in its
-#: workers (env.fast_textgen as it was when issue 12 was filed, before the exact deepcopy joined it)
+#: workers (env.fast_textgen as it was before the exact deepcopy joined it)
 BEFORE_ALFWORLD = ["env.fast_textgen=false", "env.cache_pddl=false"]
 #: name -> (overrides, ALFWorld-only overrides, install the parser cache alone in the env workers)
 ITERATION_VARIANTS = {
@@ -226,7 +256,7 @@ class ProbeEnv:
 
     def reset(self, task):
         if self.parser_cache_only:
-            from epo_cli.envs.alfworld import memoize_textworld_parsers
+            from epo_cli.envs.textworld_speedups import memoize_textworld_parsers
 
             memoize_textworld_parsers()  # idempotent; without fast_textgen_copies it copies with copy.deepcopy
         out = self.env.reset(task)
@@ -243,14 +273,15 @@ class ProbeEnv:
         self.env.close()
 
 
-class ProbeSuite:
-    """What the env pool's workers get (pickled into each): the variant's suite, wrapped in ProbeEnv."""
+class ProbeSuite(WrappedSuite):
+    """What the env pool's workers get (pickled into each): the variant's suite, its envs wrapped in ProbeEnv."""
 
     def __init__(self, suite, variant: str, parser_cache_only: bool, probe_dir: str) -> None:
-        self.suite, self.variant, self.parser_cache_only, self.probe_dir = suite, variant, parser_cache_only, probe_dir
+        super().__init__(suite)
+        self.variant, self.parser_cache_only, self.probe_dir = variant, parser_cache_only, probe_dir
 
-    def make_env(self) -> ProbeEnv:
-        return ProbeEnv(self.suite.make_env(), self.variant, self.parser_cache_only, self.probe_dir)
+    def wrap(self, env) -> ProbeEnv:
+        return ProbeEnv(env, self.variant, self.parser_cache_only, self.probe_dir)
 
 
 def iteration_overrides(env: str, args: argparse.Namespace) -> list[str]:
@@ -271,14 +302,15 @@ def compare_iterations(env: str, args: argparse.Namespace) -> dict[str, dict]:
     import random
 
     from epo_cli.compose import compose
-    from epo_cli.envs.pool import EnvPool
+    from epo_cli.envs import make_suite
+    from epo_cli.models.loading import model_source
     from epo_cli.training.trainer import Trainer
 
     variants = [v.strip() for v in args.variants.split(",")]
     unknown = [v for v in variants if v not in ITERATION_VARIANTS]
     if unknown:
         raise SystemExit(f"unknown --variants {unknown}; valid: {', '.join(ITERATION_VARIANTS)}")
-    probe_dir = Path(tempfile.mkdtemp(prefix=f"bench_iteration_probe_{env}_"))
+    probe_dir = scratch_dir(f"bench_iteration_probe_{env}_")
     trainers: dict[str, Trainer] = {}
     played: dict[str, list] = {}
     env_steps: dict[str, int] = {}
@@ -287,24 +319,23 @@ def compare_iterations(env: str, args: argparse.Namespace) -> dict[str, dict]:
             common, alfworld_only, parser_cache_only = ITERATION_VARIANTS[name]
             overrides = [*iteration_overrides(env, args), *common, *(alfworld_only if env == "alfworld" else [])]
             cfg = compose([*overrides, *args.overrides])
-            run = Path(tempfile.mkdtemp(prefix=f"bench_iteration_{env}_{name}_"))
+            run = scratch_dir(f"bench_iteration_{env}_{name}_")
             cfg.run_dir = str(run)
-            trainer = Trainer(cfg, run)
+            suite = make_suite(cfg.env)
             if env == "alfworld":  # this variant's own workers, with only its patches
-                workers = trainer.pool.num_workers
-                trainer.pool.close()
-                trainer.pool = EnvPool(ProbeSuite(trainer.suite, name, parser_cache_only, str(probe_dir)),
-                                       num_workers=workers, step_timeout_s=cfg.env.step_timeout_s)
+                model_source(cfg.model, suite, cfg.seed)  # the tiny model, built (once) on the plain envs
+                suite = ProbeSuite(suite, name, parser_cache_only, str(probe_dir))
+            trainer = Trainer(cfg, run, suite)
             trainers[name] = trainer
 
-            def capture(step: int, total: int, _trainer: Trainer = trainer, _name: str = name):
-                episodes, batch, stats = Trainer.rollout(_trainer, step, total)
+            def capture(policy, step: int, total: int, _sample=trainer.sampler.sample, _name: str = name):
+                rollout = _sample(policy, step, total)
                 played[_name] = [(ep.traj_id, [(t.response_ids, t.observation) for t in ep.turns])
-                                 for ep in episodes]
-                env_steps[_name] = stats.env_steps
-                return episodes, batch, stats
+                                 for ep in rollout.episodes]
+                env_steps[_name] = rollout.stats.env_steps
+                return rollout
 
-            trainer.rollout = capture  # rl_step's own rollout, its episodes kept for the comparison
+            trainer.sampler.sample = capture  # rl_step's own rollout, its episodes kept for the comparison
         # start the workers and build every slot's env before timing (a one-off cost of the first rollout);
         # other tasks than the iterations' (a PDDL cache does not start warm)
         n = args.tasks * args.group_size
@@ -320,7 +351,7 @@ def compare_iterations(env: str, args: argparse.Namespace) -> dict[str, dict]:
                 trainer = trainers[name]
                 total = trainer.cfg.trainer.total_steps
                 t0 = time.perf_counter()
-                trainer._set_learning_rates(it, total)
+                trainer.set_learning_rates(it, total)
                 metrics = trainer.rl_step(it, total)
                 metrics["iteration_s"] = time.perf_counter() - t0
                 for key in keys:
@@ -394,7 +425,7 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--modes", action="store_true", help="compare the rollout modes (see above)")
     parser.add_argument("--iteration", action="store_true",
-                        help="compare whole RL iterations: before issue 12, today, today + overlap (see above)")
+                        help="compare whole RL iterations: before the speed-ups, today, today + overlap (see above)")
     parser.add_argument("--variants", default="before,today,today+overlap",
                         help="--iteration: variants to run, the first is the reference "
                              f"({', '.join(ITERATION_VARIANTS)})")
@@ -463,29 +494,31 @@ def main() -> None:
     if args.model:
         overrides.append(f"model.path={args.model}")
     cfg = compose([*overrides, *args.overrides])
-    run = Path(tempfile.mkdtemp(prefix="bench_rollout_"))
+    run = scratch_dir("bench_rollout_")
     cfg.run_dir = str(run)
     trainer = Trainer(cfg, run)
     algo = cfg.algo
 
     rollout_ratio, update_ratio, efficiencies = [], [], []
     for it in range(args.iterations):
-        _, batch, stats = trainer.rollout(it, cfg.trainer.total_steps)  # the training loop's own rollout
+        # the training loop's own rollout, scoring and update (rl_step's steps 1, 2, 4, 6)
+        rollout = trainer.sampler.sample(trainer.models.sampling_policy(cfg.rollout), it, cfg.trainer.total_steps)
+        stats = rollout.stats
         rollout_ratio.append(stats.rollout_s / (stats.generate_s + stats.env_s))
-        trainer.score(batch)
+        batch = trainer.update.score(rollout.batch).apply(rollout.batch)
         batch.advantages, batch.returns = compute_advantages(batch, algo)
         coefs = {name: 1.0 for name in algo.loss_terms}
 
         t0 = time.perf_counter()
-        metrics = trainer.update(batch, coefs, step=it)
+        metrics = trainer.update.run(batch, coefs, step=it).metrics
         update_s = time.perf_counter() - t0
         efficiencies.append(metrics["perf/padding_efficiency"])
 
         # baseline: plain forward+backward+step of the causal LM over the same micro-batches
-        engine, pad = trainer.engine, trainer.tokenizer.pad_token_id
+        engine, pad = trainer.engine, trainer.models.tokenizer.pad_token_id
         lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
         t0 = time.perf_counter()
-        for rows in trainer.mini_batches(batch, it, 0):
+        for rows in trainer.update.mini_batches(batch, it, 0):
             for micro in plan_micro_batches(rows, lengths, algo.micro_batch_size):
                 mb = collate(batch, micro, pad, trainer.dist.device)
                 labels = mb.input_ids.masked_fill(mb.attention_mask == 0, -100)

@@ -1,0 +1,110 @@
+"""What every launcher does before training starts: compose the run's config and write its run directory.
+
+`epo train OVERRIDES` composes and validates the config once (`compose_for_train`; `epo config show` prints
+the same), then either trains in this process (epo_cli.launch.local), or hands the config to
+epo_cli.launch.deepspeed (the deepspeed launcher's ranks) or epo_cli.launch.slurm (a SLURM job), which write
+the run directory with `prepare_run_dir` before any rank starts. Every rank reads the same config.yaml from
+the run directory, so all ranks agree on what runs. Nothing here imports torch or DeepSpeed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from epo_cli.checkpoint_paths import ResumeTarget, latest_tag, locate_resume, resolve_checkpoint
+from epo_cli.compose import compose, validate
+from epo_cli.config import GROUPS
+from epo_cli.envs import EnvSuite, make_suite
+from epo_cli.errors import ConfigError, UserError
+from epo_cli.run_dir import check_lengths, load_run_config, new_run_dir, override_keys, write_config
+from epo_cli.saved_state import check_resume_step, groups_that_disagree, read_trainer_state
+from epo_cli.training.stop import signal_name
+
+
+def compose_for_train(overrides: list[str]) -> tuple[DictConfig, list[str]]:
+    """Compose a run's config. Resuming (`trainer.resume=<run dir | checkpoint>`, or `trainer.resume=auto
+    run_dir=<dir>` when that directory has a checkpoint) starts from THAT run's saved config, never the
+    defaults: its `section.key=value` overrides apply on top (e.g. a longer trainer.total_steps) and it
+    continues in the same directory. The saved state is checked whole first (epo_cli/saved_state.py)."""
+    check_lengths(overrides)
+    resume = next((o.split("=", 1)[1] for o in overrides if o.startswith("trainer.resume=")), None)
+    if resume == "auto":
+        target = auto_resume_target(overrides)
+    elif resume and resume not in ("null", "None", ""):
+        target = locate_resume(resume)  # a run dir, <run>/checkpoints[/latest|best|step_N]
+    else:
+        target = None
+    if target is None:
+        return compose(overrides), overrides
+    return resumed_config(target, overrides, auto=resume == "auto"), overrides
+
+
+def auto_resume_target(overrides: list[str]) -> ResumeTarget | None:
+    """trainer.resume=auto: the run in run_dir=<dir> and its latest complete checkpoint, or None (a fresh
+    start: no run_dir, or no checkpoint there yet)."""
+    run_dir = next((o.split("=", 1)[1] for o in overrides if o.startswith("run_dir=")), None)
+    if not run_dir or run_dir in ("null", "None"):
+        return None
+    run = Path(run_dir).expanduser()
+    if not (run / "config.yaml").is_file() or not latest_tag(run):
+        return None
+    return ResumeTarget(run.resolve(), resolve_checkpoint(run.resolve()))
+
+
+def resumed_config(target: ResumeTarget, overrides: list[str], auto: bool = False) -> DictConfig:
+    """The config that continues `target`: the run's saved config with the command's overrides on top."""
+    rest = [o for o in overrides if not o.startswith("trainer.resume=")]
+    groups = [o for o in rest if o.split("=", 1)[0].lstrip("+~") in GROUPS or "/" in o.split("=", 1)[0]]
+    dotted = [o for o in rest if o not in groups]
+    state = read_trainer_state(target.checkpoint)  # before anything is loaded or written
+    base = load_run_config(target.run, overridden=override_keys(rest))
+    if groups and not auto:
+        raise ConfigError(f"When resuming, config groups cannot change ({', '.join(groups)}); only "
+                          "section.key=value overrides apply on top of the run's saved config.")
+    if groups:  # auto: a preemptible job reruns its own command; its groups must describe the run
+        conflicts = groups_that_disagree(groups, base, override_keys(dotted))
+        if conflicts:
+            raise ConfigError(f"trainer.resume=auto continues the run in {target.run} with its own config, and "
+                              f"this command's config groups ({', '.join(groups)}) would change it:\n  "
+                              + "\n  ".join(conflicts[:8]) + "\nDrop those selections (or set single keys "
+                              "with section.key=value), or start a new run in another run_dir.")
+    try:
+        merged = OmegaConf.merge(base, OmegaConf.from_dotlist(hydra_free(dotted)))
+    except Exception as err:  # noqa: BLE001 - reported as a config error
+        raise ConfigError(f"Invalid override when resuming: {err}") from None
+    merged.trainer.resume = str(target.checkpoint)
+    merged.run_dir = str(target.run)
+    if not any(o.startswith("trainer.stop_after=") for o in rest):
+        merged.trainer.stop_after = None  # the earlier stop point is behind us
+    cfg = validate(merged)
+    check_resume_step(state["trainer"]["step"], cfg.trainer.total_steps, target.checkpoint)
+    return cfg
+
+
+def hydra_free(overrides: list[str]) -> list[str]:
+    """`++key=value` / `+key=value` (Hydra's forms) as the plain `key=value` OmegaConf's dotlist reads."""
+    return [o.lstrip("+") for o in overrides]
+
+
+def prepare_run_dir(cfg: DictConfig, overrides: list[str], suite: EnvSuite | None = None) -> Path:
+    """Create the run directory and save the resolved config (with versions and command) in it. `suite`:
+    the run's env suite where this process built it already (launch.local: one per run, handed down)."""
+    run = new_run_dir(cfg)
+    cfg.run_dir = str(run)
+    versions = (suite or make_suite(cfg.env)).versions()
+    try:
+        write_config(run, cfg, overrides, versions)
+    except OSError as err:  # read-only, full, or a file where a folder must go: before any work
+        raise UserError(f"Cannot write the run directory {run}: {err.strerror or err} "
+                        f"({err.filename or run}). Choose a writable output_dir=DIR (or run_dir=DIR), or free "
+                        "disk space.") from None
+    return run
+
+
+def stopped_message(run: Path, signum: int, step: int) -> str:
+    tag = latest_tag(run)
+    saved = f"the checkpoint {run / 'checkpoints' / tag}" if tag else "no checkpoint (no step had completed)"
+    return (f"{signal_name(signum)}: stopped after step {step}; status.json says `stopped`, and {saved} holds "
+            f"the run. Continue with: epo train trainer.resume={run}")

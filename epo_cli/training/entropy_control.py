@@ -1,0 +1,72 @@
+"""The entropy state an RL run carries from step to step: the per-turn entropy history whose references
+centre EPO's smoothing band, the fluctuation monitor, and the entropy coefficient's schedule (the adaptive
+one observes each step's entropy). rl_step reads it in steps 3 and 5 and updates it in step 7; a checkpoint
+saves it (`state_dict`).
+
+    metrics = control.reference_metrics()                   # policy/entropy_ref, before this step's entropies
+    stats = control.statistics(batch, step, width, warn)    # all-reduced per-turn sums, the monitor's verdict
+    lam = control.schedule(step, total)                     # lambda
+    control.observe(stats)                                  # history <- this step; the schedule observes
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+from epo_cli.algos.entropy import EntropyHistory, FluctuationMonitor
+from epo_cli.algos.schedules import build_entropy_schedule
+from epo_cli.rollout.batch import TurnBatch
+from epo_cli.training.step_metrics import entropy_statistics
+
+
+@dataclass
+class EntropyStats:
+    """One step's rollout entropies over all ranks."""
+
+    sums: Tensor  # [width] per-turn sums of token entropies
+    counts: Tensor  # [width] per-turn token counts
+    mean: float  # the token-mean entropy (policy/entropy)
+    alert: bool  # the fluctuation monitor's verdict
+    metrics: dict[str, float] = field(default_factory=dict)  # policy/entropy*, the monitor's metrics
+
+
+class EntropyControl:
+    def __init__(self, cfg: Any) -> None:
+        self.history = EntropyHistory(cfg.algo.entropy_smoothing, max_turns=cfg.env.max_turns)
+        self.monitor = FluctuationMonitor(cfg.algo.monitor)
+        self.schedule = build_entropy_schedule(cfg.entropy)
+        self.clamps = cfg.algo.monitor.action == "clamp"
+
+    def reference_metrics(self) -> dict[str, float]:
+        """policy/entropy_ref: the smoothing band's centre (global reference) for this update, once known."""
+        return {"policy/entropy_ref": self.history.global_stream.value()} if self.history.num_steps else {}
+
+    def statistics(self, batch: TurnBatch, step: int, width: int, warn: Callable[[str], None]) -> EntropyStats:
+        """This step's entropy statistics (all ranks: collectives) and the monitor's update; an alert is
+        warned about."""
+        sums, counts, mean, metrics = entropy_statistics(batch.entropy, batch.turn_index, width)
+        metrics.update(self.monitor.update(mean))
+        if self.monitor.alert:
+            warn(f"entropy fluctuation above algo.monitor.threshold at step {step + 1} "
+                 f"(sigma={metrics['policy/entropy_fluctuation']:.4f})"
+                 + (": entropy terms clamped for this step" if self.clamps else ""))
+        return EntropyStats(sums, counts, mean, self.monitor.alert, metrics)
+
+    def observe(self, stats: EntropyStats) -> None:
+        """After the update: the history records this step (its references use steps 0..k-1 only, Href(k));
+        the entropy schedule sees this step's entropy."""
+        self.history.update(stats.sums, stats.counts)
+        self.schedule.observe(stats.mean)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"entropy_history": self.history.state_dict(), "monitor": self.monitor.state_dict(),
+                "entropy_schedule": self.schedule.state_dict()}
+
+    def load_state_dict(self, payload: dict[str, Any]) -> None:
+        self.history.load_state_dict(payload["entropy_history"])
+        self.monitor.load_state_dict(payload["monitor"])
+        self.schedule.load_state_dict(payload.get("entropy_schedule", {}))

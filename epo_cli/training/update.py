@@ -1,0 +1,342 @@
+"""The update part, shared by RL and SFT: the scoring forward, then the optimisation of the loss stack.
+
+    on_policy = update.on_policy_rows(batch, step)        # rows the update's own first forward scores
+    batch = update.score(batch, skip_policy=on_policy).apply(batch)   # no grad: old/ref log-probs, values
+    ... advantages, coefficients ...
+    result = update.run(batch, coefs, step, history, on_policy)
+        ppo_epochs x mini-batches (`mini_batch_step`, one engine.step() each; Clip-Cov/KL-Cov first choose
+        their tokens over the whole mini-batch, `token_selection`) x micro-batches (`micro_batch_backward`:
+        forward, loss = sum_i coef_i * term_i, engine.backward; `critic_backward`)
+    result.metrics, result.batch (on-policy rows scored), result.skipped / optimizer_steps (`skip_streak`)
+
+Every rank runs the same number of micro-batches per optimizer step (empty ones where it has fewer rows),
+and each aggregation mode's denominator is global over the mini-batch, so 1 rank and N ranks compute the
+same update.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from epo_cli.algos.aggregation import AGGREGATIONS, normalized_weights
+from epo_cli.algos.cov_selection import mini_batch_selection, selection_mask
+from epo_cli.algos.entropy import EntropyHistory
+from epo_cli.algos.losses import LossStack, PolicyOutputs, required_aggregations
+from epo_cli.config import is_sft
+from epo_cli.errors import UserError
+from epo_cli.rollout.batch import MicroBatch, TurnBatch
+from epo_cli.seeding import derive_seed
+from epo_cli.training.engine import (
+    DistInfo,
+    all_gather_objects,
+    all_reduce_max,
+    all_reduce_sum,
+    grad_norm,
+    set_lr,
+    step_was_skipped,
+)
+from epo_cli.training.forward import collate, plan_micro_batches, policy_forward, value_forward
+from epo_cli.training.models import Models
+from epo_cli.training.packing import default_budget, plan_packs
+from epo_cli.training.step_metrics import UpdateTally, critic_metrics
+
+
+@dataclass
+class Scores:
+    """What the scoring forward computes for each row of a batch (token lists: N x [len(response)])."""
+
+    old_logprobs: list[Tensor]  # the rollout policy's log-probs (empty tensors for skipped rows)
+    entropy: list[Tensor]  # its token entropies, at the sampling temperature
+    ref_logprobs: list[Tensor]  # the frozen reference's log-probs (empty list: no reference)
+    old_values: Tensor | None  # [N] critic values (None: no critic)
+
+    def apply(self, batch: TurnBatch) -> TurnBatch:
+        """`batch` with these scores."""
+        return replace(batch, old_logprobs=self.old_logprobs, entropy=self.entropy,
+                       ref_logprobs=self.ref_logprobs, old_values=self.old_values)
+
+
+@dataclass
+class UpdateResult:
+    metrics: dict[str, float]  # loss/<term>, policy/clipfrac, ..., perf/optimizer_steps, critic/*
+    batch: TurnBatch  # the batch trained on, with the on-policy rows' old log-probs and entropies filled in
+    skipped: int  # optimizer steps skipped for a non-finite loss or gradient
+    optimizer_steps: int
+
+
+@dataclass
+class _UpdateInputs:
+    """What every mini-batch step of one update shares."""
+
+    batch: TurnBatch
+    coefs: dict[str, float]
+    history: EntropyHistory | None  # the entropy references of entropy_smoothing (None: no smoothing term)
+    on_policy: set[int]  # rows the update's first forward scores (see PolicyUpdate.on_policy_rows)
+    lengths: list[int]  # prompt + response tokens of each row (micro-batch planning)
+    modes: list[str]  # the aggregation modes of the loss terms, sorted (the same order on every rank)
+    row_denominators: dict[str, Tensor]  # each row's share of each mode's denominator
+
+
+class PolicyUpdate:
+    """Scores and trains `models` (policy engine, critic engine) with `loss_stack` (+ `value_term`)."""
+
+    def __init__(self, cfg: Any, dist: DistInfo, models: Models, loss_stack: LossStack,
+                 value_term: Any | None = None) -> None:
+        self.algo, self.seed, self.temperature = cfg.algo, cfg.seed, cfg.rollout.temperature
+        self.dist, self.models, self.loss_stack, self.value_term = dist, models, loss_stack, value_term
+
+    # ---- planning -------------------------------------------------------------------------------------
+    def plan_micro_batches(self, rows: list[int], lengths: list[int]) -> list[list[int]]:
+        """The passes over `rows`: packs up to the token budget (algo.pack_tokens), or padded micro-batches of
+        micro_batch_size samples of similar length."""
+        algo = self.algo
+        if not self.models.packing:
+            return plan_micro_batches(rows, lengths, algo.micro_batch_size)
+        budget = algo.pack_tokens or default_budget(lengths, algo.micro_batch_size)
+        return plan_packs(rows, lengths, budget)
+
+    def mini_batches(self, batch: TurnBatch, step: int, epoch: int) -> list[list[int]]:
+        """This rank's rows of each global mini-batch. The split depends only on (seed, step, epoch) and
+        the samples' global ids, so 1 rank and N ranks form the same global mini-batches."""
+        # (random key, global id): a tie of keys is broken by the id, never by the rank or row
+        keys = [(derive_seed(self.seed, "minibatch", step, epoch, t, i), t, i)
+                for t, i in zip(batch.traj_id.tolist(), batch.turn_index.tolist())]
+        everyone = all_gather_objects(keys)
+        ordered = sorted((k, rank, row) for rank, ks in enumerate(everyone) for row, k in enumerate(ks))
+        size = self.algo.mini_batch_size
+        out: list[list[int]] = [[] for _ in range(max(1, math.ceil(len(ordered) / size)))]
+        for pos, (_, rank, row) in enumerate(ordered):
+            if rank == self.dist.rank:
+                out[pos // size].append(row)
+        return out
+
+    def reuses_scoring(self) -> bool:
+        """Whether the update's first forward scores its own samples (see on_policy_rows); False when that
+        is not provably the rollout's policy or not wanted:
+          - algo.reuse_scoring_forward=false;
+          - dropout anywhere in the policy (a training-mode forward would differ from the rollout's policy);
+          - algo.monitor.action=clamp (this step's coefficients need every entropy before the update)."""
+        algo = self.algo
+        return bool(algo.reuse_scoring_forward) and algo.monitor.action != "clamp" and not has_dropout(
+            self.models.engine.module)
+
+    def on_policy_rows(self, batch: TurnBatch, step: int) -> set[int]:
+        """This rank's samples whose old log-probs the update's own forward can provide: those of the first
+        mini-batch of the first epoch, which the update reaches before any optimizer step, with the weights
+        that played the rollout (empty unless reuses_scoring())."""
+        return set(self.mini_batches(batch, step, 0)[0]) if self.reuses_scoring() else set()
+
+    def set_learning_rates(self, multiplier: float) -> None:
+        """algo.lr (policy) and algo.value.lr (critic) times `multiplier` (the lr schedule's, this step)."""
+        set_lr(self.models.engine, self.algo.lr * multiplier)
+        if self.models.critic_engine is not None:
+            set_lr(self.models.critic_engine, (self.algo.value.lr or self.algo.lr) * multiplier)
+
+    @property
+    def learning_rate(self) -> float:
+        return self.models.engine.optimizer.param_groups[0]["lr"]
+
+    # ---- scoring --------------------------------------------------------------------------------------
+    def score(self, batch: TurnBatch, skip_policy: set[int] | None = None) -> Scores:
+        """Old-policy log-probs and entropy (+ reference log-probs, critic values), no grad. Rows in
+        `skip_policy` get only the reference and critic passes (the update fills in their old log-probs)."""
+        models, device = self.models, self.dist.device
+        n = len(batch)
+        skip_policy = skip_policy or set()
+        scores = Scores([torch.empty(0)] * n, [torch.empty(0)] * n,
+                        [torch.empty(0)] * n if models.ref_model is not None else [],
+                        torch.zeros(n) if models.critic is not None else None)
+        lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
+        scored = [r for r in range(n) if r not in skip_policy]
+        passes = [(rows, True) for rows in self.plan_micro_batches(scored, lengths)]
+        if models.ref_model is not None or scores.old_values is not None:
+            passes += [(rows, False) for rows in self.plan_micro_batches(sorted(skip_policy), lengths)]
+        with torch.no_grad():
+            for rows, with_policy in passes:
+                mb = collate(batch, rows, models.tokenizer.pad_token_id, device, packed=models.packing)
+                out = policy_forward(models.policy.module, mb, self.temperature, models.vocab_limit) \
+                    if with_policy else None
+                ref = (policy_forward(models.ref_model, mb, self.temperature, models.vocab_limit, with_entropy=False)
+                       if models.ref_model is not None else None)
+                for i, r in enumerate(rows):
+                    k = len(batch.response_ids[r])
+                    if out is not None:
+                        scores.old_logprobs[r] = out.logprobs[i, :k].float().cpu()
+                        scores.entropy[r] = out.entropy[i, :k].float().cpu()
+                    if ref is not None:
+                        scores.ref_logprobs[r] = ref.logprobs[i, :k].float().cpu()
+                if scores.old_values is not None:
+                    scores.old_values[rows] = value_forward(models.critic.module, mb)[:len(rows)].float().cpu()
+        return scores
+
+    # ---- the update -----------------------------------------------------------------------------------
+    def aggregation_modes(self) -> set[str]:
+        modes = set(required_aggregations(self.loss_stack.terms))
+        if self.value_term is not None:
+            modes.add(self.value_term.aggregation)
+        return modes
+
+    def run(self, batch: TurnBatch, coefs: dict[str, float], step: int, history: EntropyHistory | None = None,
+            on_policy: set[int] | None = None) -> UpdateResult:
+        """ppo_epochs x mini-batches x micro-batches; one engine.step() per mini-batch (SFT: one epoch, the
+        whole batch as one mini-batch).
+
+        `on_policy` (see on_policy_rows): rows of the first mini-batch that scoring skipped; their old
+        log-probs and entropies are this forward's own, detached (ratio exactly 1), and are filled in (in the
+        returned batch) for later epochs and the entropy statistics."""
+        algo, sft = self.algo, is_sft(self.algo)
+        batch = replace(batch, old_logprobs=list(batch.old_logprobs), entropy=list(batch.entropy))
+        lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
+        # sorted: each mode's denominator is one all-reduce, and a set's order (str hashes are salted per
+        # process) differs between ranks, which would pair up different modes' sums
+        modes = sorted(self.aggregation_modes())
+        shared = _UpdateInputs(batch, coefs, history, on_policy or set(), lengths, modes,
+                               row_denominators(batch, modes, algo.entropy.decay))
+        tally = UpdateTally()
+        self.models.engine.train()
+        for epoch in range(1 if sft else algo.ppo_epochs):
+            for mini, rows in enumerate([list(range(len(batch)))] if sft else self.mini_batches(batch, step, epoch)):
+                self.mini_batch_step(shared, rows, (step, epoch, mini), tally)
+        metrics = tally.metrics()
+        if batch.old_values is not None and batch.returns is not None:
+            metrics.update(critic_metrics(batch.old_values, batch.returns, self.dist.device))
+        return UpdateResult(metrics, batch, tally.skipped, tally.optimizer_steps)
+
+    def mini_batch_step(self, shared: _UpdateInputs, rows: list[int], position: tuple[int, int, int],
+                        tally: UpdateTally) -> None:
+        """One optimizer step on this rank's `rows` of a global mini-batch: every rank runs as many
+        micro-batches (empty ones where it has fewer), then engine.step(); the term metrics of the step are
+        summed over ranks into `tally`. `position` is (step, epoch, mini-batch index)."""
+        algo, device, engine = self.algo, self.dist.device, self.models.engine
+        micro = self.plan_micro_batches(rows, shared.lengths)
+        n_micro = int(all_reduce_max(torch.tensor(len(micro))).item())
+        micro += [[] for _ in range(n_micro - len(micro))]
+        # global denominators of each aggregation mode over this mini-batch (all ranks)
+        denominators = {mode: float(all_reduce_sum(shared.row_denominators[mode][rows].sum().to(device))
+                                    .clamp(min=1e-12)) for mode in shared.modes}
+        chosen = self.token_selection(shared, micro, position, tally)  # Clip-Cov / KL-Cov (else None)
+        step_metrics: dict[str, float] = {}
+        for m in micro:
+            mb = collate(shared.batch, m, self.models.tokenizer.pad_token_id, device, num_rows=max(len(m), 1),
+                         packed=self.models.packing)
+            mb.token_select = None if chosen is None else selection_mask(chosen, m, mb.response_mask)
+            for mode in shared.modes:
+                mb.weights[mode] = normalized_weights(mode, mb.response_mask, mb.turn_index, mb.num_turns,
+                                                      algo.entropy.decay, denominator=denominators[mode]).to(device)
+            if shared.history is not None and "entropy_smoothing" in algo.loss_terms:
+                mb.entropy_ref = shared.history.reference(mb.turn_index.cpu()).to(device)
+            # the very first forward of the update is the old policy's: it scores its on-policy samples
+            reuse = bool(m) and m[0] in shared.on_policy and tally.optimizer_steps == 0
+            term_metrics = self.micro_batch_backward(mb, m, shared.batch, shared.coefs, reuse)
+            for k, v in term_metrics.items():
+                step_metrics[k] = step_metrics.get(k, 0.0) + float(v)
+            tally.real_tokens += int(mb.attention_mask.sum())
+            tally.padded_tokens += mb.attention_mask.numel()
+        engine.step()
+        if self.models.critic_engine is not None:
+            self.models.critic_engine.step()
+        if step_was_skipped(engine):
+            tally.skipped += 1
+        norm = grad_norm(engine)
+        if norm is not None:
+            tally.grad_norms.append(norm)
+        names = sorted(step_metrics)
+        reduced = all_reduce_sum(torch.tensor([step_metrics[k] for k in names], dtype=torch.float64,
+                                              device=device)).tolist() if names else []
+        tally.add_step(dict(zip(names, reduced)))
+
+    def token_selection(self, shared: _UpdateInputs, micro: list[list[int]], position: tuple[int, int, int],
+                        tally: UpdateTally) -> dict[int, Tensor] | None:
+        """Clip-Cov / KL-Cov: row -> the tokens [k] bool the loss acts on, chosen over the whole mini-batch (all
+        micro-batches and ranks; epo_cli/algos/cov_selection.py) from the current policy's log-probs, scored
+        first without gradient; None for the other policy losses. Collectives: every rank calls it."""
+        selector = self.loss_stack.token_selector()
+        if selector is None:
+            return None
+        batch = shared.batch
+        return mini_batch_selection(selector, (self._current_logprobs(shared, m, tally) for m in micro if m),
+                                    lambda r: (int(batch.traj_id[r]), int(batch.turn_index[r])),
+                                    derive_seed(self.seed, "cov_select", *position), all_reduce_sum,
+                                    all_gather_objects)
+
+    def _current_logprobs(self, shared: _UpdateInputs, rows: list[int],
+                          tally: UpdateTally) -> tuple[list[int], MicroBatch, Tensor]:
+        """(rows, their micro-batch, the current policy's log-probs [B, R]), no grad: what the backward loop's
+        forward of this micro-batch will compute. Rows the first forward scores (on-policy reuse) have no old
+        log-probs yet: their ratio is 1 (the weights are the rollout's)."""
+        models = self.models
+        mb = collate(shared.batch, rows, models.tokenizer.pad_token_id, self.dist.device, packed=models.packing)
+        with torch.no_grad():
+            logprobs = policy_forward(models.engine, mb, self.temperature, models.vocab_limit,
+                                      with_entropy=False).logprobs
+        if rows[0] in shared.on_policy and tally.optimizer_steps == 0:
+            mb.old_logprobs = logprobs
+        return rows, mb, logprobs
+
+    def micro_batch_backward(self, mb: MicroBatch, rows: list[int], batch: TurnBatch, coefs: dict[str, float],
+                             reuse: bool) -> dict[str, Any]:
+        """Forward, loss stack and backward of one micro-batch (policy, then critic); its term metrics.
+        With `reuse`, this forward's log-probs and entropies become the rows' old ones (in `batch` too)."""
+        engine, world = self.models.engine, self.dist.world_size
+        out = policy_forward(engine, mb, self.temperature, self.models.vocab_limit,
+                             with_entropy=self.needs_entropy() or reuse)
+        if reuse:  # this forward is the old policy's: score these samples with it
+            mb.old_logprobs = out.logprobs.detach()
+            mb.rollout_entropy = out.entropy.detach()
+            for i, r in enumerate(rows):
+                k = len(batch.response_ids[r])
+                batch.old_logprobs[r] = mb.old_logprobs[i, :k].float().cpu()
+                batch.entropy[r] = mb.rollout_entropy[i, :k].float().cpu()
+        loss, term_metrics = self.loss_stack(mb, out, coefs)
+        # DeepSpeed averages gradients over ranks; the weights already normalise globally
+        engine.backward(loss * world, scale_wrt_gas=False)
+        if self.models.critic_engine is not None:
+            term_metrics.update(self.critic_backward(mb, world))
+        return term_metrics
+
+    def needs_entropy(self) -> bool:
+        return any(t in self.algo.loss_terms for t in ("entropy", "entropy_smoothing"))
+
+    def critic_backward(self, mb: MicroBatch, world: int) -> dict[str, Any]:
+        """The value loss's forward and backward on the critic engine; its metrics."""
+        values = value_forward(self.models.critic_engine, mb)
+        vloss, vmetrics = self.value_term(mb, PolicyOutputs(logprobs=None, entropy=None, values=values))
+        self.models.critic_engine.backward(self.algo.value.coef * vloss * world, scale_wrt_gas=False)
+        return vmetrics
+
+
+def skip_streak(streak: int, result: UpdateResult, limit: int, last_checkpoint: Callable[[], str | None]) -> int:
+    """Consecutive skipped optimizer steps, over updates whose every step was skipped (0 after an update that
+    changed the weights); at `limit` the run stops with a message naming the last checkpoint."""
+    streak = streak + result.skipped if result.skipped == result.optimizer_steps else 0
+    if streak >= limit:
+        raise UserError(
+            f"Training stopped: {streak} consecutive updates had a non-finite loss or gradient "
+            f"(trainer.max_nonfinite_skips={limit}); the weights were not changed by them. Last checkpoint: "
+            f"{last_checkpoint() or 'none'}. Lower algo.lr or check the reward scale, then resume with "
+            "trainer.resume=<run dir>.")
+    return streak
+
+
+def has_dropout(model: torch.nn.Module) -> bool:
+    """Whether a training-mode forward of `model` is random (dropout layers, attention dropout)."""
+    config = getattr(model, "config", None)
+    if float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
+        return True
+    return any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
+
+
+def row_denominators(batch: TurnBatch, modes: list[str], decay: float) -> dict[str, Tensor]:
+    """Each sample's contribution d to every aggregation mode's denominator ([N] float64 per mode),
+    from the sample metadata alone (no padding of token ids needed)."""
+    lengths = batch.response_lengths
+    mask = torch.arange(max(int(lengths.max()), 1) if len(lengths) else 1)[None, :] < lengths[:, None]
+    num_turns = batch.num_turns.clamp(min=1)
+    return {mode: AGGREGATIONS[mode].weights(mask, batch.turn_index, num_turns, decay)[1].double()
+            for mode in modes}

@@ -1,0 +1,53 @@
+"""EntropyControl, the entropy state rl_step carries from step to step, on hand-made batches (one rank)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from epo_cli.compose import compose
+from epo_cli.rollout.batch import TurnBatch
+from epo_cli.training.entropy_control import EntropyControl
+
+
+def _batch(entropies: list[list[float]], turns: list[int]) -> TurnBatch:
+    n = len(turns)
+    return TurnBatch(
+        prompt_ids=[[1]] * n, response_ids=[[2] * len(e) for e in entropies], traj_id=torch.zeros(n, dtype=torch.long),
+        group_id=torch.zeros(n, dtype=torch.long), turn_index=torch.tensor(turns), num_turns=torch.full((n,), 2),
+        reward=torch.zeros(n), outcome=torch.zeros(n), valid=torch.ones(n, dtype=torch.bool),
+        won=torch.zeros(n, dtype=torch.bool), task_type=["t"] * n, entropy=[torch.tensor(e) for e in entropies],
+    )
+
+
+def test_statistics_observe_and_the_reference() -> None:
+    control = EntropyControl(compose(["algo=epo", "env.max_turns=4"]))
+    assert control.reference_metrics() == {}  # no step recorded yet: no band
+    warnings: list[str] = []
+    # turn 0: tokens 1, 2 and 3 -> sum 6, count 3 (mean 2); turn 1: token 4 -> mean 4; all: 10 / 4 = 2.5
+    stats = control.statistics(_batch([[1.0, 2.0], [3.0], [4.0]], [0, 0, 1]), step=0, width=4, warn=warnings.append)
+    assert stats.sums.tolist() == [6.0, 4.0, 0.0, 0.0] and stats.counts.tolist() == [3.0, 1.0, 0.0, 0.0]
+    assert stats.mean == pytest.approx(2.5) and stats.metrics["policy/entropy"] == pytest.approx(2.5)
+    assert stats.metrics["policy/entropy_turn/0"] == pytest.approx(2.0)
+    assert stats.metrics["policy/entropy_turn/1"] == pytest.approx(4.0)
+    assert "policy/entropy_turn/2" not in stats.metrics  # no token at turn 2
+    assert not stats.alert and warnings == []
+    control.observe(stats)
+    assert control.history.num_steps == 1
+    assert control.reference_metrics() == {"policy/entropy_ref": pytest.approx(2.5)}  # the step's mean, recorded
+    # a second step at mean 1.0: the cumulative reference is (2.5 + 1.0) / 2
+    control.observe(control.statistics(_batch([[1.0]], [0]), step=1, width=4, warn=warnings.append))
+    assert control.reference_metrics()["policy/entropy_ref"] == pytest.approx(1.75)
+
+
+def test_an_alert_is_warned_and_the_state_round_trips() -> None:
+    cfg = compose(["algo=epo", "env.max_turns=4", "algo.monitor.threshold=0.01", "algo.monitor.action=clamp"])
+    control, warnings = EntropyControl(cfg), []
+    for step, value in enumerate([1.0, 3.0, 0.5]):  # swings far above 1% of the mean
+        stats = control.statistics(_batch([[value]], [0]), step, 4, warnings.append)
+        control.observe(stats)
+    assert stats.alert and warnings and "entropy terms clamped" in warnings[-1] and "at step 3" in warnings[-1]
+    restored = EntropyControl(cfg)
+    restored.load_state_dict(control.state_dict())
+    assert restored.state_dict() == control.state_dict()
+    assert set(control.state_dict()) == {"entropy_history", "monitor", "entropy_schedule"}  # checkpoint keys
