@@ -12,7 +12,18 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from epo_cli.launch.setup import compose_for_train
+
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "demo.py"
+
+
+@pytest.mark.parametrize("algo", ["grpo", "epo"])
+def test_the_demo_preset_composes_for_both_arms_without_warnings(algo: str, recwarn: pytest.WarningsRecorder) -> None:
+    cfg, _ = compose_for_train(["experiment=search_household", f"algo={algo}", "model.path=/some/warm/final"])
+    assert (cfg.env.level, cfg.env.max_turns, cfg.trainer.total_steps) == ("small_open_pick_place", 15, 20)
+    assert (cfg.algo.name, cfg.algo.tasks_per_step, cfg.algo.group_size, cfg.algo.lr) == (algo, 4, 8, 5e-4)
+    assert cfg.model.name == "tiny"
+    assert not [str(w.message) for w in recwarn if "no effect" in str(w.message)]
 
 
 @pytest.mark.slow

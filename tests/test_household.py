@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 from epo_cli.envs import env_config_class, make_suite
 from epo_cli.envs.base import Task
 from epo_cli.envs.household import (
+    LEVEL_VARIANTS,
     LEVELS,
     OOD_TARGETS,
     SEED_BASE,
@@ -509,3 +510,19 @@ def test_steps_per_second_smoke():
                 break
     print(f"\nhousehold: {steps / (time.perf_counter() - start):.0f} steps/s ({steps} steps incl. resets)")
     assert steps > 0
+
+
+def test_level_variants_turn_the_same_knobs_outside_the_ladder():
+    suite = HouseholdSuite()
+    names = [lvl.name for lvl in LEVEL_VARIANTS]
+    assert not set(names) & set(suite.levels())  # curricula and the tiny tokenizer's corpus never see them
+    for lvl in LEVEL_VARIANTS:
+        worlds = [generate(t) for t in suite.sample_tasks("train", 300, random.Random(3), level=lvl.name)]
+        assert {w.task_type for w in worlds} <= set(lvl.task_types)
+        assert all(lvl.receptacles[0] <= len(w.receptacles) <= lvl.receptacles[1] for w in worlds)
+        # closed_share is each receptacle's chance of being openable: the observed share sits within 4
+        # binomial standard errors of it (e.g. 0.03 over ~900 receptacles: 0.03 +- 4 x 0.0057)
+        n = sum(len(w.receptacles) for w in worlds)
+        share = sum(len(w.openable) for w in worlds) / n
+        p = lvl.closed_share
+        assert abs(share - p) <= 4 * (p * (1 - p) / n) ** 0.5 + 1e-9, (lvl.name, share)
