@@ -76,6 +76,18 @@ def test_intrinsic_rewards_follow_the_batch_rows() -> None:
         intrinsic_rewards(episodes, SimpleNamespace(kind="rnd", coef=0.3, decay=1.0), 0)
 
 
+def test_the_bonus_does_not_depend_on_how_groups_are_split_over_ranks() -> None:
+    # GroupSampler gives each rank whole groups; every rank computes the bonus of its own episodes. The
+    # bonus of a row is the same whether one rank holds all 4 groups or two ranks hold 2 each.
+    rng = random.Random(1)
+    episodes = [_episode(8 * g + k, g, [rng.choice("PQR") for _ in range(rng.randrange(1, 6))])
+                for g in range(4) for k in range(8)]
+    cfg = SimpleNamespace(kind="count", coef=0.7, decay=0.9)
+    one_rank = intrinsic_rewards(episodes, cfg, step=3)
+    two_ranks = torch.cat([intrinsic_rewards(episodes[:16], cfg, 3), intrinsic_rewards(episodes[16:], cfg, 3)])
+    assert torch.equal(one_rank, two_ranks)
+
+
 def test_batch_select_keeps_the_bonus_apart() -> None:
     batch = episodes_to_batch([_episode(0, 0, ["P", "Q"]), _episode(1, 0, ["R"])], 10.0, 0.1)
     batch.intrinsic = torch.tensor([0.5, 0.25, 1.0])
