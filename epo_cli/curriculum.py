@@ -87,11 +87,11 @@ def check_curriculum(section: Any, max_turns: int | None = None) -> None:
                           "horizon would shrink, not grow. Lower start_turns.")
 
 
-_S = TypeVar("_S", bound="CurriculumSettings")
+_S = TypeVar("_S", bound="CommonCurriculumConfig")
 
 
 @dataclass(frozen=True)
-class CurriculumSettings:
+class CommonCurriculumConfig:
     """What every curriculum reads: the growing turn limit and the subgoal rewards, which any option
     combines with (`curriculum.horizon=true`, `curriculum.subgoal_rewards=true`). Their rules are
     CurriculumConfig's (check_curriculum)."""
@@ -113,7 +113,7 @@ class CurriculumSettings:
 
 
 @dataclass(frozen=True)
-class StagedSettings(CurriculumSettings):
+class StagedCurriculumConfig(CommonCurriculumConfig):
     """curriculum=staged: promotion window and thresholds, and the replay share of earlier levels."""
 
     window: int
@@ -123,7 +123,7 @@ class StagedSettings(CurriculumSettings):
 
 
 @dataclass(frozen=True)
-class AdaptiveSettings(CurriculumSettings):
+class AdaptiveCurriculumConfig(CommonCurriculumConfig):
     """curriculum=adaptive: the score's window and signal, and the uniform exploration floor."""
 
     window: int
@@ -134,20 +134,20 @@ class AdaptiveSettings(CurriculumSettings):
 def _own_keys(settings: type) -> tuple[str, ...]:
     """The curriculum keys only this option reads (for the "no effect" warnings): its settings beyond the
     ones every curriculum shares (those are gated by curriculum.horizon / subgoal_rewards)."""
-    shared = {f.name for f in dataclasses.fields(CurriculumSettings)}
+    shared = {f.name for f in dataclasses.fields(CommonCurriculumConfig)}
     return tuple(f"curriculum.{f.name}" for f in dataclasses.fields(settings) if f.name not in shared)
 
 
 # `horizon` and `subgoal_rewards` are `none` with a flag turned on by their yaml
-@CURRICULA.register("none", config=CurriculumSettings, reads=())
-@CURRICULA.register("horizon", config=CurriculumSettings, reads=())
-@CURRICULA.register("subgoal_rewards", config=CurriculumSettings, reads=())
+@CURRICULA.register("none", config=CommonCurriculumConfig, reads=())
+@CURRICULA.register("horizon", config=CommonCurriculumConfig, reads=())
+@CURRICULA.register("subgoal_rewards", config=CommonCurriculumConfig, reads=())
 class Curriculum:
     """`curriculum=none` (and the base of the others): tasks of the configured env, fixed turn limit,
     optional subgoal rewards. With `curriculum.levels` set it draws every task from a uniform mix of them."""
 
     name = "none"
-    settings_class: type[CurriculumSettings] = CurriculumSettings
+    settings_class: type[CommonCurriculumConfig] = CommonCurriculumConfig
     #: staged/adaptive need levels: with curriculum.levels empty they take the suite's curriculum_levels()
     needs_levels = False
 
@@ -267,7 +267,7 @@ class Curriculum:
         self._levels_checked = True
 
 
-@CURRICULA.register("staged", config=StagedSettings, reads=_own_keys(StagedSettings))
+@CURRICULA.register("staged", config=StagedCurriculumConfig, reads=_own_keys(StagedCurriculumConfig))
 class StagedCurriculum(Curriculum):
     """One level at a time, easiest first, with promotion, optional demotion and replay of earlier levels.
 
@@ -279,7 +279,7 @@ class StagedCurriculum(Curriculum):
     """
 
     name = "staged"
-    settings_class = StagedSettings
+    settings_class = StagedCurriculumConfig
     needs_levels = True
 
     def __init__(self, cfg: Any, env_cfg: Any, levels: Sequence[str] = ()) -> None:
@@ -353,7 +353,7 @@ class StagedCurriculum(Curriculum):
         self.last_success = {str(k): float(v) for k, v in state.get("last_success", {}).items()}
 
 
-@CURRICULA.register("adaptive", config=AdaptiveSettings, reads=_own_keys(AdaptiveSettings))
+@CURRICULA.register("adaptive", config=AdaptiveCurriculumConfig, reads=_own_keys(AdaptiveCurriculumConfig))
 class AdaptiveCurriculum(Curriculum):
     """Every level is drawn each iteration with probability
 
@@ -370,7 +370,7 @@ class AdaptiveCurriculum(Curriculum):
     """
 
     name = "adaptive"
-    settings_class = AdaptiveSettings
+    settings_class = AdaptiveCurriculumConfig
     needs_levels = True
 
     def __init__(self, cfg: Any, env_cfg: Any, levels: Sequence[str] = ()) -> None:

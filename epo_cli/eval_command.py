@@ -69,7 +69,7 @@ from epo_cli.models.loading import (
     resolve_dtype,
 )
 from epo_cli.rollout.episodes import ExpertPolicy, ModelPolicy, Policy
-from epo_cli.rollout.generation import SamplingParams
+from epo_cli.rollout.generation import SamplingConfig
 from epo_cli.rollout.prompts import PromptBuilder, chat_encoder
 from epo_cli.run_dir import load_run_config, override_keys
 from epo_cli.safe_load import load_tensors, refused_message, restricted_torch_load
@@ -91,7 +91,7 @@ POLICIES = ("model", "expert", "look", "random")
 # ----------------------------------------------------------------------------------------------------
 
 @dataclass
-class EvalArgs:
+class EvalCommandConfig:
     run: Path | None = None
     checkpoint: str | None = None  # final | latest | best | step_N (default: final if present, else latest)
     split: str | None = None
@@ -102,7 +102,7 @@ class EvalArgs:
     out: Path | None = None
 
 
-EVAL_KEYS = {f for f in EvalArgs.__dataclass_fields__}
+EVAL_KEYS = {f for f in EvalCommandConfig.__dataclass_fields__}
 
 
 def _bool(key: str, value: str) -> bool:
@@ -113,9 +113,9 @@ def _bool(key: str, value: str) -> bool:
     raise ConfigError(f"{key}={value}: expected true or false.")
 
 
-def parse_eval_args(args: list[str]) -> tuple[EvalArgs, list[str]]:
+def parse_eval_args(args: list[str]) -> tuple[EvalCommandConfig, list[str]]:
     """Split `key=value` arguments into eval options and config overrides (everything else)."""
-    opts, overrides = EvalArgs(), []
+    opts, overrides = EvalCommandConfig(), []
     for arg in args:
         key, sep, value = arg.partition("=")
         if not sep or key not in EVAL_KEYS:
@@ -152,7 +152,7 @@ def parse_eval_args(args: list[str]) -> tuple[EvalArgs, list[str]]:
     return opts, overrides
 
 
-def eval_config(opts: EvalArgs, overrides: list[str]) -> DictConfig:
+def eval_config(opts: EvalCommandConfig, overrides: list[str]) -> DictConfig:
     """The run's saved config with the overrides on top (group overrides such as env=... swap the whole
     group for that option's defaults), or a freshly composed config when no run is given."""
     if opts.run is None:
@@ -255,7 +255,7 @@ class PolicyInfo:
     source: str | None = None  # the model folder or hub id the weights and tokenizer came from
 
 
-def build_policy(opts: EvalArgs, cfg: DictConfig, suite: EnvSuite, temperature: float, device: Any
+def build_policy(opts: EvalCommandConfig, cfg: DictConfig, suite: EnvSuite, temperature: float, device: Any
                  ) -> tuple[Policy, Any, PolicyInfo]:
     """The policy to evaluate (the trained model, or a scripted baseline), its tokenizer, and what it is."""
     if opts.policy != "model":  # scripted: only the tokenizer (prompts and responses are still tokens)
@@ -270,7 +270,7 @@ def build_policy(opts: EvalArgs, cfg: DictConfig, suite: EnvSuite, temperature: 
     model, tokenizer, source, resolved = load_model(cfg, suite, opts.run, which, device)
     check_context(model, cfg.rollout, source)
     r = cfg.rollout
-    params = SamplingParams(r.max_new_tokens, temperature, r.top_p, r.top_k, r.stop)
+    params = SamplingConfig(r.max_new_tokens, temperature, r.top_p, r.top_k, r.stop)
     policy = ModelPolicy(model, tokenizer, params, len(tokenizer), r.generation_batch_size)
     # latest/best move as training goes on: name the file after the step they resolved to
     label = (resolved or which) if opts.run is not None else "model"

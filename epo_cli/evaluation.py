@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from epo_cli.envs.base import EnvSuite, Task
-from epo_cli.rollout.episodes import Episode, PlaySettings, Policy, episode_metrics, episode_slots, run_episodes
+from epo_cli.rollout.episodes import Episode, PlayConfig, Policy, episode_metrics, episode_slots, run_episodes
 from epo_cli.rollout.prompts import format_response
 from epo_cli.seeding import derive_seed
 
@@ -54,7 +54,7 @@ def evaluate_split(
 ) -> tuple[dict[str, float], list[Episode]]:
     """Play `tasks` (this rank's share; `ids` are their global indices, which seed the sampling) and return
     the metrics under eval/<split>/... (reduced over ranks by `reduce`) and this rank's episodes."""
-    settings = PlaySettings(builder, tokenizer, max_turns, seed=seed, step=-1, overlap=overlap)
+    settings = PlayConfig(builder, tokenizer, max_turns, seed=seed, step=-1, overlap=overlap)
     episodes, _ = run_episodes(policy, pool, episode_slots(tasks, ids), settings)
     reduced = reduce(episode_metrics(episodes))
     return {k.replace("rollout/", f"eval/{split}/", 1): v for k, v in reduced.items()}, episodes

@@ -78,7 +78,7 @@ def _trainer_problem(trainer: Any) -> str | None:
     """What is wrong with the `trainer` counters of a trainer_state.json, or None."""
     if not isinstance(trainer, Mapping):
         return "`trainer` is not an object"
-    known = {"step", "consecutive_skips", "best_value", "best_step", "logger_ids"}
+    known = {"step", "consecutive_skips", "best_value", "best_step", "logger_ids", "collapse_signals"}
     if set(trainer) - known:
         return f"`trainer` has unknown entries {sorted(set(trainer) - known)}"
     step = trainer.get("step")
@@ -95,6 +95,9 @@ def _trainer_problem(trainer: Any) -> str | None:
     ids = trainer.get("logger_ids", {})
     if not isinstance(ids, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in ids.items()):
         return "`trainer.logger_ids` is not an object of strings"
+    signals = trainer.get("collapse_signals", [])
+    if not isinstance(signals, list) or not all(isinstance(s, str) for s in signals):
+        return "`trainer.collapse_signals` is not a list of strings"
     return None
 
 

@@ -73,15 +73,15 @@ def load_model(overrides: list[str], device, attn: str):
 def bench_generation(model, tokenizer, sizes: dict, device) -> dict[str, float]:
     import torch
 
-    from epo_cli.rollout.generation import SamplingParams, generate
+    from epo_cli.rollout.generation import SamplingConfig, generate
 
     vocab = len(tokenizer)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, vocab, (sizes["prompt"],), generator=g).tolist() for _ in range(sizes["gen_batch"])]
-    params = SamplingParams(max_new_tokens=sizes["new_tokens"], temperature=1.0, stop="")
+    params = SamplingConfig(max_new_tokens=sizes["new_tokens"], temperature=1.0, stop="")
     model.eval()
     with torch.no_grad():
-        generate(model, prompts[:2], SamplingParams(max_new_tokens=2, stop=""), tokenizer, vocab_limit=vocab)  # warm-up
+        generate(model, prompts[:2], SamplingConfig(max_new_tokens=2, stop=""), tokenizer, vocab_limit=vocab)  # warm-up
         _sync(device)
         t0 = time.perf_counter()
         out = generate(model, prompts, params, tokenizer, seeds=list(range(len(prompts))), vocab_limit=vocab)

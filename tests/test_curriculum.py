@@ -19,9 +19,9 @@ from epo_cli.config import CurriculumConfig
 from epo_cli.curriculum import (
     CURRICULA,
     AdaptiveCurriculum,
-    AdaptiveSettings,
+    AdaptiveCurriculumConfig,
+    CommonCurriculumConfig,
     Curriculum,
-    CurriculumSettings,
     StagedCurriculum,
     build_curriculum,
 )
@@ -387,12 +387,12 @@ def test_every_curriculum_is_registered_with_the_settings_it_reads():
         build_curriculum(OmegaConf.create({"curriculum": {"name": "spiral", "levels": []}, "env": {}}))
     # each curriculum keeps only its own settings, read by name from the flat section
     section = replace(CurriculumConfig(), window=5, exploration_floor=0.3, promote_at=0.9)
-    settings = AdaptiveSettings.of(section)
+    settings = AdaptiveCurriculumConfig.of(section)
     assert (settings.window, settings.exploration_floor, settings.horizon) == (5, 0.3, False)
     assert not hasattr(settings, "promote_at")
-    assert not hasattr(CurriculumSettings.of(section), "window")
+    assert not hasattr(CommonCurriculumConfig.of(section), "window")
     with pytest.raises(ConfigError, match="'curriculum.exploration_floor': 1.5 is out of range"):
-        AdaptiveSettings.of(replace(section, exploration_floor=1.5))
+        AdaptiveCurriculumConfig.of(replace(section, exploration_floor=1.5))
 
 
 def test_unknown_household_level_fails_at_the_first_draw():

@@ -162,11 +162,11 @@ def test_a_model_folder_with_nan_weights_is_refused_when_loaded(tiny_folder: Pat
 
 def test_sampling_from_nan_logits_is_one_message() -> None:
     from epo_cli.errors import UserError
-    from epo_cli.rollout.generation import SamplingParams, sample_next
+    from epo_cli.rollout.generation import SamplingConfig, sample_next
 
     logits = torch.tensor([[0.0, 1.0], [math.nan, 0.0]])
-    for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=0.0)):
+    for params in (SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.0)):
         with pytest.raises(UserError, match="hold nan or inf"):
             sample_next(logits, params, None)
     masked = torch.tensor([[0.0, -math.inf]])  # what top-k leaves: still samples
-    assert sample_next(masked, SamplingParams(temperature=1.0), None).tolist() == [0]
+    assert sample_next(masked, SamplingConfig(temperature=1.0), None).tolist() == [0]

@@ -18,8 +18,8 @@ import pytest
 
 from epo_cli.envs.base import Env, EnvSuite, StepResult, Task
 from epo_cli.envs.pool import EnvPool
-from epo_cli.rollout.episodes import EpisodeSlot, ModelPolicy, PlaySettings, run_episodes
-from epo_cli.rollout.generation import SamplingParams
+from epo_cli.rollout.episodes import EpisodeSlot, ModelPolicy, PlayConfig, run_episodes
+from epo_cli.rollout.generation import SamplingConfig
 from epo_cli.rollout.prompts import PromptBuilder, chat_encoder
 
 from conftest import only_run_dir, run_epo
@@ -74,11 +74,11 @@ def _play(tiny_policy, num_workers: int, overlap: bool, num_waves: int | None = 
     tok, model = tiny_policy
     tasks = EchoSuite(None).sample_tasks("train", 3, random.Random(1))
     tasks = [t for t in tasks for _ in range(2)]  # groups of 2, as GRPO plays them
-    policy = ModelPolicy(model, tok, SamplingParams(max_new_tokens=12, temperature=temperature))
+    policy = ModelPolicy(model, tok, SamplingConfig(max_new_tokens=12, temperature=temperature))
     builder = PromptBuilder("compact", 2, 256, chat_encoder(tok))
     with EnvPool(EchoSuite(None), num_workers=num_workers, step_timeout_s=30) as pool:
         slots = [EpisodeSlot(task, traj_id=i, group_id=i // 2) for i, task in enumerate(tasks)]
-        settings = PlaySettings(builder, tok, max_turns=4, seed=3, step=1, overlap=overlap, num_waves=num_waves)
+        settings = PlayConfig(builder, tok, max_turns=4, seed=3, step=1, overlap=overlap, num_waves=num_waves)
         episodes, stats = run_episodes(policy, pool, slots, settings)
     return _trace(episodes), stats
 
@@ -119,7 +119,7 @@ def test_shared_prefill_gives_the_same_tokens_and_logprobs(tiny_policy) -> None:
     b = tok.encode("Observation: You arrive at cabinet 1. The cabinet 1 is closed.")
     prompts = [a, a, a, b, b, a[:5]]  # two groups (3 and 2 rows) and a shorter prompt: left padding differs
     seeds = [11, 12, 13, 14, 15, 16]
-    params = SamplingParams(max_new_tokens=10, temperature=1.0, stop="</action>")
+    params = SamplingConfig(max_new_tokens=10, temperature=1.0, stop="</action>")
     prefill_rows: list[int] = []
     hook = model.register_forward_pre_hook(
         lambda module, args, kwargs: prefill_rows.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)

@@ -7,7 +7,7 @@ import torch
 from epo_cli.envs.base import Task
 from epo_cli.rollout.actions import parse_action
 from epo_cli.rollout.episodes import Episode, Turn, episodes_to_batch
-from epo_cli.rollout.generation import SamplingParams, generate, sample_next
+from epo_cli.rollout.generation import SamplingConfig, generate, sample_next
 from epo_cli.rollout.prompts import EpisodeMemory, PromptBuilder, format_response
 
 
@@ -90,14 +90,14 @@ def test_rewards_outcome_penalty_and_subgoals() -> None:
 
 def test_sample_next_greedy_topk_and_seeded() -> None:
     logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 0.0]])
-    assert sample_next(logits, SamplingParams(temperature=0), None).tolist() == [1, 0]
-    assert sample_next(logits, SamplingParams(temperature=1.0, top_k=1), None).tolist() == [1, 0]
+    assert sample_next(logits, SamplingConfig(temperature=0), None).tolist() == [1, 0]
+    assert sample_next(logits, SamplingConfig(temperature=1.0, top_k=1), None).tolist() == [1, 0]
     gens = lambda: [torch.Generator().manual_seed(s) for s in (1, 2)]  # noqa: E731
-    a = sample_next(logits, SamplingParams(temperature=1.0), gens())
-    b = sample_next(logits, SamplingParams(temperature=1.0), gens())
+    a = sample_next(logits, SamplingConfig(temperature=1.0), gens())
+    b = sample_next(logits, SamplingConfig(temperature=1.0), gens())
     assert a.tolist() == b.tolist()
     # top_p keeps the smallest set whose mass reaches p: with p=0.5 only the argmax survives here
-    assert sample_next(logits, SamplingParams(temperature=1.0, top_p=0.5), gens()).tolist() == [1, 0]
+    assert sample_next(logits, SamplingConfig(temperature=1.0, top_p=0.5), gens()).tolist() == [1, 0]
 
 
 def test_generation_rows_do_not_depend_on_batch_company(tiny_folder) -> None:
@@ -107,7 +107,7 @@ def test_generation_rows_do_not_depend_on_batch_company(tiny_folder) -> None:
 
     tok = AutoTokenizer.from_pretrained(tiny_folder)
     model = AutoModelForCausalLM.from_pretrained(tiny_folder).eval()
-    params = SamplingParams(max_new_tokens=12, temperature=1.0, stop="</action>")
+    params = SamplingConfig(max_new_tokens=12, temperature=1.0, stop="</action>")
     a = tok.encode("Task: put a mug in desk.")
     b = tok.encode("Observation: You arrive at cabinet 1. The cabinet 1 is closed. Task: x")
     alone = generate(model, [a], params, tok, seeds=[7])
@@ -124,7 +124,7 @@ def test_generation_stops_at_stop_string(tiny_folder) -> None:
     target = tok.encode(format_response("x", "look"), add_special_tokens=False)
     # force the model to emit the target by biasing its output layer towards one token per step is
     # overkill; instead check the stop logic on a stop string that the first sampled token completes
-    params = SamplingParams(max_new_tokens=20, temperature=0)
+    params = SamplingConfig(max_new_tokens=20, temperature=0)
     first = generate(model, [target], params, tok)[0][0]
     params.stop = tok.decode([first])
     out = generate(model, [target], params, tok)

@@ -167,12 +167,12 @@ def _run_dir_trusting_remote_code(tmp_path: Path) -> Path:
 
 
 def test_a_saved_trust_remote_code_is_not_honoured(tmp_path: Path) -> None:
-    from epo_cli.eval_command import EvalArgs, eval_config
+    from epo_cli.eval_command import EvalCommandConfig, eval_config
     from epo_cli.launch.setup import compose_for_train
 
     run = _run_dir_trusting_remote_code(tmp_path)
     with pytest.warns(UserWarning, match="honoured only from the command line, not from a saved config"):
-        cfg = eval_config(EvalArgs(run=run), [])
+        cfg = eval_config(EvalCommandConfig(run=run), [])
     assert cfg.model.trust_remote_code is False
     with pytest.warns(UserWarning, match="model.trust_remote_code=true on the command line"):
         cfg, _ = compose_for_train([f"trainer.resume={run}"])
@@ -180,7 +180,7 @@ def test_a_saved_trust_remote_code_is_not_honoured(tmp_path: Path) -> None:
     # the command line of this invocation may still ask for it
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert eval_config(EvalArgs(run=run), ["model.trust_remote_code=true"]).model.trust_remote_code is True
+        assert eval_config(EvalCommandConfig(run=run), ["model.trust_remote_code=true"]).model.trust_remote_code is True
         cfg, _ = compose_for_train([f"trainer.resume={run}", "model.trust_remote_code=true"])
     assert cfg.model.trust_remote_code is True
 
@@ -274,14 +274,14 @@ def test_a_rank_takes_trust_remote_code_from_its_launcher_flag_only(tmp_path: Pa
 @pytest.mark.parametrize("text", ['a: !!python/object/apply:os.system ["touch {marker}"]\n', "algo: [unclosed\n",
                                   "- just\n- a list\n"])
 def test_a_hostile_or_damaged_config_yaml_is_one_message(tmp_path: Path, text: str) -> None:
-    from epo_cli.eval_command import EvalArgs, eval_config
+    from epo_cli.eval_command import EvalCommandConfig, eval_config
 
     marker = tmp_path / "marker"
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.yaml").write_text(text.format(marker=marker))
     with pytest.raises(UserError, match="config.yaml' is not a") as info:
-        eval_config(EvalArgs(run=run), [])
+        eval_config(EvalCommandConfig(run=run), [])
     assert "nothing was loaded" in str(info.value) and not marker.exists()
 
 

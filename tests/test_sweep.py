@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from epo_cli.analysis.sweep_summary import RunResult, SweepOptions, aggregate, mean_std, run_result, summarize
+from epo_cli.analysis.sweep_summary import RunResult, SweepSummaryConfig, aggregate, mean_std, run_result, summarize
 
 from conftest import SmallConfig, run_epo
 
@@ -87,7 +87,7 @@ def test_summarize_an_interrupted_sweep(tmp_path: Path) -> None:
     _job(tmp_path, "0-seed-0", ["seed=0"], {"status": "finished"}, [{"step": 1, "eval/success": 1.0}])
     _job(tmp_path, "1-seed-1", ["seed=1"], {"status": "running"}, [{"step": 1, "eval/success": 0.0}])
     _job(tmp_path, "2-seed-2", ["seed=2"], None, [])
-    (group,) = summarize(tmp_path, SweepOptions())
+    (group,) = summarize(tmp_path, SweepSummaryConfig())
     assert (group.runs, group.finished, group.success_mean) == (3, 1, 1.0)
     with open(tmp_path / "runs.csv") as f:
         statuses = [row["status"] for row in csv.DictReader(f)]

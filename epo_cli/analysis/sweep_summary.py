@@ -39,7 +39,7 @@ SUCCESS_KEYS = ("eval/success", "rollout/success")
 
 
 @dataclass
-class SweepOptions:
+class SweepSummaryConfig:
     name: str = "sweep"
     metric: str = "eval/success"
     direction: str = "maximize"
@@ -51,10 +51,11 @@ class SweepOptions:
         return -math.inf if self.direction == "maximize" else math.inf
 
 
-def split_sweep_options(args: list[str], base: SweepOptions | None = None) -> tuple[SweepOptions, list[str]]:
+def split_sweep_options(args: list[str],
+                        base: SweepSummaryConfig | None = None) -> tuple[SweepSummaryConfig, list[str]]:
     """Take the sweep.* arguments out of `args` (they configure the sweep, not the runs)."""
-    opts, rest = base or SweepOptions(), []
-    valid = list(SweepOptions.__dataclass_fields__)
+    opts, rest = base or SweepSummaryConfig(), []
+    valid = list(SweepSummaryConfig.__dataclass_fields__)
     for arg in args:
         key, _, value = arg.partition("=")
         if not key.startswith("sweep."):
@@ -162,25 +163,25 @@ def read_json_file(path: Path, what: str) -> dict[str, Any] | None:
     return data
 
 
-def saved_options(sweep_dir: Path) -> SweepOptions:
+def saved_options(sweep_dir: Path) -> SweepSummaryConfig:
     """The options a sweep was started with (sweep.json), checked like the command line's; the defaults
     (with a warning) when the file is missing or damaged."""
     path = Path(sweep_dir) / "sweep.json"
     if not path.exists():
-        return SweepOptions()
+        return SweepSummaryConfig()
     data = read_json_file(path, "its sweep options are taken as the defaults")
     options = data.get("options") if data is not None else None
     if data is not None and not isinstance(options, dict):
         warnings.warn(f"'{path}' holds no `options` object; its sweep options are taken as the defaults.",
                       stacklevel=2)
     if not isinstance(options, dict):
-        return SweepOptions()
-    args = [f"sweep.{k}={v}" for k, v in options.items() if k in SweepOptions.__dataclass_fields__]
+        return SweepSummaryConfig()
+    args = [f"sweep.{k}={v}" for k, v in options.items() if k in SweepSummaryConfig.__dataclass_fields__]
     try:
         return split_sweep_options(args)[0]
     except ConfigError as err:
         warnings.warn(f"'{path}': {err}; its sweep options are taken as the defaults.", stacklevel=2)
-        return SweepOptions()
+        return SweepSummaryConfig()
 
 
 def job_number(path: Path) -> int | None:
@@ -211,7 +212,7 @@ def is_run_dir(path: Path) -> bool:
     return path.is_dir() and any((path / f).exists() for f in markers)
 
 
-def collect_runs(sweep_dir: Path, options: SweepOptions) -> list[RunResult]:
+def collect_runs(sweep_dir: Path, options: SweepSummaryConfig) -> list[RunResult]:
     """Every job folder of a sweep (finished, failed or interrupted), in job order."""
     runs = []
     for path in sorted((p for p in sweep_dir.iterdir() if is_run_dir(p)),
@@ -321,7 +322,7 @@ def _pm(mean: float, std: float) -> str:
     return f"{mean:.3g}" if math.isnan(std) else f"{mean:.3g} ± {std:.2g}"
 
 
-def display_columns(options: SweepOptions) -> list[tuple[str, Any]]:
+def display_columns(options: SweepSummaryConfig) -> list[tuple[str, Any]]:
     """(header, ConfigSummary -> text) of the printed and Markdown tables."""
     t = f"{options.threshold:g}"
     cols: list[tuple[str, Any]] = [
@@ -340,7 +341,7 @@ def display_columns(options: SweepOptions) -> list[tuple[str, Any]]:
 
 
 def write_summary(sweep_dir: Path, runs: list[RunResult], groups: list[ConfigSummary],
-                  options: SweepOptions) -> None:
+                  options: SweepSummaryConfig) -> None:
     with open(sweep_dir / "summary.csv", "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(SUMMARY_COLUMNS)
@@ -377,7 +378,7 @@ def write_summary(sweep_dir: Path, runs: list[RunResult], groups: list[ConfigSum
 
 
 def print_summary(sweep_dir: Path, runs: list[RunResult], groups: list[ConfigSummary],
-                  options: SweepOptions) -> None:
+                  options: SweepSummaryConfig) -> None:
     console = Console(highlight=False)
     if not console.is_terminal:  # logs and pipes: no need to squeeze the table into 80 columns
         console.width = max(console.width, 150)
@@ -402,7 +403,7 @@ def print_summary(sweep_dir: Path, runs: list[RunResult], groups: list[ConfigSum
     console.print(f"summary: {sweep_dir / 'summary.md'} (also summary.csv, runs.csv)")
 
 
-def summarize(sweep_dir: Path, options: SweepOptions | None = None) -> list[ConfigSummary]:
+def summarize(sweep_dir: Path, options: SweepSummaryConfig | None = None) -> list[ConfigSummary]:
     """Rebuild summary.csv / summary.md / runs.csv from the run folders (also of an interrupted sweep)."""
     sweep_dir = Path(sweep_dir)
     if not sweep_dir.is_dir():

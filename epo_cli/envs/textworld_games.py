@@ -64,7 +64,7 @@ class TextWorldConfig(EnvConfig):
 
 
 @dataclass(frozen=True)
-class _GenOptions:
+class _GenConfig:
     world_size: int
     nb_objects: int
     quest_length: int
@@ -91,14 +91,14 @@ class TextWorldSuite(EnvSuite):
 
     # -- games -----------------------------------------------------------------------------------------
 
-    def _generation(self, split: str) -> _GenOptions:
+    def _generation(self, split: str) -> _GenConfig:
         cfg = self.cfg
         quest_length = cfg.quest_length * (2 if split == "eval_out_of_distribution" else 1)
         count = cfg.num_games if split == "train" else cfg.num_eval_games
         first_seed = cfg.seed + _SEED_OFFSET[split]
-        return _GenOptions(cfg.world_size, cfg.nb_objects, quest_length, count, first_seed)
+        return _GenConfig(cfg.world_size, cfg.nb_objects, quest_length, count, first_seed)
 
-    def _cache_folder(self, options: _GenOptions) -> Path:
+    def _cache_folder(self, options: _GenConfig) -> Path:
         from importlib.metadata import version
 
         base = Path(self.cfg.cache_dir or "~/.cache/epo/textworld").expanduser()

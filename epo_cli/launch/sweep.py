@@ -55,7 +55,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
-from epo_cli.analysis.sweep_summary import SweepOptions, is_run_dir, last_value, split_sweep_options, summarize
+from epo_cli.analysis.sweep_summary import SweepSummaryConfig, is_run_dir, last_value, split_sweep_options, summarize
 from epo_cli.compose import compose, hydra_overrides, validate
 from epo_cli.config import GROUPS, config_dir, group_options
 from epo_cli.errors import ConfigError, UserError
@@ -87,7 +87,7 @@ OmegaConf.register_new_resolver("epo_slug", _slug, replace=True)
 class SweepJob:
     """Hydra's task function: trains one job's overrides in a subprocess; never raises for a failed run."""
 
-    options: SweepOptions
+    options: SweepSummaryConfig
     python: str = field(default_factory=lambda: sys.executable)
 
     def __call__(self, cfg: Any) -> float:
@@ -270,7 +270,7 @@ def new_sweep_dir(output_dir: str, name: str) -> Path:
     return Path(output_dir).resolve() / "sweeps" / day / f"{clock}-{name}"
 
 
-def hydra_argv(overrides: list[str], parsed: list[Any], sweep_dir: Path, options: SweepOptions) -> list[str]:
+def hydra_argv(overrides: list[str], parsed: list[Any], sweep_dir: Path, options: SweepSummaryConfig) -> list[str]:
     """Hydra's command line for this sweep: the user's overrides plus where and how jobs are named."""
     keys = {o.key_or_group for o in parsed}
     fixed = sorted({o.key_or_group for o in parsed

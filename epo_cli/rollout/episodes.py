@@ -26,7 +26,7 @@ import torch
 from epo_cli.envs.base import Task
 from epo_cli.rollout.actions import parse_action
 from epo_cli.rollout.batch import TurnBatch
-from epo_cli.rollout.generation import SamplingParams, generate
+from epo_cli.rollout.generation import SamplingConfig, generate
 from epo_cli.rollout.prompts import EpisodeMemory, PromptBuilder, format_response
 from epo_cli.seeding import derive_seed
 
@@ -44,7 +44,7 @@ class ModelPolicy:
 
     model: torch.nn.Module
     tokenizer: Any
-    params: SamplingParams
+    params: SamplingConfig
     vocab_limit: int | None = None
     batch_size: int = 0  # 0 = all prompts at once
     shared_prefill: bool = True  # prefill each distinct prompt once (a GRPO group's first turn)
@@ -130,7 +130,7 @@ def episode_slots(tasks: list[Task], ids: list[int]) -> list[EpisodeSlot]:
 
 
 @dataclass(frozen=True)
-class PlaySettings:
+class PlayConfig:
     """How episodes are played: prompts, decoding, turn limit, sampling seeds, scheduling."""
 
     builder: PromptBuilder
@@ -146,7 +146,7 @@ class PlaySettings:
 
 
 def run_episodes(policy: Policy, pool: Any, slots: list[EpisodeSlot],
-                 settings: PlaySettings) -> tuple[list[Episode], RolloutStats]:
+                 settings: PlayConfig) -> tuple[list[Episode], RolloutStats]:
     """Play every slot's task with `policy` until all episodes end or reach settings.max_turns.
 
     overlap=False: lock-step turns (generate for every live env, then step them all).
@@ -177,7 +177,7 @@ def run_episodes(policy: Policy, pool: Any, slots: list[EpisodeSlot],
 class _Play:
     """The state of a batch of episodes being played: each slot's memory, observation and info."""
 
-    def __init__(self, policy: Policy, pool: Any, slots: list[EpisodeSlot], settings: PlaySettings,
+    def __init__(self, policy: Policy, pool: Any, slots: list[EpisodeSlot], settings: PlayConfig,
                  stats: RolloutStats, wait_reset: bool = True) -> None:
         self.policy, self.pool, self.builder, self.tokenizer = policy, pool, settings.builder, settings.tokenizer
         self.max_turns, self.seed, self.step, self.stats = settings.max_turns, settings.seed, settings.step, stats

@@ -23,7 +23,7 @@ from epo_cli.errors import UserError
 
 
 @dataclass
-class SamplingParams:
+class SamplingConfig:
     max_new_tokens: int = 64
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
@@ -67,7 +67,7 @@ def _refuse_nonfinite(ok: torch.Tensor) -> None:
                         "checkpoint or another model.")
 
 
-def sample_next(logits: torch.Tensor, params: SamplingParams,
+def sample_next(logits: torch.Tensor, params: SamplingConfig,
                 generators: list[torch.Generator] | None) -> torch.Tensor:
     """One token per row from logits [B, V] (float32) -> [B] long."""
     if params.temperature <= 0:
@@ -94,7 +94,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams,
 def generate(
     model: nn.Module,
     prompts: list[list[int]],
-    params: SamplingParams,
+    params: SamplingConfig,
     tokenizer,
     seeds: list[int] | None = None,
     vocab_limit: int | None = None,

@@ -27,7 +27,7 @@ from epo_cli.rollout.batch import TurnBatch
 from epo_cli.rollout.episodes import (
     Episode,
     EpisodeSlot,
-    PlaySettings,
+    PlayConfig,
     Policy,
     RolloutStats,
     episodes_to_batch,
@@ -103,7 +103,7 @@ class GroupSampler:
         slots = [EpisodeSlot(tasks[g], traj_id=(first + g) * algo.group_size + k, group_id=first + g)
                  for g in mine for k in range(algo.group_size)]
         # play them: one sample per turn
-        settings = PlaySettings(self.builder, self.tokenizer, self.curriculum.max_turns(step, total), seed=self.seed,
+        settings = PlayConfig(self.builder, self.tokenizer, self.curriculum.max_turns(step, total), seed=self.seed,
                                 step=step, overlap=self.overlap)
         episodes, stats = run_episodes(policy, self.pool, slots, settings)
         batch = episodes_to_batch(episodes, algo.reward_scale, algo.invalid_action_penalty,

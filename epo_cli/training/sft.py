@@ -21,7 +21,7 @@ from epo_cli.envs.base import EnvSuite
 from epo_cli.errors import UserError
 from epo_cli.rollout.batch import TurnBatch
 from epo_cli.rollout.demos import episodes_to_records, read_jsonl, records_to_batch, write_jsonl
-from epo_cli.rollout.episodes import ExpertPolicy, PlaySettings, episode_slots, run_episodes
+from epo_cli.rollout.episodes import ExpertPolicy, PlayConfig, episode_slots, run_episodes
 from epo_cli.rollout.prompts import PromptBuilder
 from epo_cli.seeding import derive_seed
 from epo_cli.training.update import PolicyUpdate, UpdateResult
@@ -36,7 +36,7 @@ def demonstrations(cfg: Any, suite: EnvSuite, pool: Any, builder: PromptBuilder,
         return records_to_batch(read_jsonl(algo.demos), builder, tokenizer)
     rng = random.Random(derive_seed(cfg.seed, "demos"))
     tasks = suite.sample_tasks(cfg.env.train_split, algo.demo_episodes, rng, level=algo.demo_level)
-    settings = PlaySettings(builder, tokenizer, cfg.env.max_turns)
+    settings = PlayConfig(builder, tokenizer, cfg.env.max_turns)
     episodes, _ = run_episodes(ExpertPolicy(tokenizer), pool, episode_slots(tasks, list(range(len(tasks)))),
                                settings)
     solved = [ep for ep in episodes if ep.won]

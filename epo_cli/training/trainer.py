@@ -234,9 +234,7 @@ class Trainer:
         self.curriculum.observe(step, level_results(reduced))
 
         # 8. metrics (all ranks; epo_cli/training/step_metrics.py says what each is)
-        metrics.update(rollout_metrics(reduced))
-        metrics.update(self.curriculum.metrics())
-        metrics.update(rollout.metrics)
+        metrics.update(rollout_metrics(reduced) | self.curriculum.metrics() | rollout.metrics)
         metrics.update(batch_metrics(batch, len(on_policy), subgoal_coef, max_turns))
         metrics.update(perf_metrics(rollout.stats, reduced, score_s, update_s, update.learning_rate))
         alert, self.state.collapse_signals = self.collapse.alert(metrics, step + 1, self.state.collapse_signals)
@@ -288,9 +286,6 @@ class Trainer:
         policy = self.models.sampling_policy(self.cfg.rollout, self.cfg.rollout.eval_temperature)
         return self.evaluation.all_splits(policy, done_steps, self.run / "samples" if self.dist.is_main else None)
 
-    def _state_payload(self) -> dict[str, Any]:
-        return {"trainer": self.state.__dict__, **self.entropy.state_dict(), "curriculum": self.curriculum.state_dict()}
-
     def _load(self, ckpt: Path) -> None:
         payload = checkpoint.load(ckpt, self.models.engine, self.models.critic_engine, self.dist.rank)
         with refusing_damaged(ckpt):  # a part's state of the wrong shape: one message, not a traceback
@@ -307,10 +302,11 @@ class Trainer:
                 self.state.best_value, self.state.best_step, is_best = metrics[best_key], done_steps, True
         every = trainer.save_every
         due = done_steps == total or (every > 0 and done_steps % every == 0) or self._should_stop(done_steps)
-        if due or is_best:
-            checkpoint.save(self.run, done_steps, self.models.engine, self.models.critic_engine,
-                            self._state_payload(), self.dist.rank, keep=trainer.keep_checkpoints,
-                            best_step=self.state.best_step)
+        if due or is_best:  # what a resume restores besides model and optimizer: the parts' states
+            payload = {"trainer": self.state.__dict__, **self.entropy.state_dict(),
+                       "curriculum": self.curriculum.state_dict()}
+            checkpoint.save(self.run, done_steps, self.models.engine, self.models.critic_engine, payload,
+                            self.dist.rank, keep=trainer.keep_checkpoints, best_step=self.state.best_step)
 
     def _after_step(self, done_steps: int, total: int, metrics: dict[str, float]) -> bool:
         """Evaluate, log and checkpoint a finished step; True when this process should stop now."""
