@@ -22,8 +22,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from epo_cli.envs.household import HouseholdConfig, HouseholdSuite
 from epo_cli.envs.pool import EnvPool
-from epo_cli.rollout.episodes import EpisodeSlot, ModelPolicy, PlaySettings, run_episodes
-from epo_cli.rollout.generation import SamplingParams
+from epo_cli.rollout.episodes import EpisodeSlot, ModelPolicy, PlayConfig, run_episodes
+from epo_cli.rollout.generation import SamplingConfig
 from epo_cli.rollout.prompts import PromptBuilder, chat_encoder
 
 
@@ -47,8 +47,8 @@ def main() -> None:
     suite = HouseholdSuite(HouseholdConfig(level=args.level))
     tasks = suite.sample_tasks(args.split, args.groups, random.Random(args.seed))
     slots = [EpisodeSlot(tasks[g], g * args.n + k, g) for g in range(args.groups) for k in range(args.n)]
-    policy = ModelPolicy(model, tok, SamplingParams(64, args.temperature, 1.0, 0, "</action>"), len(tok))
-    settings = PlaySettings(PromptBuilder(args.template, 2, 1024, chat_encoder(tok)), tok, args.turns, seed=args.seed)
+    policy = ModelPolicy(model, tok, SamplingConfig(64, args.temperature, 1.0, 0, "</action>"), len(tok))
+    settings = PlayConfig(PromptBuilder(args.template, 2, 1024, chat_encoder(tok)), tok, args.turns, seed=args.seed)
     start = time.perf_counter()
     with torch.no_grad():
         episodes, _ = run_episodes(policy, EnvPool(suite, num_workers=0), slots, settings)
