@@ -70,9 +70,12 @@ def test_bench_rollout_iteration_quick(tmp_path: Path, epo_cache: Path) -> None:
 def test_bench_diagnostics_quick(tmp_path: Path, epo_cache: Path) -> None:
     """--quick: one iteration each with the diagnostics off, at their defaults and with MI every iteration."""
     out = tmp_path / "figures.json"
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench" / "bench_diagnostics.py"), "--quick",
-                           "--iterations", "1", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    scratch, env = script_temp_dir(tmp_path)
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_diagnostics.py"), "--quick",
+                           "--iterations", "1", "--json", str(out)], capture_output=True, text=True, timeout=300,
+                          env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert not [p for p in scratch.iterdir() if not p.name.startswith("torchinductor_")]  # the script cleans up
     assert "bench_diagnostics" in proc.stdout
     rows = json.loads(out.read_text())
     assert list(rows) == ["off", "defaults", "mi"]

@@ -13,8 +13,10 @@ seconds (this process, one torch thread) against clip's.
 from __future__ import annotations
 
 import argparse
+import atexit
 import copy
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -49,6 +51,7 @@ def main() -> None:
                  *([f"model.path={args.model}"] if args.model else []), *args.overrides]
     cfg = compose(overrides)
     run = Path(tempfile.mkdtemp(prefix="bench_cov_selection_"))
+    atexit.register(shutil.rmtree, run, True)  # a scratch run folder: nothing left in the temp directory
     cfg.run_dir = str(run)
     trainer = Trainer(cfg, run)
     batch = trainer.sampler.sample(trainer.models.sampling_policy(cfg.rollout), 0, cfg.trainer.total_steps).batch

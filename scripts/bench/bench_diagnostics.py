@@ -22,8 +22,10 @@ Defaults: experiment=epo_household (GRPO + EPO, 4 tasks x 8 rollouts, 15 turns) 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -59,6 +61,7 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     for name, extra in VARIANTS.items():
         cfg = compose([*overrides(args), *extra, *args.overrides])
         folder = Path(tempfile.mkdtemp(prefix=f"bench_diagnostics_{name}_"))
+        atexit.register(shutil.rmtree, folder, True)  # scratch run folders: nothing left in the temp directory
         cfg.run_dir = str(folder)
         trainers[name] = Trainer(cfg, folder)
     sums = {name: dict.fromkeys(KEYS, 0.0) for name in VARIANTS}
