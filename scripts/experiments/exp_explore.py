@@ -43,7 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from exp_common import rows_of
+from exp_common import check_arms, rows_of, study_parser
 from exp_entropy import mean_curve, reference
 from omegaconf import OmegaConf
 
@@ -311,21 +311,16 @@ def plot(runs: list[dict], arms: list[str], path: Path) -> None:
     axes[1].set_xlabel("iteration")
     axes[0].set_title("mean over seeds, band = min-max over seeds", fontsize=10)
     axes[0].legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    fig.savefig(path, dpi=80, bbox_inches="tight")
     plt.close(fig)
 
 
 # ----------------------------------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("outputs/exp_explore"))
-    p.add_argument("--warm-start", required=True, help="run dir of the warm start (holding final/), e.g. the demo's")
-    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
-    p.add_argument("--seeds", default="0,1,2")
+    p = study_parser(__doc__, "outputs/exp_explore", ARMS, "run dir of the warm start (holding final/), required",
+                     "runs at the same time")
     p.add_argument("--iterations", type=int, default=40, help="RL iterations per run")
-    p.add_argument("--jobs", type=int, default=1, help="runs at the same time")
     p.add_argument("--warm-success", type=float, help="the warm start's success W (default: mean iteration-1 success)")
     p.add_argument("--quick", action="store_true",
                    help=f"smoke test: arms {QUICK_ARMS}, the first seed, 2 tiny iterations; its numbers mean nothing")
@@ -334,15 +329,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.quick:
         a.arms, a.seeds, a.iterations = QUICK_ARMS, a.seeds.split(",")[0], 2
         a.overrides = [*QUICK_OVERRIDES, *a.overrides]
-    unknown = [k for k in a.arms.split(",") if k not in ARMS]
-    if unknown:
-        p.error(f"unknown arm(s) {', '.join(unknown)}; choose from {', '.join(ARMS)}")
+    check_arms(p, a.arms, ARMS)
     try:
         a.seed_list = [int(s) for s in a.seeds.split(",")]
     except ValueError:
         p.error(f"--seeds takes comma-separated integers, got {a.seeds!r}")
     if a.iterations < 1:
         p.error(f"--iterations must be >= 1, got {a.iterations}")
+    if a.warm_start is None:
+        p.error("--warm-start is required: the run dir of an `epo train experiment=warm_start` (holding final/)")
     if not (Path(a.warm_start) / "final").is_dir():
         p.error(f"--warm-start {a.warm_start} holds no final/ policy; give the run dir of an "
                 "`epo train experiment=warm_start`")
@@ -351,10 +346,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
-    start = time.perf_counter()
-    out = a.out.resolve()
+    out, warm = a.out.resolve(), Path(a.warm_start).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    warm = Path(a.warm_start).resolve()
+    start = time.perf_counter()
     arms = a.arms.split(",")
     jobs = [(key, seed) for seed in a.seed_list for key in arms]  # seed-major: every arm gets seed 0 first
     with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:  # each run is its own subprocess
