@@ -106,6 +106,7 @@ def test_arms_compose_to_what_they_name() -> None:
     (["--arms", "grpo,nope"], "unknown arm(s) nope"),
     (["--seeds", "0,x"], "comma-separated integers"),
     (["--iterations", "0"], "--iterations must be >= 1"),
+    (["--episodes", "-1"], "--episodes must be >= 0"),
 ])
 def test_bad_arguments_are_named(argv: list[str], message: str, tmp_path: Path,
                                  capsys: pytest.CaptureFixture) -> None:
@@ -131,14 +132,15 @@ def test_quick_mode_writes_a_summary_and_reruns_nothing(tmp_path: Path, warm_sta
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["arms"]) == {"grpo", "epo"} and summary["iterations"] == 2
+    assert 0.0 <= summary["warm_eval_success"] <= 1.0 and summary["eval_episodes"] == 4
     for arm in summary["arms"].values():
-        assert arm["runs"] == 1 and arm["seeds"] == [0]
+        assert arm["runs"] == 1 and arm["seeds"] == [0] and 0.0 <= arm["eval_success"] <= 1.0
         assert 0.0 <= arm["final_success"] <= 1.0 and arm["diversity_early"] > 0
         assert arm["success_collapses"] >= 0 and arm["entropy_events"] == 0  # 2 iterations cannot hold 5 out of band
     assert [len(r["success"]) for r in summary["runs"]] == [2, 2]
     assert any(c["claim"].startswith("early diversity, EPO") for c in summary["claims"])
     md = (out / "summary.md").read_text()
-    assert "| GRPO | 1 |" in md and "Definitions" in md and "claimed" in md
+    assert "| GRPO | 1 |" in md and "| warm start |" in md and "Definitions" in md and "claimed" in md
     assert (out / "explore.png").stat().st_size > 5000
     again = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert again.returncode == 0 and "$ epo train" not in again.stdout  # finished runs are reused

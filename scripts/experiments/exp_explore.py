@@ -9,12 +9,15 @@ Every run is `epo train experiment=search_household model.path=<RUN>/final seed=
 its arm's overrides (ARMS), in OUT/runs/<arm>/it<N>-seed<S>/ (train log next to it). `--jobs J` runs J of
 these at once. A run with a final policy is never rerun; an unfinished one is deleted and started again,
 so an interrupted study continues where it stopped, and seeds or arms can be added by later invocations.
-No separate evaluation: every figure comes from the runs' metrics.jsonl (training rollouts, T=1.0).
+Then every final policy, and the warm start, plays the same `--episodes` fixed tasks (eval_in_distribution
+of the runs' level and turn limit, drawn with seed 0, T=1.0: the demo's evaluation); `--episodes 0` skips
+that. Every other figure comes from the runs' metrics.jsonl (training rollouts, T=1.0).
 
 Written: OUT/summary.md (tables and the definitions below), OUT/summary.json, OUT/explore.png (training
 success and policy entropy per iteration: mean over seeds with a min-max band per arm).
 
 Definitions (k = iteration, 1-based; success_k = rollout/success of the iteration's training rollouts):
+- eval success: success rate of the final policy on the fixed eval tasks (mean ± std over seeds).
 - final success: mean of success_k over the last 5 iterations (mean ± std over seeds).
 - warm start value W: `--warm-success`, or the mean of success_1 over every run of the study (iteration 1
   samples from the warm start itself, before any update). "to W + 0.2": the first k whose 3-iteration
@@ -43,7 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from exp_common import check_arms, rows_of, study_parser
+from exp_common import check_arms, eval_rate, rows_of, study_parser
 from exp_entropy import mean_curve, reference
 from omegaconf import OmegaConf
 
@@ -194,6 +197,13 @@ def train(key: str, seed: int, a: argparse.Namespace, out: Path, warm: Path) -> 
     print(f"done: {key} seed {seed} ({time.perf_counter() - t0:.0f} s)", flush=True)
 
 
+def evaluate(run: Path, target: Path, episodes: int, env: tuple[str, int], out: Path) -> float:
+    """Eval success of run's final policy on `episodes` fixed tasks of env = (level, turn limit), drawn with
+    seed 0 for every policy (kept under target and reused)."""
+    level, max_turns = env
+    return eval_rate(run, target, episodes, False, out, ("seed=0", f"env.level={level}", f"env.max_turns={max_turns}"))
+
+
 def collect(out: Path, arms: list[str], iterations: int) -> list[dict]:
     """Every finished run of these arms at this many iterations (also seeds of earlier invocations)."""
     runs = []
@@ -216,7 +226,10 @@ def collect(out: Path, arms: list[str], iterations: int) -> list[dict]:
 def arm_summary(rs: list[dict], threshold: float) -> dict:
     reached = [iterations_to(r["success"], threshold) for r in rs]
     hit = [k for k in reached if k is not None]
+    evals = [r["eval_success"] for r in rs if "eval_success" in r]
     return {"runs": len(rs), "seeds": [r["seed"] for r in rs],
+            "eval_success": statistics.fmean(evals) if evals else None,
+            "eval_success_std": statistics.stdev(evals) if len(evals) > 1 else 0.0 if evals else None,
             **{k: statistics.fmean(r[k] for r in rs) for k in
                ("final_success", "swing_mean", "swing_max", "diversity_early", "diversity_late", "diversity_drop",
                 "diversity_drop_after_12", "success_step_change", "out_of_band_share")},
@@ -266,14 +279,18 @@ def fmt(x: float | None, spec: str = ".3f") -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
-def tables(summary: dict[str, dict], threshold: float) -> str:
-    head = (f"| arm | seeds | training success, last {LAST} | to W + {GAIN} = {threshold:.3f} (seeds reaching; mean "
+def tables(summary: dict[str, dict], threshold: float, warm_eval: float | None) -> str:
+    head = (f"| arm | seeds | eval success | training success, last {LAST} "
+            f"| to W + {GAIN} = {threshold:.3f} (seeds reaching; mean "
             "iteration) | entropy swing mean / max "
             "| diversity early / late (drop) | out of band | success collapses | entropy events |")
-    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|",
+             f"| warm start | | {fmt(warm_eval)} | | | | | | | |"]
     for key, s in summary.items():
         to = f"{s['reached']}/{s['runs']}" + (f"; {s['iterations_to_gain']:.1f}" if s["iterations_to_gain"] else "")
-        lines.append(f"| {ARMS[key].label} | {s['runs']} | {s['final_success']:.3f} ± {s['final_success_std']:.3f} "
+        evals = "-" if s["eval_success"] is None else f"{s['eval_success']:.3f} ± {s['eval_success_std']:.3f}"
+        lines.append(f"| {ARMS[key].label} | {s['runs']} | {evals} "
+                     f"| {s['final_success']:.3f} ± {s['final_success_std']:.3f} "
                      f"| {to} | {fmt(s['swing_mean'], '.2f')} / {fmt(s['swing_max_max'], '.2f')} "
                      f"| {fmt(s['diversity_early'])} / {fmt(s['diversity_late'])} "
                      f"({fmt(s['diversity_drop'], '.0%')} drop) "
@@ -321,19 +338,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = study_parser(__doc__, "outputs/exp_explore", ARMS, "run dir of the warm start (holding final/), required",
                      "runs at the same time")
     p.add_argument("--iterations", type=int, default=40, help="RL iterations per run")
+    p.add_argument("--episodes", type=int, default=64, help="fixed eval tasks per policy (0: no evaluation)")
     p.add_argument("--warm-success", type=float, help="the warm start's success W (default: mean iteration-1 success)")
     p.add_argument("--quick", action="store_true",
                    help=f"smoke test: arms {QUICK_ARMS}, the first seed, 2 tiny iterations; its numbers mean nothing")
     p.add_argument("overrides", nargs="*", help="extra overrides for every run")
     a = p.parse_args(argv)
     if a.quick:
-        a.arms, a.seeds, a.iterations = QUICK_ARMS, a.seeds.split(",")[0], 2
+        a.arms, a.seeds, a.iterations, a.episodes = QUICK_ARMS, a.seeds.split(",")[0], 2, 4
         a.overrides = [*QUICK_OVERRIDES, *a.overrides]
     check_arms(p, a.arms, ARMS)
     try:
         a.seed_list = [int(s) for s in a.seeds.split(",")]
     except ValueError:
         p.error(f"--seeds takes comma-separated integers, got {a.seeds!r}")
+    if a.episodes < 0:
+        p.error(f"--episodes must be >= 0, got {a.episodes}")
     if a.iterations < 1:
         p.error(f"--iterations must be >= 1, got {a.iterations}")
     if a.warm_start is None:
@@ -355,6 +375,17 @@ def main(argv: list[str] | None = None) -> None:
         list(pool.map(lambda job: train(*job, a, out, warm), jobs))
 
     runs = collect(out, arms, a.iterations)
+    warm_eval = None
+    if a.episodes and runs:
+        # the warm start's own config names its SFT level: it plays the runs' level and turn limit instead
+        config = OmegaConf.load(Path(runs[0]["run"]) / "config.yaml")
+        env = (str(config.env.level), int(config.env.max_turns))
+        with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
+            targets = [(warm, out / "eval" / "warm_start"), *((Path(r["run"]), Path(r["run"]) / "eval_explore")
+                                                              for r in runs)]
+            warm_eval, *rates = pool.map(lambda t: evaluate(*t, a.episodes, env, out), targets)
+        for r, rate in zip(runs, rates):
+            r["eval_success"] = rate
     warm_success = a.warm_success if a.warm_success is not None else statistics.fmean(r["first_success"] for r in runs)
     threshold = warm_success + GAIN
     summary = {key: arm_summary([r for r in runs if r["arm"] == key], threshold)
@@ -364,15 +395,17 @@ def main(argv: list[str] | None = None) -> None:
     wall = time.perf_counter() - start
     w_from = "given" if a.warm_success is not None else "mean iteration-1 training success over all runs"
     settings = (f"`{EXPERIMENT}` from `{warm}/final`, {a.iterations} iterations, seeds {a.seeds}, overrides "
-                f"{a.overrides or 'none'}. All figures from the runs' training rollouts (metrics.jsonl), no separate "
-                f"evaluation. W (warm start) = {warm_success:.3f} ({w_from}). Wall time of this invocation: "
-                f"{wall / 60:.1f} min.")
+                f"{a.overrides or 'none'}. Eval: {a.episodes or 'no'} fixed tasks per policy (seed 0, T=1.0); every "
+                f"other figure from the runs' training rollouts (metrics.jsonl). W (warm start) = {warm_success:.3f} "
+                f"({w_from}). Wall time of this invocation: {wall / 60:.1f} min.")
     definitions = __doc__.split("Definitions", 1)[1].split("\n", 1)[1].strip()
-    md = (f"{settings}\n\n{tables(summary, threshold)}\n\nThe literature's claims and this run's figures:\n\n"
-          f"{claims_table(claim_rows)}\n\nDefinitions:\n\n{definitions}\n\n![success and entropy](explore.png)\n")
+    md = (f"{settings}\n\n{tables(summary, threshold, warm_eval)}\n\n"
+          f"The literature's claims and this run's figures:\n\n{claims_table(claim_rows)}\n\n"
+          f"Definitions:\n\n{definitions}\n\n![success and entropy](explore.png)\n")
     (out / "summary.md").write_text(md)
     (out / "summary.json").write_text(json.dumps(
-        {"settings": settings, "warm_success": warm_success, "threshold": threshold, "iterations": a.iterations,
+        {"settings": settings, "warm_success": warm_success, "warm_eval_success": warm_eval,
+         "eval_episodes": a.episodes, "threshold": threshold, "iterations": a.iterations,
          "arms": {k: {"label": ARMS[k].label, "overrides": list(ARMS[k].overrides), **s} for k, s in summary.items()},
          "claims": claim_rows, "runs": runs, "wall_s": wall}, indent=1))
     print(md)
