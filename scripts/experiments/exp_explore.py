@@ -204,12 +204,12 @@ def evaluate(run: Path, target: Path, episodes: int, env: tuple[str, int], out: 
     return eval_rate(run, target, episodes, False, out, ("seed=0", f"env.level={level}", f"env.max_turns={max_turns}"))
 
 
-def collect(out: Path, arms: list[str], iterations: int) -> list[dict]:
-    """Every finished run of these arms at this many iterations (also seeds of earlier invocations)."""
+def collect(out: Path, arms: list[str], iterations: int, seeds: list[int]) -> list[dict]:
+    """Every finished run of these arms and seeds at this many iterations (also of earlier invocations)."""
     runs = []
     for key in arms:
-        for folder in sorted((out / "runs" / key).glob(f"it{iterations}-seed*")):
-            run = finished(folder)
+        for seed in seeds:
+            run = finished(run_dir(out, key, iterations, seed))
             if run is None:
                 continue
             config = OmegaConf.load(run / "config.yaml")
@@ -283,7 +283,7 @@ def tables(summary: dict[str, dict], threshold: float, warm_eval: float | None) 
     head = (f"| arm | seeds | eval success | training success, last {LAST} "
             f"| to W + {GAIN} = {threshold:.3f} (seeds reaching; mean "
             "iteration) | entropy swing mean / max "
-            "| diversity early / late (drop) | out of band | success collapses | entropy events |")
+            "| diversity early / late (change) | out of band | success collapses | entropy events |")
     lines = [head, "|---|---|---|---|---|---|---|---|---|---|",
              f"| warm start | | {fmt(warm_eval)} | | | | | | | |"]
     for key, s in summary.items():
@@ -293,7 +293,7 @@ def tables(summary: dict[str, dict], threshold: float, warm_eval: float | None) 
                      f"| {s['final_success']:.3f} ± {s['final_success_std']:.3f} "
                      f"| {to} | {fmt(s['swing_mean'], '.2f')} / {fmt(s['swing_max_max'], '.2f')} "
                      f"| {fmt(s['diversity_early'])} / {fmt(s['diversity_late'])} "
-                     f"({fmt(s['diversity_drop'], '.0%')} drop) "
+                     f"({fmt(-s['diversity_drop'], '+.0%')}) "
                      f"| {fmt(s['out_of_band_share'], '.0%')} | {s['success_collapses']} | {s['entropy_events']} |")
     return "\n".join(lines)
 
@@ -374,7 +374,7 @@ def main(argv: list[str] | None = None) -> None:
     with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:  # each run is its own subprocess
         list(pool.map(lambda job: train(*job, a, out, warm), jobs))
 
-    runs = collect(out, arms, a.iterations)
+    runs = collect(out, arms, a.iterations, a.seed_list)
     warm_eval = None
     if a.episodes and runs:
         # the warm start's own config names its SFT level: it plays the runs' level and turn limit instead
