@@ -1,11 +1,13 @@
-"""Helpers the experiment scripts share (exp_algos.py, exp_entropy.py): running the CLI, evaluating a
-policy on fixed tasks, reading a run's metrics, the entropy-fluctuation statistics and table cells.
+"""Helpers the experiment scripts share (exp_algos.py, exp_entropy.py, exp_explore.py): running the CLI, evaluating
+a policy on fixed tasks, reading a run's metrics, the entropy-fluctuation statistics and table cells, and the
+command-line options of a multi-arm x multi-seed study.
 
 The scripts import it as a sibling module (`python scripts/experiments/exp_*.py` puts scripts/experiments/ on sys.path).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -69,3 +71,21 @@ def mean_std(xs: list[float]) -> str:
     if not xs:
         return "-"
     return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
+
+
+def study_parser(doc: str, out: str, arms: dict, warm_start_help: str, jobs_help: str) -> argparse.ArgumentParser:
+    """The options every multi-arm x multi-seed study takes: --out, --warm-start, --arms, --seeds, --jobs."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path(out))
+    p.add_argument("--warm-start", help=warm_start_help)
+    p.add_argument("--arms", default=",".join(arms), help=f"comma-separated, of {', '.join(arms)}")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--jobs", type=int, default=1, help=jobs_help)
+    return p
+
+
+def check_arms(p: argparse.ArgumentParser, chosen: str, arms: dict) -> None:
+    """Exit with one message naming every unknown arm and the valid ones."""
+    unknown = [k for k in chosen.split(",") if k not in arms]
+    if unknown:
+        p.error(f"unknown arm(s) {', '.join(unknown)}; choose from {', '.join(arms)}")

@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from exp_common import epo, eval_rate, fluctuation, mean_std, rows_of, warm_start_run
+from exp_common import check_arms, epo, eval_rate, fluctuation, mean_std, rows_of, study_parser, warm_start_run
 from omegaconf import OmegaConf
 
 EPO_TERMS = "algo.loss_terms=[policy_clip,kl,entropy,entropy_smoothing]"  # the preset's loss_terms lack it
@@ -198,13 +198,9 @@ def plot(runs: list[dict], arms: list[str], path: Path) -> None:
 # ----------------------------------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("outputs/exp_entropy"))
-    p.add_argument("--warm-start", help="run dir of an existing warm start (default: train one)")
-    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
-    p.add_argument("--seeds", default="0,1,2")
+    p = study_parser(__doc__, "outputs/exp_entropy", ARMS, "run dir of an existing warm start (default: train one)",
+                     "arms whose sweeps run at the same time")
     p.add_argument("--steps", type=int, default=60, help="GRPO iterations per run")
-    p.add_argument("--jobs", type=int, default=1, help="arms whose sweeps run at the same time")
     p.add_argument("--episodes", type=int, default=64, help="fixed eval tasks per policy")
     p.add_argument("--eval-seed", type=int, default=0, help="seed that draws the eval tasks for every policy")
     p.add_argument("--no-greedy", dest="greedy", action="store_false", help="skip the greedy evaluation")
@@ -215,9 +211,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.quick:
         a.arms, a.seeds, a.steps, a.episodes = "grpo_bonus,epo_bind", a.seeds.split(",")[0], 2, 4
         a.overrides = ["algo.tasks_per_step=2", "algo.group_size=2", "env.max_turns=4", *a.overrides]
-    unknown = [k for k in a.arms.split(",") if k not in ARMS]
-    if unknown:
-        p.error(f"unknown arm(s) {', '.join(unknown)}; choose from {', '.join(ARMS)}")
+    check_arms(p, a.arms, ARMS)
     return a
 
 
