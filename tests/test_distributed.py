@@ -186,13 +186,18 @@ def _launch_harness(root: Path, runs: dict[str, list[str]], ranks: int, warm: Pa
             "runs": {name: [*args, *RL_ARGS, f"model.path={warm / 'final'}"] for name, args in runs.items()}}
     root.mkdir(parents=True, exist_ok=True)
     (root / "spec.json").write_text(json.dumps(spec))
-    if ranks == 1:  # a plain process: a world of one (init_distributed sets it up)
-        cmd = [sys.executable, __file__, str(root / "spec.json")]
-    else:
-        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks),
-               "--master_port", str(free_port()), "--no_local_rank", "--log_level", "warning",
-               __file__, str(root / "spec.json")]
-    proc = subprocess.run(cmd, cwd=root, env=_env(), capture_output=True, text=True, timeout=900)
+    for _attempt in range(3):
+        if ranks == 1:  # a plain process: a world of one (init_distributed sets it up)
+            cmd = [sys.executable, __file__, str(root / "spec.json")]
+        else:
+            cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks),
+                   "--master_port", str(free_port()), "--no_local_rank", "--log_level", "warning",
+                   __file__, str(root / "spec.json")]
+        proc = subprocess.run(cmd, cwd=root, env=_env(), capture_output=True, text=True, timeout=900)
+        # the port was free when chosen, and another test process (the other xdist worker) bound it before the
+        # ranks started: it fails in the first init, before anything is written, so start again on a new port
+        if proc.returncode == 0 or "EADDRINUSE" not in proc.stdout + proc.stderr:
+            break
     if proc.returncode != 0:
         raise AssertionError(f"harness with {ranks} rank(s) failed ({proc.returncode})\n"
                              f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
