@@ -527,7 +527,7 @@ def _switches(cfg: DictConfig) -> list[tuple[tuple[str, ...], bool, str]]:
     no_rollouts = f"algo={algo.name} plays no rollouts to reward"
     in_process = "env.num_workers=0 steps the envs in the training process, so no worker runs meanwhile"
     return [
-        (("algo.demos", "algo.demo_episodes", "algo.demo_level"), is_sft(algo),
+        (("algo.demos", "algo.demo_episodes", "algo.demo_level", "algo.demo_slip"), is_sft(algo),
          f"algo={algo.name} does not behaviour-clone"),
         (("algo.dynamic_sampling_max_rounds", "algo.group_filter"), algo.dynamic_sampling,
          "algo.dynamic_sampling=false"),

@@ -342,6 +342,9 @@ class AlgoConfig:
     demos: str = "expert"
     demo_episodes: int = num(200, ge=1)
     demo_level: str | None = None
+    #: chance per turn that the demonstrator takes another admissible command than the expert's (keeping the
+    #: expert's thought): a noisy teacher, whose clone RL can improve on (docs/learning.md)
+    demo_slip: float = num(0.0, ge=0, lt=1)
     # term settings
     policy_clip: PolicyClipConfig = field(default_factory=PolicyClipConfig)
     value: ValueConfig = field(default_factory=ValueConfig)

@@ -2,11 +2,10 @@
 
     python scripts/demo.py [--out outputs/demo] [--quick]
 
-The regime (docs/learning.md): the warm start imitates the expert in small rooms (tiny_open_pick_place, 2-4
-receptacles); RL then trains it on bigger rooms it never saw (small_open_pick_place, 5-8 receptacles and
-more distractors, 15 turns), where it solves about 30% of the tasks at T=1.0 and derails after its first
-failed action. The table says, for each arm, whether it reached the warm start + 0.2: on this machine's
-budget (20 iterations) it usually does not, and the table says so.
+The regime (docs/learning.md): the warm start clones a noisy teacher (the expert on the easiest household
+level, tiny_open_pick_place, whose hand slips on 40% of the turns); the clone mixes up names and thoughts,
+compounds its mistakes, and solves about 20% of the level at T=1.0 in 15 turns. RL then trains it on the
+same level, from its own mistakes. The table says, for each arm, whether it reached the warm start + 0.2.
 
 1. warm start   epo train experiment=WARM_PRESET                        (behaviour cloning, tiny model)
 2. RL, 2 arms   epo train experiment=RL_PRESET algo=grpo|epo model.path=<1>/final
@@ -41,8 +40,8 @@ from epo_cli.run_dir import read_yaml_data
 console = Console(highlight=False)
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
-WARM_PRESET = "warm_start"
-RL_PRESET = "search_household"
+WARM_PRESET = "noisy_warm_start"
+RL_PRESET = "improve_on_teacher"
 #: what --quick changes (a pipeline check, not a result)
 QUICK_WARM = ["trainer.total_steps=4", "algo.demo_episodes=4", "env.eval_splits=[]"]
 QUICK_RL = ["trainer.total_steps=2", "algo.tasks_per_step=2", "algo.group_size=2", "env.max_turns=3",

@@ -19,10 +19,17 @@ SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "demo.py"
 
 @pytest.mark.parametrize("algo", ["grpo", "epo"])
 def test_the_demo_preset_composes_for_both_arms_without_warnings(algo: str, recwarn: pytest.WarningsRecorder) -> None:
-    cfg, _ = compose_for_train(["experiment=search_household", f"algo={algo}", "model.path=/some/warm/final"])
-    assert (cfg.env.level, cfg.env.max_turns, cfg.trainer.total_steps) == ("small_open_pick_place", 15, 20)
+    cfg, _ = compose_for_train(["experiment=improve_on_teacher", f"algo={algo}", "model.path=/some/warm/final"])
+    assert (cfg.env.level, cfg.env.max_turns, cfg.trainer.total_steps) == ("tiny_open_pick_place", 15, 30)
     assert (cfg.algo.name, cfg.algo.tasks_per_step, cfg.algo.group_size, cfg.algo.lr) == (algo, 4, 8, 5e-4)
     assert cfg.model.name == "tiny"
+    assert not [str(w.message) for w in recwarn if "no effect" in str(w.message)]
+
+
+def test_the_demo_warm_start_clones_a_slipping_teacher(recwarn: pytest.WarningsRecorder) -> None:
+    cfg, _ = compose_for_train(["experiment=noisy_warm_start"])
+    assert (cfg.algo.name, cfg.algo.demo_slip, cfg.env.level, cfg.trainer.total_steps) == \
+        ("sft", 0.4, "tiny_open_pick_place", 1600)
     assert not [str(w.message) for w in recwarn if "no effect" in str(w.message)]
 
 
@@ -34,7 +41,7 @@ def test_quick_demo_runs_every_step_and_says_whether_each_arm_reached_the_target
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["level"] == "small_open_pick_place"  # the RL preset's level, not the warm start's
+    assert summary["level"] == "tiny_open_pick_place"  # the RL preset's level
     assert set(summary["success"]) == {"warm start", "GRPO", "EPO"}
     # the verdict is the arithmetic on the measured rates, not a constant
     warm = summary["success"]["warm start"]["rate"]

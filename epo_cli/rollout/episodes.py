@@ -16,6 +16,7 @@ curriculum subgoal rewards, kept apart so that success is always the true task s
 
 from __future__ import annotations
 
+import random
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -66,12 +67,25 @@ class ModelPolicy:
 
 @dataclass
 class ExpertPolicy:
-    """The environment's expert (info["expert_action"]), written in the response format."""
+    """The environment's expert (info["expert_action"]), written in the response format.
+
+    `slip` > 0 makes it a demonstrator whose hand slips: with that chance per turn (seeded per row, like
+    model sampling) it keeps the expert's thought but takes another admissible command, chosen uniformly
+    (never `help`); the expert answers from any state, so later turns recover from the slip."""
 
     tokenizer: Any
+    slip: float = 0.0
 
     def act(self, prompts: list[list[int]], infos: list[dict[str, Any]], seeds: list[int]) -> list[list[int]]:
-        texts = [format_response(i.get("expert_thought") or "", i.get("expert_action") or "look") for i in infos]
+        texts = []
+        for info, seed in zip(infos, seeds):
+            action = info.get("expert_action") or "look"
+            if self.slip > 0:
+                rng = random.Random(seed)
+                others = [c for c in info.get("admissible_commands") or [] if c not in (action, "help")]
+                if others and rng.random() < self.slip:
+                    action = rng.choice(others)
+            texts.append(format_response(info.get("expert_thought") or "", action))
         return [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
 
 

@@ -30,15 +30,16 @@ from epo_cli.training.update import PolicyUpdate, UpdateResult
 def demonstrations(cfg: Any, suite: EnvSuite, pool: Any, builder: PromptBuilder, tokenizer: Any,
                    save_to: Path | None, log: Callable[[str], None]) -> TurnBatch:
     """The turn samples to clone: algo.demos=expert plays algo.demo_episodes episodes with the env's expert
-    (the solved ones are kept, and written to `save_to` as JSONL), else algo.demos names a JSONL file."""
+    (slipping with chance algo.demo_slip per turn; the solved episodes are kept, slips included, and written
+    to `save_to` as JSONL), else algo.demos names a JSONL file."""
     algo = cfg.algo
     if algo.demos != "expert":
         return records_to_batch(read_jsonl(algo.demos), builder, tokenizer)
     rng = random.Random(derive_seed(cfg.seed, "demos"))
     tasks = suite.sample_tasks(cfg.env.train_split, algo.demo_episodes, rng, level=algo.demo_level)
-    settings = PlayConfig(builder, tokenizer, cfg.env.max_turns)
-    episodes, _ = run_episodes(ExpertPolicy(tokenizer), pool, episode_slots(tasks, list(range(len(tasks)))),
-                               settings)
+    settings = PlayConfig(builder, tokenizer, cfg.env.max_turns, seed=derive_seed(cfg.seed, "demo_slips"))
+    episodes, _ = run_episodes(ExpertPolicy(tokenizer, slip=algo.demo_slip), pool,
+                               episode_slots(tasks, list(range(len(tasks)))), settings)
     solved = [ep for ep in episodes if ep.won]
     records = episodes_to_records(solved)
     if save_to is not None:

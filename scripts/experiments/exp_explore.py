@@ -2,11 +2,13 @@
 warm start, and does EPO's corridor prevent collapses there?
 
     python scripts/experiments/exp_explore.py --warm-start RUN [--out outputs/exp_explore] [--arms grpo,epo,...]
-                                  [--seeds 0,1,2] [--iterations 40] [--jobs 2] [--warm-success X] [OVERRIDES...]
+                                  [--seeds 0,1,2] [--iterations 40] [--jobs 2] [--warm-success X]
+                                  [--experiment improve_on_teacher] [OVERRIDES...]
     python scripts/experiments/exp_explore.py --quick --warm-start RUN --out /tmp/exp_explore_quick   # smoke test
 
-Every run is `epo train experiment=search_household model.path=<RUN>/final seed=S trainer.total_steps=N` plus
-its arm's overrides (ARMS), in OUT/runs/<arm>/it<N>-seed<S>/ (train log next to it). `--jobs J` runs J of
+Every run is `epo train experiment=E model.path=<RUN>/final seed=S trainer.total_steps=N` plus its arm's
+overrides (ARMS; E: --experiment, the demo's RL preset by default; RUN: an `experiment=noisy_warm_start`
+run), in OUT/runs/<arm>/it<N>-seed<S>/ (train log next to it). `--jobs J` runs J of
 these at once. A run with a final policy is never rerun; an unfinished one is deleted and started again,
 so an interrupted study continues where it stopped, and seeds or arms can be added by later invocations.
 Then every final policy, and the warm start, plays the same `--episodes` fixed tasks (eval_in_distribution
@@ -50,13 +52,13 @@ from exp_common import check_arms, eval_rate, rows_of, study_parser
 from exp_entropy import mean_curve, reference
 from omegaconf import OmegaConf
 
-EXPERIMENT = "experiment=search_household"
+EXPERIMENT = "improve_on_teacher"  # the RL preset of `make demo`
 
 
 @dataclass(frozen=True)
 class Arm:
     label: str
-    overrides: tuple[str, ...]  # on top of experiment=search_household
+    overrides: tuple[str, ...]  # on top of the RL preset
 
 
 ARMS = {
@@ -185,7 +187,7 @@ def train(key: str, seed: int, a: argparse.Namespace, out: Path, warm: Path) -> 
     if folder.exists():  # interrupted: its half-written run would be mistaken for a result
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
-    args = ["train", EXPERIMENT, *ARMS[key].overrides, f"model.path={warm / 'final'}", f"seed={seed}",
+    args = ["train", f"experiment={a.experiment}", *ARMS[key].overrides, f"model.path={warm / 'final'}", f"seed={seed}",
             f"trainer.total_steps={a.iterations}", "logger=none", f"output_dir={folder}", *a.overrides]
     print(f"$ epo {' '.join(args)}", flush=True)
     t0 = time.perf_counter()
@@ -338,6 +340,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = study_parser(__doc__, "outputs/exp_explore", ARMS, "run dir of the warm start (holding final/), required",
                      "runs at the same time")
     p.add_argument("--iterations", type=int, default=40, help="RL iterations per run")
+    p.add_argument("--experiment", default=EXPERIMENT, help="the RL preset every arm starts from")
     p.add_argument("--episodes", type=int, default=64, help="fixed eval tasks per policy (0: no evaluation)")
     p.add_argument("--warm-success", type=float, help="the warm start's success W (default: mean iteration-1 success)")
     p.add_argument("--quick", action="store_true",
@@ -357,10 +360,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.iterations < 1:
         p.error(f"--iterations must be >= 1, got {a.iterations}")
     if a.warm_start is None:
-        p.error("--warm-start is required: the run dir of an `epo train experiment=warm_start` (holding final/)")
+        p.error("--warm-start is required: the run dir of an `epo train experiment=noisy_warm_start` (holding final/)")
     if not (Path(a.warm_start) / "final").is_dir():
         p.error(f"--warm-start {a.warm_start} holds no final/ policy; give the run dir of an "
-                "`epo train experiment=warm_start`")
+                "`epo train experiment=noisy_warm_start`")
     return a
 
 
@@ -394,10 +397,10 @@ def main(argv: list[str] | None = None) -> None:
     plot(runs, arms, out / "explore.png")
     wall = time.perf_counter() - start
     w_from = "given" if a.warm_success is not None else "mean iteration-1 training success over all runs"
-    settings = (f"`{EXPERIMENT}` from `{warm}/final`, {a.iterations} iterations, seeds {a.seeds}, overrides "
-                f"{a.overrides or 'none'}. Eval: {a.episodes or 'no'} fixed tasks per policy (seed 0, T=1.0); every "
-                f"other figure from the runs' training rollouts (metrics.jsonl). W (warm start) = {warm_success:.3f} "
-                f"({w_from}). Wall time of this invocation: {wall / 60:.1f} min.")
+    settings = (f"`experiment={a.experiment}` from `{warm}/final`, {a.iterations} iterations, seeds {a.seeds}, "
+                f"overrides {a.overrides or 'none'}. Eval: {a.episodes or 'no'} fixed tasks per policy (seed 0, "
+                f"T=1.0); every other figure from the runs' training rollouts (metrics.jsonl). W (warm start) = "
+                f"{warm_success:.3f} ({w_from}). Wall time of this invocation: {wall / 60:.1f} min.")
     definitions = __doc__.split("Definitions", 1)[1].split("\n", 1)[1].strip()
     md = (f"{settings}\n\n{tables(summary, threshold, warm_eval)}\n\n"
           f"The literature's claims and this run's figures:\n\n{claims_table(claim_rows)}\n\n"
