@@ -15,8 +15,11 @@ failure handling, resume) is exercised through the real CLI by the killed-rank /
     CLI, 2 ranks    grpo ZeRO-3 whose rank 1 dies while saving step 2; then `trainer.resume=<run>`
                     grpo ZeRO-2 stopped by SIGTERM after its first step(s), then resumed: the uninterrupted
                     run's metrics; and stopped by two SIGTERMs: it leaves at once, no rank left behind
+                    the first free master port picked is held (by the test): the ranks start again on another;
+                    a held launcher.master_port: one message naming it
     CLI, no ranks   batch/world-size checks, SLURM submission (a stand-in `sbatch` records the script)
-    in-process      the multi-node deepspeed command from a hostfile; the failure message's choice of cause
+    in-process      the multi-node deepspeed command from a hostfile; the failure message's choice of cause;
+                    torch's error for a held port is recognised, and the port-taken messages
 """
 
 from __future__ import annotations
@@ -180,13 +183,14 @@ def _env() -> dict[str, str]:
 
 
 def _launch_harness(root: Path, runs: dict[str, list[str]], ranks: int, warm: Path) -> dict[str, Any]:
-    from epo_cli.training.engine import free_port
+    from epo_cli.launch.deepspeed import PORT_ATTEMPTS, port_taken
+    from epo_cli.training.deepspeed_config import free_port
 
     spec = {"root": str(root), "facts": str(root / "facts.json"),
             "runs": {name: [*args, *RL_ARGS, f"model.path={warm / 'final'}"] for name, args in runs.items()}}
     root.mkdir(parents=True, exist_ok=True)
     (root / "spec.json").write_text(json.dumps(spec))
-    for _attempt in range(3):
+    for _attempt in range(PORT_ATTEMPTS):
         if ranks == 1:  # a plain process: a world of one (init_distributed sets it up)
             cmd = [sys.executable, __file__, str(root / "spec.json")]
         else:
@@ -194,9 +198,10 @@ def _launch_harness(root: Path, runs: dict[str, list[str]], ranks: int, warm: Pa
                    "--master_port", str(free_port()), "--no_local_rank", "--log_level", "warning",
                    __file__, str(root / "spec.json")]
         proc = subprocess.run(cmd, cwd=root, env=_env(), capture_output=True, text=True, timeout=900)
-        # the port was free when chosen, and another test process (the other xdist worker) bound it before the
-        # ranks started: it fails in the first init, before anything is written, so start again on a new port
-        if proc.returncode == 0 or "EADDRINUSE" not in proc.stdout + proc.stderr:
+        # the harness starts its ranks itself (its own script, not epo_cli.launch.rank), so it does what
+        # `epo train launcher=deepspeed` does when another process took the free port it picked before rank 0
+        # listened on it: that fails in the first init, before anything is written; start again on a new port
+        if proc.returncode == 0 or not port_taken(proc.stdout + proc.stderr):
             break
     if proc.returncode != 0:
         raise AssertionError(f"harness with {ranks} rank(s) failed ({proc.returncode})\n"
@@ -420,6 +425,113 @@ def test_a_second_sigterm_leaves_at_once_and_leaves_no_rank(warm_start: Path, tm
     while _processes_naming(str(run.resolve())) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert _processes_naming(str(run.resolve())) == [], "a rank outlived the second signal"
+
+
+# ---- the CLI: the master port was taken -------------------------------------------------------------------
+
+#: one short iteration of 2 CPU ranks from the tiny model's random weights: the run only has to get going
+PORT_RUN = ["train", "launcher=deepspeed", "launcher.num_procs=2", "algo=grpo", "trainer.total_steps=1",
+            "deepspeed=zero2", *[a for a in RL_ARGS if not a.startswith("env.max_turns=")], "env.max_turns=2",
+            "rollout.max_new_tokens=8"]
+
+
+def _held_port() -> Any:
+    """A listening socket on a free port: another process's server, as far as rank 0 can tell."""
+    import socket
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    return held
+
+
+def test_a_picked_port_taken_before_rank_0_listens_starts_the_ranks_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, epo_cache: Path) -> None:
+    """launcher.master_port=0 picks a port that is free now; rank 0 listens on it seconds later. Here the first
+    port picked is held by this test (as another process would take it in between): rank 0 cannot listen, the
+    launcher ends that attempt and starts the ranks again on a new free port, and the run completes."""
+    import epo_cli.launch.deepspeed as launcher
+    from epo_cli.training.deepspeed_config import free_port
+
+    from conftest import run_epo
+
+    run = tmp_path / "run"
+    picked: list[int] = []
+    with _held_port() as held:
+        taken = held.getsockname()[1]
+
+        def first_one_taken() -> int:
+            picked.append(free_port() if picked else taken)
+            return picked[-1]
+
+        monkeypatch.setattr(launcher, "free_port", first_one_taken)
+        proc = run_epo([*PORT_RUN, f"run_dir={run}"], cwd=tmp_path)
+    assert picked[0] == taken and len(picked) == 2 and picked[1] != taken, picked
+    assert proc.stderr.count("was taken by another process") == 1, proc.stderr[-3000:]
+    assert f"the master port {taken} was taken" in proc.stderr and "(attempt 2 of 3)" in proc.stderr
+    assert json.loads((run / "status.json").read_text())["status"] == "finished"
+    assert [m["step"] for m in _metrics(run)] == [1]
+    assert not list((run / "ranks").glob("*.error"))  # the first attempt's record went with it
+
+
+def test_a_taken_master_port_given_by_the_user_is_one_message(tmp_path: Path, epo_cache: Path) -> None:
+    """launcher.master_port is the user's: not replaced; one message naming it, exit 1, no traceback."""
+    from conftest import run_cli
+
+    run = tmp_path / "run"
+    with _held_port() as held:
+        port = held.getsockname()[1]
+        proc = run_cli([*PORT_RUN, f"launcher.master_port={port}", f"run_dir={run}"], cwd=tmp_path, expect=1,
+                       timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith(f"error: launcher.master_port={port} is taken"), proc.stderr
+    assert "Traceback" not in proc.stderr and "starting the ranks again" not in proc.stderr, proc.stderr
+    status = json.loads((run / "status.json").read_text())
+    assert status["status"] == "failed" and f"launcher.master_port={port}" in status["error"]
+
+
+def test_the_port_taken_error_and_message(tmp_path: Path) -> None:
+    """torch's own error for a port another process holds is recognised (its wording is what the launcher
+    relies on); the message names launcher.master_port whichever way the port was chosen, and only a port
+    picked free on one node is replaced by another."""
+    import datetime
+
+    import torch.distributed as torch_dist
+
+    from epo_cli.compose import compose
+    from epo_cli.launch.deepspeed import port_picked_here, port_taken_message
+    from epo_cli.launch.layout import layout_for
+    from epo_cli.launch.rank import describe_failure, master_port_taken
+
+    with _held_port() as held:
+        port = held.getsockname()[1]
+        with pytest.raises(RuntimeError) as caught:  # torch.distributed.DistNetworkError
+            torch_dist.TCPStore("127.0.0.1", port, 1, True, timeout=datetime.timedelta(seconds=5))
+    assert master_port_taken(caught.value), caught.value
+    os.environ["MASTER_PORT"] = str(port)
+    try:
+        assert describe_failure(caught.value, 600.0).startswith(f"could not listen on the master port {port}")
+    finally:
+        del os.environ["MASTER_PORT"]
+    assert not master_port_taken(RuntimeError("Connection reset by peer"))
+
+    def setting(*overrides: str) -> tuple[Any, Any]:
+        cfg = compose(["algo=grpo", "launcher=deepspeed", *overrides])
+        return cfg, layout_for(cfg)
+
+    picked = setting("launcher.num_procs=2")
+    assert port_picked_here(*picked)
+    message = port_taken_message(*picked, [41001, 41002, 41003])
+    assert "3 times" in message and "41001, 41002, 41003" in message and "launcher.master_port=" in message
+    given = setting("launcher.num_procs=2", "launcher.master_port=41000")
+    assert not port_picked_here(*given)
+    assert port_taken_message(*given, [41000]).startswith("launcher.master_port=41000 is taken")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("node-1 slots=8\nnode-2 slots=8\n")
+    multi = setting("launcher.num_gpus=8", "launcher.num_nodes=2", f"launcher.hostfile={hosts}")
+    assert not port_picked_here(*multi)
+    message = port_taken_message(*multi, [29500])
+    assert "29500" in message and "launcher.master_port=" in message and "first node" in message
 
 
 # ---- the CLI without ranks: checks and SLURM submission ------------------------------------------------

@@ -200,19 +200,23 @@ def test_group_filter_settings_that_have_no_effect_warn():
         compose(["algo=grpo", "algo.group_filter=top_variance", "algo.group_filter_keep=0.25"])
 
 
+def dynamic_sampling_run(warm_start: Path, out: Path, steps: int, *extra: str) -> list[dict]:
+    """`epo train` with dynamic sampling (2 groups x 4 rollouts per round, at most 2 extra rounds) from the warm
+    start for `steps` iterations, in a fresh folder `out`; its metrics rows."""
+    out.mkdir()
+    run_epo(["train", "algo=grpo", f"model.path={warm_start / 'final'}", f"trainer.total_steps={steps}",
+             *SmallConfig().run("algo.tasks_per_step=2", "algo.group_size=4", "algo.mini_batch_size=512",
+                                "trainer.eval_every=0"), "algo.dynamic_sampling=true",
+             "algo.dynamic_sampling_max_rounds=2", *extra,
+             f"output_dir={out}", f"name={out.name}"], cwd=out)
+    return [json.loads(line) for line in (only_run_dir(out) / "metrics.jsonl").read_text().splitlines()]
+
+
 @pytest.mark.slow
 def test_dynamic_sampling_two_iterations(warm_start: Path, tmp_path: Path) -> None:
     # subgoal rewards off and no invalid penalty: a group has signal only when some but not all of its
     # rollouts win, so zero-variance groups are common for this policy on 8 turns
-    out = tmp_path / "ds"
-    out.mkdir()
-    run_epo(["train", "algo=grpo", f"model.path={warm_start / 'final'}", "trainer.total_steps=2",
-             *SmallConfig().run("algo.tasks_per_step=2", "algo.group_size=4", "algo.mini_batch_size=512",
-                                "trainer.eval_every=0"), "algo.dynamic_sampling=true",
-             "algo.dynamic_sampling_max_rounds=2",
-             f"output_dir={out}", "name=ds"], cwd=out)
-    run = only_run_dir(out)
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = dynamic_sampling_run(warm_start, tmp_path / "ds", 2)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         rounds, dropped = r["rollout/sampling_rounds"], r["rollout/groups_dropped"]
@@ -235,14 +239,7 @@ def test_dynamic_sampling_two_iterations(warm_start: Path, tmp_path: Path) -> No
 def test_top_variance_filter_refills_to_a_full_batch(warm_start: Path, tmp_path: Path) -> None:
     # 2 groups per round, keep 0.5: each round passes exactly one group (the higher return variance), so
     # the batch of 2 groups needs exactly one extra round, and the two groups that did not pass are dropped
-    out = tmp_path / "tv"
-    out.mkdir()
-    run_epo(["train", "algo=grpo", f"model.path={warm_start / 'final'}", "trainer.total_steps=1",
-             *SmallConfig().run("algo.tasks_per_step=2", "algo.group_size=4", "algo.mini_batch_size=512",
-                                "trainer.eval_every=0"), "algo.dynamic_sampling=true",
-             "algo.dynamic_sampling_max_rounds=2", "algo.group_filter=top_variance",
-             f"output_dir={out}", "name=tv"], cwd=out)
-    (row,) = [json.loads(line) for line in (only_run_dir(out) / "metrics.jsonl").read_text().splitlines()]
+    (row,) = dynamic_sampling_run(warm_start, tmp_path / "tv", 1, "algo.group_filter=top_variance")
     assert row["rollout/sampling_rounds"] == 1.0 and row["rollout/groups_dropped"] == 2.0, row
     assert row["rollout/groups_topped_up"] == 0.0
     assert abs(row["rollout/success"] * 16 - round(row["rollout/success"] * 16)) < 1e-6  # 2 rounds x 8 episodes

@@ -10,6 +10,12 @@ the run directory and its config.yaml are written, and the ranks start
 `python -m epo_cli.launch.rank --run-dir RUN`. Every rank reads that config.yaml. When the job fails, this
 process prints why (from the ranks' records in <run>/ranks/) and where the last complete checkpoint is, and
 exits non-zero. SLURM jobs start in epo_cli.launch.slurm.
+
+On a single node the master port is one that is free when this process picks it, and rank 0 listens on it
+seconds later: another process can take it in between. Rank 0 then records that the port was taken (before
+anything is trained or written), and the ranks start again on a new free port, PORT_ATTEMPTS times at most.
+A port the user chose (launcher.master_port), or the fixed one of a multi-node job, is not changed: that
+failure is one message naming launcher.master_port.
 """
 
 from __future__ import annotations
@@ -35,6 +41,26 @@ from epo_cli.training.stop import STOP, Interrupted, exit_code, signal_name, wri
 
 #: launcher.master_port=0 picks a free port on a single node; multi-node jobs need a fixed one
 DEFAULT_MASTER_PORT = 29500
+#: how many times the ranks start, each on a new free port, when another process took the one picked
+PORT_ATTEMPTS = 3
+
+
+def port_taken(text: str) -> bool:
+    """Whether a rank's error (or its output) says that rank 0 could not listen on the master port because
+    another process holds it: torch's TCPStore names the errno."""
+    return "EADDRINUSE" in text
+
+
+def master_port(cfg: DictConfig, layout: Layout) -> int:
+    """launcher.master_port; unset (0), the multi-node default, or on one node a port that is free now."""
+    lc = cfg.launcher
+    return int(lc.master_port) or (DEFAULT_MASTER_PORT if layout.num_nodes > 1 or lc.hostfile else free_port())
+
+
+def port_picked_here(cfg: DictConfig, layout: Layout) -> bool:
+    """The master port is a free one this process picked (not the user's, nor the multi-node default), so a
+    port taken before rank 0 listened on it can be replaced by another."""
+    return not cfg.launcher.master_port and layout.num_nodes == 1 and not cfg.launcher.hostfile
 
 
 def rank_environment(layout: Layout, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -51,11 +77,11 @@ def rank_environment(layout: Layout, base: dict[str, str] | None = None) -> dict
     return env
 
 
-def deepspeed_command(cfg: DictConfig, run: Path, layout: Layout) -> list[str]:
-    """`python -m deepspeed.launcher.runner ... --module epo_cli.launch.rank --run-dir RUN` (= `deepspeed`)."""
+def deepspeed_command(cfg: DictConfig, run: Path, layout: Layout, port: int | None = None) -> list[str]:
+    """`python -m deepspeed.launcher.runner ... --module epo_cli.launch.rank --run-dir RUN` (= `deepspeed`),
+    its master port `port` (default: `master_port`)."""
     lc = cfg.launcher
-    multi_node = layout.num_nodes > 1
-    port = lc.master_port or (DEFAULT_MASTER_PORT if multi_node or lc.hostfile else free_port())
+    port = master_port(cfg, layout) if port is None else port
     cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.runner",
            "--num_nodes", str(layout.num_nodes), "--num_gpus", str(layout.ranks_per_node),
            "--master_port", str(port), "--no_local_rank", "--log_level", "warning"]
@@ -75,13 +101,27 @@ def launch_ranks(cfg: DictConfig, overrides: list[str]) -> None:
     check_world(cfg, layout)
     check_resume(cfg, layout)  # before prepare_run_dir rewrites the run's config.yaml
     run = prepare_run_dir(cfg, overrides).resolve()
-    clear_rank_records(run)
-    write_status(run, "running")  # not an earlier attempt's `stopped`/`failed`, whatever happens next
-    cmd = deepspeed_command(cfg, run, layout)
     kind = f"{layout.ranks_per_node} GPU(s)" if layout.gpu else f"{layout.ranks_per_node} CPU rank(s) (gloo)"
     print(f"launching {layout.world_size} ranks: {layout.num_nodes} node(s) x {kind}, run directory {run}",
           file=sys.stderr, flush=True)
-    code = _run_ranks(cmd, layout, run)
+    checkpoint_before = latest_tag(run)  # a resumed run's; a newer one means the ranks got past start-up
+    ports: list[int] = []
+    while True:
+        clear_rank_records(run)
+        write_status(run, "running")  # not an earlier attempt's `stopped`/`failed`, whatever happens next
+        ports.append(master_port(cfg, layout))
+        code = _run_ranks(deepspeed_command(cfg, run, layout, ports[-1]), layout, run)
+        taken = code != 0 and master_port_was_taken(run) and latest_tag(run) == checkpoint_before
+        again = taken and port_picked_here(cfg, layout) and len(ports) < PORT_ATTEMPTS
+        if not again or STOP.signum is not None:  # a stop signal during the attempt is the user's answer
+            break
+        print(f"the master port {ports[-1]} was taken by another process before rank 0 listened on it (nothing "
+              f"had started): starting the ranks again on a new free port (attempt {len(ports) + 1} of "
+              f"{PORT_ATTEMPTS})", file=sys.stderr, flush=True)
+    if taken:
+        message = port_taken_message(cfg, layout, ports)
+        write_status(run, "failed", error=message, exit_code=1)  # what `epo train` exits with (the ranks: killed)
+        raise UserError(message)
     status = read_status(run)
     if status.get("status") == "stopped" and status.get("signal"):  # every rank stopped after one step
         signum = int(getattr(signal, str(status["signal"]), signal.SIGTERM))
@@ -116,6 +156,11 @@ def _run_ranks(cmd: list[str], layout: Layout, run: Path) -> int:
                 if STOP.signum is not None and not relayed:
                     write_relay(run, STOP.signum)
                     relayed = True
+                if master_port_was_taken(run):
+                    # nothing has started: end the other ranks now, not after the deepspeed launcher's
+                    # 30 s grace for a rank that is still waiting to connect to the master port
+                    kill_now(0)
+                    return proc.wait()
     except (KeyboardInterrupt, Interrupted) as err:
         kill_now(0)
         proc.wait()
@@ -137,6 +182,26 @@ def read_rank_records(run: Path) -> list[dict[str, Any]]:
         except (OSError, json.JSONDecodeError):
             continue
     return sorted(records, key=lambda r: r.get("time", 0.0))
+
+
+def master_port_was_taken(run: Path) -> bool:
+    """Whether rank 0 could not listen on the master port (its failure record says so: epo_cli.launch.rank)."""
+    return any(r.get("port_taken") for r in read_rank_records(run))
+
+
+def port_taken_message(cfg: DictConfig, layout: Layout, ports: list[int]) -> str:
+    """Why the ranks did not start when another process held the master port, and what to set."""
+    if port_picked_here(cfg, layout):  # PORT_ATTEMPTS free ports, each taken before rank 0 listened on it
+        return (f"The master port was taken by another process before rank 0 listened on it, {len(ports)} times "
+                f"(free ports picked: {', '.join(map(str, ports))}); nothing was trained. Set "
+                "launcher.master_port=<a port no other process uses> and run again.")
+    if cfg.launcher.master_port:
+        what = f"launcher.master_port={ports[-1]} is taken by another process"
+    else:
+        what = f"The master port {ports[-1]} (the multi-node default for launcher.master_port=0) is taken"
+    fix = " on the first node" if layout.num_nodes > 1 or cfg.launcher.hostfile else ", or 0 to have one picked"
+    return (f"{what}: rank 0 cannot listen on it; nothing was trained. Set launcher.master_port=<a port no other "
+            f"process uses>{fix}.")
 
 
 def failure_message(run: Path, code: int, world_size: int) -> str:

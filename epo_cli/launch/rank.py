@@ -10,7 +10,9 @@ calls `run_rank`. Either way all ranks read
 the same config.yaml, so they agree on what runs; rank 0 alone logs and writes the run's files.
 
 A rank that fails records why in <run>/ranks/rank<r>.error (JSON) before it exits non-zero: the launcher
-then stops the other ranks, and the process that started the job prints that record as the reason.
+then stops the other ranks, and the process that started the job prints that record as the reason. A rank 0
+that cannot listen on the master port (another process holds it) records that (`port_taken`) and prints
+nothing: `epo train` then starts the ranks again on a new port, or says which port to set.
 
 Test hook (documented because it is read here and nowhere else): EPO_TEST_KILL_RANK="<rank>:<step>" makes
 rank <rank> exit abruptly (os._exit(17), no error record, like a crash or an OOM kill) when it starts to
@@ -42,6 +44,7 @@ from epo_cli.analysis.run_summary import print_summary  # noqa: E402
 from epo_cli.checkpoint_paths import latest_tag  # noqa: E402
 from epo_cli.console import err_console, quiet_libraries  # noqa: E402
 from epo_cli.errors import UserError  # noqa: E402
+from epo_cli.launch.deepspeed import port_taken  # noqa: E402
 from epo_cli.run_dir import load_run_config, write_status  # noqa: E402
 from epo_cli.training import checkpoint  # noqa: E402
 from epo_cli.training.stop import STOP, Interrupted, exit_code, signal_name  # noqa: E402
@@ -67,11 +70,19 @@ def lost_peer(err: BaseException) -> bool:
                                    "connection refused"))
 
 
+def master_port_taken(err: BaseException) -> bool:
+    """Rank 0 could not listen on the master port: another process holds it (before anything started)."""
+    return port_taken(f"{type(err).__name__}: {err}")
+
+
 def describe_failure(err: BaseException, timeout_s: float | None) -> str:
     """One readable line for the console: why this rank stopped."""
     first = str(err).splitlines()[0] if str(err) else ""
     if isinstance(err, UserError):
         return str(err)
+    if master_port_taken(err):
+        return (f"could not listen on the master port {os.environ.get('MASTER_PORT', '?')}: another process holds "
+                f"it ({type(err).__name__}: EADDRINUSE)")
     if is_timeout(err):
         return (f"a collective operation waited longer than launcher.timeout_s={timeout_s:g}s for the other "
                 f"ranks: another rank is hung or has died ({type(err).__name__}: {first})")
@@ -93,6 +104,7 @@ def record_failure(run: Path, rank: int, err: BaseException, timeout_s: float | 
             # a consequence of another rank's failure, not a cause: the launcher reports the cause first
             "peer": is_timeout(err) or lost_peer(err),
             "user_error": isinstance(err, UserError),
+            "port_taken": master_port_taken(err),  # the launcher starts the ranks again on a new port
             "time": time.time(),
             "traceback": "".join(traceback.format_exception(type(err), err, err.__traceback__))[-8000:],
         }
@@ -154,6 +166,8 @@ def run_rank(run: Path, resume_latest: bool = False, command_line: dict[str, Any
         if isinstance(err, (KeyboardInterrupt, SystemExit)):
             raise
         record_failure(run, rank, err, timeout_s)
+        if master_port_taken(err):  # the process that started the ranks reports it, or starts them again
+            return 1
         if isinstance(err, UserError) or is_timeout(err) or lost_peer(err):  # one line; bugs keep a traceback
             message = escape(describe_failure(err, timeout_s))
             err_console.print(f"[bold red]error (rank {rank}):[/] {message}", soft_wrap=True)

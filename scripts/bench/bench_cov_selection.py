@@ -13,14 +13,12 @@ seconds (this process, one torch thread) against clip's.
 from __future__ import annotations
 
 import argparse
-import atexit
 import copy
 import os
-import shutil
 import statistics
-import tempfile
 import time
-from pathlib import Path
+
+from common import scratch_dir
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -50,8 +48,7 @@ def main() -> None:
                  "logger.console=false", "logger.tensorboard=false", "trainer.total_steps=100",
                  *([f"model.path={args.model}"] if args.model else []), *args.overrides]
     cfg = compose(overrides)
-    run = Path(tempfile.mkdtemp(prefix="bench_cov_selection_"))
-    atexit.register(shutil.rmtree, run, True)  # a scratch run folder: nothing left in the temp directory
+    run = scratch_dir("bench_cov_selection_")
     cfg.run_dir = str(run)
     trainer = Trainer(cfg, run)
     batch = trainer.sampler.sample(trainer.models.sampling_policy(cfg.rollout), 0, cfg.trainer.total_steps).batch

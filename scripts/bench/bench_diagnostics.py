@@ -22,13 +22,11 @@ Defaults: experiment=epo_household (GRPO + EPO, 4 tasks x 8 rollouts, 15 turns) 
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import os
-import shutil
-import tempfile
-import time
 from pathlib import Path
+
+from common import interleaved_iterations, scratch_dir
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -53,6 +51,12 @@ def overrides(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def print_iteration(it: int, name: str, metrics: dict[str, float]) -> None:
+    print(f"  iteration {it} {name}: {metrics['iteration_s']:.2f}s, diagnostics "
+          f"{metrics.get('perf/diagnostics_s', 0.0):.3f}s (MI {metrics.get('perf/mi_s', 0.0):.3f}s), "
+          f"{int(metrics['rollout/samples'])} samples", flush=True)
+
+
 def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     from epo_cli.compose import compose
     from epo_cli.training.trainer import Trainer
@@ -60,30 +64,14 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     trainers = {}
     for name, extra in VARIANTS.items():
         cfg = compose([*overrides(args), *extra, *args.overrides])
-        folder = Path(tempfile.mkdtemp(prefix=f"bench_diagnostics_{name}_"))
-        atexit.register(shutil.rmtree, folder, True)  # scratch run folders: nothing left in the temp directory
+        folder = scratch_dir(f"bench_diagnostics_{name}_")
         cfg.run_dir = str(folder)
         trainers[name] = Trainer(cfg, folder)
-    sums = {name: dict.fromkeys(KEYS, 0.0) for name in VARIANTS}
     try:
-        for it in range(args.iterations):
-            order = list(VARIANTS) if it % 2 == 0 else list(VARIANTS)[::-1]
-            for name in order:
-                trainer = trainers[name]
-                total = trainer.cfg.trainer.total_steps
-                t0 = time.perf_counter()
-                trainer.set_learning_rates(it, total)
-                metrics = trainer.rl_step(it, total)
-                metrics["iteration_s"] = time.perf_counter() - t0
-                for key in KEYS:
-                    sums[name][key] += metrics.get(key, 0.0) / args.iterations
-                print(f"  iteration {it} {name}: {metrics['iteration_s']:.2f}s, diagnostics "
-                      f"{metrics.get('perf/diagnostics_s', 0.0):.3f}s (MI {metrics.get('perf/mi_s', 0.0):.3f}s), "
-                      f"{int(metrics['rollout/samples'])} samples", flush=True)
+        return interleaved_iterations(trainers, args.iterations, KEYS, print_iteration)
     finally:
         for trainer in trainers.values():
             trainer.pool.close()
-    return sums
 
 
 def report(sums: dict[str, dict[str, float]]) -> None:

@@ -11,24 +11,15 @@ smoothing hinge against the history). Target: ratio <= 1.05.
 from __future__ import annotations
 
 import argparse
-import atexit
 import os
-import shutil
 import statistics
-import tempfile
 import time
-from pathlib import Path
+
+from common import scratch_dir
 
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-
-def scratch_dir(prefix: str) -> Path:
-    """A temporary folder removed when this script exits: a benchmark leaves nothing in the temp directory."""
-    path = Path(tempfile.mkdtemp(prefix=prefix))
-    atexit.register(shutil.rmtree, path, True)
-    return path
 
 
 def main() -> None:

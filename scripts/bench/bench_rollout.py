@@ -35,23 +35,15 @@ Targets: rollout overhead <= 1.10, update overhead <= 1.15.
 from __future__ import annotations
 
 import argparse
-import atexit
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
+
+from common import interleaved_iterations, scratch_dir
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-
-
-def scratch_dir(prefix: str) -> Path:
-    """A temporary folder removed when this script exits: a benchmark leaves nothing in the temp directory."""
-    path = Path(tempfile.mkdtemp(prefix=prefix))
-    atexit.register(shutil.rmtree, path, True)
-    return path
 
 
 class SleepyEnv:
@@ -312,7 +304,7 @@ def compare_iterations(env: str, args: argparse.Namespace) -> dict[str, dict]:
         raise SystemExit(f"unknown --variants {unknown}; valid: {', '.join(ITERATION_VARIANTS)}")
     probe_dir = scratch_dir(f"bench_iteration_probe_{env}_")
     trainers: dict[str, Trainer] = {}
-    played: dict[str, list] = {}
+    played: dict[str, list] = {name: [] for name in variants}  # per iteration
     env_steps: dict[str, int] = {}
     try:
         for name in variants:
@@ -330,8 +322,8 @@ def compare_iterations(env: str, args: argparse.Namespace) -> dict[str, dict]:
 
             def capture(policy, step: int, total: int, _sample=trainer.sampler.sample, _name: str = name):
                 rollout = _sample(policy, step, total)
-                played[_name] = [(ep.traj_id, [(t.response_ids, t.observation) for t in ep.turns])
-                                 for ep in rollout.episodes]
+                played[_name].append([(ep.traj_id, [(t.response_ids, t.observation) for t in ep.turns])
+                                      for ep in rollout.episodes])
                 env_steps[_name] = rollout.stats.env_steps
                 return rollout
 
@@ -343,27 +335,18 @@ def compare_iterations(env: str, args: argparse.Namespace) -> dict[str, dict]:
             trainer.pool.reset(trainer.suite.sample_tasks(trainer.cfg.env.train_split, n, random.Random(12345)))
         keys = ["iteration_s", "perf/rollout_s", "perf/generate_s", "perf/env_s", "perf/env_wait_s",
                 "perf/score_s", "perf/update_s", "perf/padding_efficiency", "perf/scoring_reused"]
-        sums = {name: dict.fromkeys(keys, 0.0) for name in variants}
-        same: dict[str, list[bool]] = {name: [] for name in variants}  # per iteration
-        for it in range(args.iterations):
-            order = variants if it % 2 == 0 else variants[::-1]
-            for name in order:
-                trainer = trainers[name]
-                total = trainer.cfg.trainer.total_steps
-                t0 = time.perf_counter()
-                trainer.set_learning_rates(it, total)
-                metrics = trainer.rl_step(it, total)
-                metrics["iteration_s"] = time.perf_counter() - t0
-                for key in keys:
-                    sums[name][key] += metrics.get(key, 0.0) / args.iterations
-                print(f"  {env} iteration {it} {name}: {metrics['iteration_s']:.2f}s = rollout "
-                      f"{metrics['perf/rollout_s']:.2f}s (generate {metrics['perf/generate_s']:.2f}s, env "
-                      f"{metrics['perf/env_s']:.2f}s) + score {metrics['perf/score_s']:.2f}s + update "
-                      f"{metrics['perf/update_s']:.2f}s; {env_steps[name]} env steps, "
-                      f"{int(metrics['rollout/samples'])} samples, success {metrics.get('rollout/success', 0.0):.2f}",
-                      flush=True)
-            for name in variants:
-                same[name].append(played[name] == played[variants[0]])
+
+        def show(it: int, name: str, metrics: dict[str, float]) -> None:
+            print(f"  {env} iteration {it} {name}: {metrics['iteration_s']:.2f}s = rollout "
+                  f"{metrics['perf/rollout_s']:.2f}s (generate {metrics['perf/generate_s']:.2f}s, env "
+                  f"{metrics['perf/env_s']:.2f}s) + score {metrics['perf/score_s']:.2f}s + update "
+                  f"{metrics['perf/update_s']:.2f}s; {env_steps[name]} env steps, "
+                  f"{int(metrics['rollout/samples'])} samples, success {metrics.get('rollout/success', 0.0):.2f}",
+                  flush=True)
+
+        sums = interleaved_iterations(trainers, args.iterations, keys, show)
+        # per iteration: whether each variant played the same episodes as the reference (the first)
+        same = {name: [mine == first for mine, first in zip(played[name], played[variants[0]])] for name in variants}
         settings = {name: {key: _select(trainers[name].cfg, key) for key in SHOWN_SETTINGS} for name in variants}
     finally:
         for trainer in trainers.values():

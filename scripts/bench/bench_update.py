@@ -19,15 +19,14 @@ layout before packing, with a separate scoring pass).
 from __future__ import annotations
 
 import argparse
-import atexit
 import copy
 import json
 import os
-import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
+
+from common import scratch_dir
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -41,13 +40,6 @@ VARIANTS = {  # name -> (packed micro-batches, scoring reuse)
 }
 LARGE = ["model.hidden_size=128", "model.intermediate_size=512", "model.num_hidden_layers=4",
          "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.padded_vocab_size=16384"]
-
-
-def scratch_dir(prefix: str) -> Path:
-    """A temporary folder removed when this script exits: a benchmark leaves nothing in the temp directory."""
-    path = Path(tempfile.mkdtemp(prefix=prefix))
-    atexit.register(shutil.rmtree, path, True)
-    return path
 
 
 def _trainer(overrides: list[str]):

@@ -21,16 +21,15 @@ TRL is an optional dependency: `pip install 'epo[bench]'` (make install includes
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from common import scratch_dir
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -39,13 +38,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 KL_BETA = 0.01
 LR = 1e-5
-
-
-def scratch_dir(prefix: str) -> Path:
-    """A temporary folder removed when this script exits: a benchmark leaves nothing in the temp directory."""
-    path = Path(tempfile.mkdtemp(prefix=prefix))
-    atexit.register(shutil.rmtree, path, True)
-    return path
 
 
 def epo_overrides(args: argparse.Namespace) -> list[str]:

@@ -1,0 +1,48 @@
+"""What the benchmark scripts share: scratch folders that leave nothing behind, and whole RL iterations of
+several Trainers, interleaved and timed.
+
+A script imports it as `common` (`python scripts/bench/bench_x.py` puts scripts/bench first on sys.path).
+Nothing here imports torch or epo_cli at import time: the scripts set OMP_NUM_THREADS and DS_ACCELERATOR
+before those load.
+"""
+
+from __future__ import annotations
+
+import atexit
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+
+def scratch_dir(prefix: str) -> Path:
+    """A temporary folder removed when this script exits: a benchmark leaves nothing in the temp directory."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
+def interleaved_iterations(trainers: dict[str, Any], iterations: int, keys: Iterable[str],
+                           show: Callable[[int, str, dict[str, float]], None]) -> dict[str, dict[str, float]]:
+    """`iterations` whole RL iterations of every Trainer, as the training loop runs them (learning rates, then
+    Trainer.rl_step). The order alternates (forwards on even iterations, backwards on odd ones) so that drift in
+    the machine's load hits all alike. After each iteration `show(it, name, metrics)`, where
+    metrics["iteration_s"] is its wall time. Returns each Trainer's mean of `keys` (a key it did not report
+    counts 0)."""
+    keys = list(keys)
+    names = list(trainers)
+    means = {name: dict.fromkeys(keys, 0.0) for name in names}
+    for it in range(iterations):
+        for name in names if it % 2 == 0 else names[::-1]:
+            trainer = trainers[name]
+            total = trainer.cfg.trainer.total_steps
+            t0 = time.perf_counter()
+            trainer.set_learning_rates(it, total)
+            metrics = trainer.rl_step(it, total)
+            metrics["iteration_s"] = time.perf_counter() - t0
+            for key in keys:
+                means[name][key] += metrics.get(key, 0.0) / iterations
+            show(it, name, metrics)
+    return means
