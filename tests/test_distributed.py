@@ -183,8 +183,7 @@ def _env() -> dict[str, str]:
 
 
 def _launch_harness(root: Path, runs: dict[str, list[str]], ranks: int, warm: Path) -> dict[str, Any]:
-    from epo_cli.launch.deepspeed import PORT_ATTEMPTS, port_taken
-    from epo_cli.training.deepspeed_config import free_port
+    from epo_cli.training.deepspeed_config import PORT_ATTEMPTS, free_port, port_taken
 
     spec = {"root": str(root), "facts": str(root / "facts.json"),
             "runs": {name: [*args, *RL_ARGS, f"model.path={warm / 'final'}"] for name, args in runs.items()}}
@@ -626,3 +625,47 @@ def test_failure_message_names_the_cause(tmp_path: Path) -> None:
 if __name__ == "__main__":  # one rank of the harness (see _launch_harness)
     sys.path.insert(0, str(REPO / "tests"))
     _harness(sys.argv[1])
+
+
+WORLD_OF_ONE = """
+import json, socket, sys
+from omegaconf import OmegaConf
+import epo_cli.training.engine as engine
+from epo_cli.training.deepspeed_config import free_port
+
+held = socket.socket()
+held.bind(("127.0.0.1", 0))
+held.listen()
+picked = []
+
+def first_ones_taken():
+    picked.append(held.getsockname()[1] if len(picked) < int(sys.argv[1]) else free_port())
+    return picked[-1]
+
+engine.free_port = first_ones_taken
+cfg = OmegaConf.create({"trainer": {"device": "cpu"}, "launcher": {"timeout_s": 30}})
+try:
+    info = engine.init_distributed(cfg)
+    print(json.dumps({"picked": picked, "world": info.world_size}))
+except RuntimeError as err:
+    print(json.dumps({"picked": picked, "error": str(err).splitlines()[0]}))
+"""
+
+
+@pytest.mark.parametrize("taken", [1, 3])
+def test_a_world_of_one_picks_another_port_when_its_own_was_taken(tmp_path: Path, taken: int) -> None:
+    """A plain process (no launcher) picks a free port for its own process group; another process can take it
+    before the store listens on it. It then picks another, PORT_ATTEMPTS times in all: after one taken port
+    the group starts on the second; when every pick is taken, torch's error is raised."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                             "MASTER_PORT", "EPO_OWN_MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-c", WORLD_OF_ONE, str(taken)], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if taken == 1:
+        assert result["world"] == 1 and len(result["picked"]) == 2
+        assert result["picked"][1] != result["picked"][0]
+    else:
+        assert len(result["picked"]) == 3 and len(set(result["picked"])) == 1
+        assert "EADDRINUSE" in result["error"]

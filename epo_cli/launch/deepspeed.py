@@ -36,21 +36,12 @@ from epo_cli.errors import Stopped, UserError
 from epo_cli.launch.layout import Layout, check_resume, check_world, clear_rank_records, layout_for
 from epo_cli.launch.setup import prepare_run_dir, stopped_message
 from epo_cli.run_dir import read_status, write_status
-from epo_cli.training.deepspeed_config import free_port
+from epo_cli.training.deepspeed_config import PORT_ATTEMPTS, free_port
 from epo_cli.training.stop import STOP, Interrupted, exit_code, signal_name, write_relay
 
 #: launcher.master_port=0 picks a free port on a single node; multi-node jobs need a fixed one
 DEFAULT_MASTER_PORT = 29500
 #: how many times the ranks start, each on a new free port, when another process took the one picked
-PORT_ATTEMPTS = 3
-
-
-def port_taken(text: str) -> bool:
-    """Whether a rank's error (or its output) says that rank 0 could not listen on the master port because
-    another process holds it: torch's TCPStore names the errno."""
-    return "EADDRINUSE" in text
-
-
 def master_port(cfg: DictConfig, layout: Layout) -> int:
     """launcher.master_port; unset (0), the multi-node default, or on one node a port that is free now."""
     lc = cfg.launcher

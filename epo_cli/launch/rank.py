@@ -44,9 +44,9 @@ from epo_cli.analysis.run_summary import print_summary  # noqa: E402
 from epo_cli.checkpoint_paths import latest_tag  # noqa: E402
 from epo_cli.console import err_console, quiet_libraries  # noqa: E402
 from epo_cli.errors import UserError  # noqa: E402
-from epo_cli.launch.deepspeed import port_taken  # noqa: E402
 from epo_cli.run_dir import load_run_config, write_status  # noqa: E402
 from epo_cli.training import checkpoint  # noqa: E402
+from epo_cli.training.deepspeed_config import port_taken  # noqa: E402
 from epo_cli.training.stop import STOP, Interrupted, exit_code, signal_name  # noqa: E402
 from epo_cli.training.trainer import Trainer  # noqa: E402
 

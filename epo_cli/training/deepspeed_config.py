@@ -11,10 +11,21 @@ from epo_cli.errors import ConfigError
 
 
 def free_port() -> int:
-    """A TCP port that is free on this machine now (for a single-node MASTER_PORT)."""
+    """A TCP port that is free on this machine now (for a single-node MASTER_PORT). Free when picked, bound
+    later by rank 0: another process can take it in between, so callers retry (port_taken, PORT_ATTEMPTS)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+#: how often a free port picked here is tried before the failure is reported
+PORT_ATTEMPTS = 3
+
+
+def port_taken(text: str) -> bool:
+    """Whether a rank's error (or its output) says that rank 0 could not listen on the master port because
+    another process holds it: torch's TCPStore names the errno."""
+    return "EADDRINUSE" in text
 
 
 def precision(cfg: Any, device_type: str) -> str:

@@ -20,7 +20,7 @@ import torch.distributed as torch_dist
 from torch import nn
 
 from epo_cli.errors import UserError
-from epo_cli.training.deepspeed_config import deepspeed_config, free_port
+from epo_cli.training.deepspeed_config import PORT_ATTEMPTS, deepspeed_config, free_port, port_taken
 
 
 @dataclass
@@ -45,19 +45,32 @@ def pick_device(cfg: Any, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+#: set when this process picked its own MASTER_PORT (a world of one), so a taken port may be replaced
+OWN_PORT_ENV = "EPO_OWN_MASTER_PORT"
+
+
 def init_distributed(cfg: Any) -> DistInfo:
-    """Join (or, for a plain single process, create) the process group."""
+    """Join (or, for a plain single process, create) the process group. A world of one picks a free port for
+    itself; when another process takes it before the store listens on it, it picks another (PORT_ATTEMPTS)."""
     import deepspeed
 
     if "RANK" not in os.environ:  # not started by a launcher: a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
+                          MASTER_PORT=str(free_port()), **{OWN_PORT_ENV: "1"})
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = pick_device(cfg, local_rank)
     if not torch_dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        deepspeed.init_distributed(dist_backend=backend, verbose=False,
-                                   timeout=datetime.timedelta(seconds=cfg.launcher.timeout_s))
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                deepspeed.init_distributed(dist_backend=backend, verbose=False,
+                                           timeout=datetime.timedelta(seconds=cfg.launcher.timeout_s))
+                break
+            except RuntimeError as err:  # torch's DistNetworkError names EADDRINUSE
+                own_port = os.environ.get(OWN_PORT_ENV) == "1" and os.environ.get("WORLD_SIZE") == "1"
+                if not own_port or not port_taken(str(err)) or attempt == PORT_ATTEMPTS:
+                    raise
+                os.environ["MASTER_PORT"] = str(free_port())
     return DistInfo(torch_dist.get_rank(), torch_dist.get_world_size(), local_rank, device)
 
 
