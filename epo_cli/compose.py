@@ -527,8 +527,10 @@ def _switches(cfg: DictConfig) -> list[tuple[tuple[str, ...], bool, str]]:
     no_rollouts = f"algo={algo.name} plays no rollouts to reward"
     in_process = "env.num_workers=0 steps the envs in the training process, so no worker runs meanwhile"
     return [
-        (("algo.demos", "algo.demo_episodes", "algo.demo_level", "algo.demo_slip"), is_sft(algo),
-         f"algo={algo.name} does not behaviour-clone"),
+        (("algo.demos",), is_sft(algo), f"algo={algo.name} does not behaviour-clone"),
+        (("algo.demo_episodes", "algo.demo_level", "algo.demo_slip"), is_sft(algo) and algo.demos == "expert",
+         "algo.demos is a file: its trajectories are the data" if is_sft(algo)
+         else f"algo={algo.name} does not behaviour-clone"),
         (("algo.dynamic_sampling_max_rounds", "algo.group_filter"), algo.dynamic_sampling,
          "algo.dynamic_sampling=false"),
         (tuple(f"algo.diagnostics.{k}" for k in ("mi_every", "alert_entropy_low", "alert_entropy_high",

@@ -212,6 +212,9 @@ def test_shipped_presets_compose_without_warnings(preset: str) -> None:
     (["launcher.partition=gpu"], "launcher.partition=gpu: no effect"),
     (["model.lora.dropout=0.1"], "model.lora.dropout=0.1: no effect in this run (model.lora.rank=0"),
     (["algo=grpo", "algo.demo_episodes=10"], "algo.demo_episodes=10: no effect in this run (algo=grpo"),
+    (["algo=grpo", "algo.demo_slip=0.4"], "algo.demo_slip=0.4: no effect in this run (algo=grpo does not"),
+    (["algo=sft", "algo.demos=/some/demos.jsonl", "algo.demo_slip=0.4"],
+     "algo.demo_slip=0.4: no effect in this run (algo.demos is a file: its trajectories are the data)"),
     # grpo's loss has no entropy term: lambda (the entropy group) would be silently ignored
     (["algo=grpo", "entropy.coef=0.5"], "entropy.coef=0.5: no effect in this run (lambda weights only"),
 ])

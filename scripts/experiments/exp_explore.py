@@ -75,6 +75,11 @@ ARMS = {
     # the notebook's run G2: an episodic count bonus of 3 / sqrt(N) per turn, constant over training
     "grpo_count": Arm("GRPO + count bonus 3.0", ("algo.intrinsic.kind=count", "algo.intrinsic.coef=3.0",
                                                  "algo.intrinsic.decay=1.0")),
+    # the corridor against the entropy explosion the bonus arm causes: the same bonus (lambda 0.1) inside EPO,
+    # at the paper's smoothing weight and with a band that binds
+    "epo_bonus": Arm("EPO + entropy bonus 0.1", ("algo=epo", "entropy.coef=0.1")),
+    "epo_bonus_bind": Arm("EPO + entropy bonus 0.1, binding band (alpha 1.0)",
+                          ("algo=epo", "entropy.coef=0.1", "algo.entropy_smoothing.alpha=1.0")),
 }
 QUICK_ARMS = "grpo,epo"
 QUICK_OVERRIDES = ["algo.tasks_per_step=2", "algo.group_size=2", "env.max_turns=3", "rollout.max_new_tokens=16"]
@@ -326,7 +331,8 @@ def plot(runs: list[dict], arms: list[str], path: Path) -> None:
             ax.fill_between(steps, [min(c[k] for c in curves) for k in range(n)],
                             [max(c[k] for c in curves) for k in range(n)], color=colors(i), alpha=0.1)
     axes[0].set_ylabel("training success (rollout/success)")
-    axes[1].set_ylabel("policy/entropy (nats/token)")
+    axes[1].set_ylabel("policy/entropy (nats/token, log scale)")
+    axes[1].set_yscale("log")  # an entropy bonus can multiply the entropy tenfold; the others differ by percent
     axes[1].set_xlabel("iteration")
     axes[0].set_title("mean over seeds, band = min-max over seeds", fontsize=10)
     axes[0].legend(fontsize=7, ncol=2)

@@ -6,7 +6,9 @@ G groups x n rollouts of G train tasks at T=1.0 (RL's rollout), then: success, h
 variance (the only ones GRPO learns from), mean episode length, what the policy does on arriving at a
 closed receptacle, how often it opens one, and the anatomy of its failures: the share of turns whose action
 is not in the admissible list, the per-turn hazard of a first such action, the kind of that first mistake,
-and how often an admissible action follows a non-admissible one (recovery).
+and how often an admissible action follows a non-admissible one (recovery). Last, each episode is replayed
+in a fresh env to split its turns three ways: the expert's action at that state (the built-in expert
+answers from any state), another admissible command (what a slipping teacher does), or not admissible.
 """
 
 from __future__ import annotations
@@ -92,6 +94,24 @@ def main() -> None:
           f"({clean_bad / max(clean, 1):.3f} per turn)")
     print(f"  first mistake of the failed episodes: {dict(first_kind)}")
     print(f"  admissible right after a non-admissible action: {after_ok}/{after} ({after_ok / max(after, 1):.3f})")
+    kinds = expert_agreement(suite, episodes)
+    total = max(sum(kinds.values()), 1)
+    print("  turns that take the expert's action / another admissible one / a non-admissible one: "
+          + " / ".join(f"{kinds[k] / total:.2f}" for k in ("expert", "other admissible", "not admissible")))
+
+
+def expert_agreement(suite: HouseholdSuite, episodes: list) -> collections.Counter[str]:
+    """Replay every episode's actions in a fresh env and count, per turn, whether the action was the expert's
+    at that state, another admissible command, or not admissible."""
+    kinds: collections.Counter[str] = collections.Counter()
+    for ep in episodes:
+        env = suite.make_env()
+        _, info = env.reset(ep.task)
+        for t in ep.turns:
+            kinds["expert" if t.action == info["expert_action"] else
+                  "other admissible" if t.action in info["admissible_commands"] else "not admissible"] += 1
+            info = env.step(t.action).info
+    return kinds
 
 
 if __name__ == "__main__":
