@@ -76,8 +76,7 @@ ARMS = {
     "grpo_count": Arm("GRPO + count bonus 3.0", ("algo.intrinsic.kind=count", "algo.intrinsic.coef=3.0",
                                                  "algo.intrinsic.decay=1.0")),
     # the corridor against the entropy explosion the bonus arm causes: the same bonus (lambda 0.1) inside EPO,
-    # at the paper's smoothing weight and with a band that binds
-    "epo_bonus": Arm("EPO + entropy bonus 0.1", ("algo=epo", "entropy.coef=0.1")),
+    # with a band that binds (alpha 1.0: smoothing weight lambda x beta_k x alpha = 0.1-0.2, as strong as the bonus)
     "epo_bonus_bind": Arm("EPO + entropy bonus 0.1, binding band (alpha 1.0)",
                           ("algo=epo", "entropy.coef=0.1", "algo.entropy_smoothing.alpha=1.0")),
 }
