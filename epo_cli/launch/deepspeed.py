@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -127,8 +129,22 @@ def _run_ranks(cmd: list[str], layout: Layout, run: Path) -> int:
     """Run the deepspeed launcher and its ranks in their own session, so that a terminal's Ctrl-C (or a
     SIGTERM to `epo train`) reaches this process only: the first signal is relayed to every rank through
     <run>/ranks/stop.json (the deepspeed launcher would kill the ranks mid-step); a second one kills the
-    whole session at once."""
-    proc = subprocess.Popen(cmd, env=rank_environment(layout), start_new_session=True)
+    whole session at once.
+
+    The ranks' temp files go to a folder of their own, removed once they are gone: DeepSpeed probes its ops
+    at start-up by compiling in mkdtemp() folders, and a rank killed meanwhile (a taken port, a second
+    signal, a dead rank's job) would leave them in the system temp directory."""
+    scratch = tempfile.mkdtemp(prefix="epo-ranks-")
+    try:
+        proc = subprocess.Popen(cmd, env={**rank_environment(layout), "TMPDIR": scratch}, start_new_session=True)
+        return _wait_for_ranks(proc, run)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _wait_for_ranks(proc: subprocess.Popen, run: Path) -> int:
+    """Wait for the deepspeed launcher `proc`, relaying a stop signal and ending an attempt whose port was
+    taken; its exit code."""
 
     def kill_now(signum: int) -> None:
         try:
