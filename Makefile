@@ -3,6 +3,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# The venv's bin comes first on PATH for every recipe: source-only packages (fast-downward-textworld)
+# call `python` from their build subprocess, and a fresh Debian/Ubuntu has only `python3`.
+export PATH := $(abspath $(BIN)):$(PATH)
 # torch first: on this kind of machine `torch==2.13.0` is a local CPU build; GPU users may override,
 # e.g. `make install TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu124"`.
 TORCH_SPEC ?= torch==2.13.0
