@@ -73,17 +73,14 @@ def run_epo(args: argparse.Namespace, out: Path) -> None:
     cfg.run_dir = str(run)
     trainer = Trainer(cfg, run)
     seconds, tokens, samples = [], [], []
-    sample = trainer.sampler.sample
 
-    def recording_sample(policy, step: int, total: int):  # the trainer's own rollout, prompts kept for TRL
-        rollout = sample(policy, step, total)
+    def record(rollout, step: int) -> None:  # the trainer's own rollout, prompts kept for TRL
         for ep in rollout.episodes:
             samples.append({"prompt": trainer.models.tokenizer.decode(ep.turns[0].prompt_ids),
                             "task": dataclasses.asdict(ep.task)})
         tokens.append(rollout.stats.generated_tokens)
-        return rollout
 
-    trainer.sampler.sample = recording_sample
+    trainer.on_rollout.append(record)
     for step in range(args.iterations + 1):
         t0 = time.perf_counter()
         trainer.rl_step(step, cfg.trainer.total_steps)
