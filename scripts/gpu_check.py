@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))
-from common import scratch_dir  # noqa: E402
+from common import scratch_trainer  # noqa: E402
 
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -63,17 +63,6 @@ def update_flops(model, tokens: int, response_tokens: int) -> float:
     if not model.config.tie_word_embeddings:
         non_embedding -= model.get_output_embeddings().weight.numel()
     return 6.0 * non_embedding * tokens + 6.0 * embed.shape[0] * embed.shape[1] * response_tokens
-
-
-def build_trainer(overrides: list[str]):
-    """The Trainer `epo train OVERRIDES` builds, in a scratch run directory."""
-    from epo_cli.compose import compose
-    from epo_cli.training.trainer import Trainer
-
-    cfg = compose(overrides)
-    run = scratch_dir("gpu_check_")
-    cfg.run_dir = str(run)
-    return Trainer(cfg, run)
 
 
 def measure(trainer, warmup: int, sync) -> dict[str, object]:
@@ -145,7 +134,9 @@ def main(argv: list[str] | None = None) -> None:
 
     name = torch.cuda.get_device_name(0) if cuda else "cpu"
     peak = args.peak_tflops or (peak_tflops(name) if cuda else None)
-    trainer = build_trainer(overrides)
+    from epo_cli.compose import compose
+
+    trainer = scratch_trainer(compose(overrides), "gpu_check_")
     try:
         measured = measure(trainer, args.warmup, torch.cuda.synchronize if cuda else (lambda: None))
         module = trainer.models.engine.module

@@ -18,7 +18,7 @@ import os
 import statistics
 import time
 
-from common import scratch_dir
+from common import scratch_trainer
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -39,7 +39,6 @@ def main() -> None:
 
     from epo_cli.algos.losses import LossStack, build_loss_terms
     from epo_cli.compose import compose
-    from epo_cli.training.trainer import Trainer
     from epo_cli.training.update import PolicyUpdate
 
     overrides = ["algo=epo", "env.level=small_pick_and_light", "env.prompt_template=compact",
@@ -47,9 +46,7 @@ def main() -> None:
                  "logger.console=false", "logger.tensorboard=false", "trainer.total_steps=100",
                  *([f"model.path={args.model}"] if args.model else []), *args.overrides]
     cfg = compose(overrides)
-    run = scratch_dir("bench_cov_selection_")
-    cfg.run_dir = str(run)
-    trainer = Trainer(cfg, run)
+    trainer = scratch_trainer(cfg, "bench_cov_selection_")
     total = cfg.trainer.total_steps
     batch = trainer.sample(0, total).batch  # the trainer's own rollout (rl_step's step 1)
     trainer.pool.close()

@@ -15,7 +15,7 @@ import os
 import statistics
 import time
 
-from common import scratch_dir
+from common import scratch_trainer
 
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -33,16 +33,13 @@ def main() -> None:
 
     from epo_cli.algos.losses import LossStack, build_loss_terms
     from epo_cli.compose import compose
-    from epo_cli.training.trainer import Trainer
     from epo_cli.training.update import PolicyUpdate
 
     overrides = ["experiment=epo_household", "logger.console=false", "logger.tensorboard=false"]
     if args.model:
         overrides.append(f"model.path={args.model}")
     cfg = compose([*overrides, *args.overrides])
-    run = scratch_dir("bench_epo_")
-    cfg.run_dir = str(run)
-    trainer = Trainer(cfg, run)
+    trainer = scratch_trainer(cfg, "bench_epo_")
     total = cfg.trainer.total_steps
 
     # the trainer's own steps 1-5 give the batch, every row scored (the update's result), and a non-empty

@@ -39,7 +39,7 @@ import os
 import time
 from pathlib import Path
 
-from common import interleaved_iterations, scratch_dir
+from common import interleaved_iterations, scratch_dir, scratch_trainer
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -114,7 +114,6 @@ def compare_modes(env: str, args: argparse.Namespace) -> list[tuple[str, dict[st
     from epo_cli.compose import compose
     from epo_cli.envs import make_suite
     from epo_cli.models.loading import model_source
-    from epo_cli.training.trainer import Trainer
 
     overrides = [f"algo={args.algo}", *env_overrides(env, args), f"algo.tasks_per_step={args.tasks}",
                  f"algo.group_size={args.group_size}", "env.eval_splits=[]", "logger.console=false",
@@ -122,13 +121,11 @@ def compare_modes(env: str, args: argparse.Namespace) -> list[tuple[str, dict[st
     if args.model:
         overrides.append(f"model.path={args.model}")
     cfg = compose([*overrides, *args.overrides])
-    run = scratch_dir(f"bench_rollout_{env}_")
-    cfg.run_dir = str(run)
     suite = make_suite(cfg.env)
     if env == "household-sleepy":  # steps that wait without computing: what overlap can hide on a busy CPU
         model_source(cfg.model, suite, cfg.seed)  # the tiny model, built (once) on the plain envs
         suite = SleepySuite(suite, args.sleep_ms / 1000)
-    trainer = Trainer(cfg, run, suite)
+    trainer = scratch_trainer(cfg, f"bench_rollout_{env}_", suite)
     try:
         # start the workers and build every slot's env before timing (a one-off cost of the first rollout)
         import random
@@ -311,13 +308,11 @@ def compare_iterations(env: str, args: argparse.Namespace) -> dict[str, dict]:
             common, alfworld_only, parser_cache_only = ITERATION_VARIANTS[name]
             overrides = [*iteration_overrides(env, args), *common, *(alfworld_only if env == "alfworld" else [])]
             cfg = compose([*overrides, *args.overrides])
-            run = scratch_dir(f"bench_iteration_{env}_{name}_")
-            cfg.run_dir = str(run)
             suite = make_suite(cfg.env)
             if env == "alfworld":  # this variant's own workers, with only its patches
                 model_source(cfg.model, suite, cfg.seed)  # the tiny model, built (once) on the plain envs
                 suite = ProbeSuite(suite, name, parser_cache_only, str(probe_dir))
-            trainer = Trainer(cfg, run, suite)
+            trainer = scratch_trainer(cfg, f"bench_iteration_{env}_{name}_", suite)
             trainers[name] = trainer
 
             def capture(rollout, step: int, _name: str = name) -> None:
@@ -466,7 +461,6 @@ def main() -> None:
 
     from epo_cli.compose import compose
     from epo_cli.training.forward import collate, plan_micro_batches
-    from epo_cli.training.trainer import Trainer
 
     overrides = [f"algo={args.algo}", "env.level=small_pick_and_light", "env.prompt_template=compact",
                  "algo.tasks_per_step=4", "algo.group_size=4", "env.max_turns=15", "env.eval_splits=[]",
@@ -474,9 +468,7 @@ def main() -> None:
     if args.model:
         overrides.append(f"model.path={args.model}")
     cfg = compose([*overrides, *args.overrides])
-    run = scratch_dir("bench_rollout_")
-    cfg.run_dir = str(run)
-    trainer = Trainer(cfg, run)
+    trainer = scratch_trainer(cfg, "bench_rollout_")
     algo, total = cfg.algo, cfg.trainer.total_steps
 
     rollout_ratio, update_ratio, efficiencies = [], [], []

@@ -26,7 +26,7 @@ import statistics
 import time
 from pathlib import Path
 
-from common import scratch_dir
+from common import scratch_trainer
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -44,12 +44,8 @@ LARGE = ["model.hidden_size=128", "model.intermediate_size=512", "model.num_hidd
 
 def _trainer(overrides: list[str]):
     from epo_cli.compose import compose
-    from epo_cli.training.trainer import Trainer
 
-    cfg = compose(overrides)
-    run = scratch_dir("bench_update_")
-    cfg.run_dir = str(run)
-    return Trainer(cfg, run)
+    return scratch_trainer(compose(overrides), "bench_update_")
 
 
 def _measure(trainer, batch, variant: str) -> dict[str, float]:
