@@ -26,7 +26,7 @@ One RL iteration (`rl_step`, numbered as there). Steps 1-5 are public methods th
     8 metrics      <- epo_cli/training/step_metrics.py; the collapse alert (CollapseWatch.alert)
 Around each step (`_loop`): the learning rate from its schedule before; evaluate every eval_every, log,
 checkpoint every save_every after (`_after_step`). SFT (training/sft.py) uses the same loop and update.
-Starting, stopping and the run's status.json belong to the run's lifecycle (epo_cli/launch/lifecycle.py).
+Starting, stopping and the run's status.json belong to the run's lifecycle (training/lifecycle.py).
 """
 
 from __future__ import annotations
