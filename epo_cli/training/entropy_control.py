@@ -1,7 +1,7 @@
 """The entropy state an RL run carries from step to step: the per-turn entropy history whose references
 centre EPO's smoothing band, the fluctuation monitor, and the entropy coefficient's schedule (the adaptive
 one observes each step's entropy). rl_step reads it for the coefficients (step 4) and after the update
-(step 6), and updates it in step 8; a checkpoint saves it (`state_dict`).
+(step 6), and updates it in step 7; a checkpoint saves it (`state_dict`).
 
     metrics = control.reference_metrics()                   # policy/entropy_ref, before this step's entropies
     lam = control.schedule(step, total)                     # lambda

@@ -238,7 +238,7 @@ class Trainer:
         batch = result.batch
 
         # 6. entropy statistics of the rollout (all ranks; no extra forward pass), the fluctuation monitor;
-        #    collapse diagnostics, before step 8 so that EPO's band is the one this step was trained against
+        #    collapse diagnostics, before step 7 so that EPO's band is the one this step was trained against
         width = self.turn_width(step, total)
         entropy = self.entropy.statistics(batch, step, width, self.logger.warn)
         metrics.update(entropy.metrics)
