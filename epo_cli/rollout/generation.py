@@ -251,8 +251,9 @@ def _build_stop_matcher(tokenizer, stop: str, vocab_size: int, device: torch.dev
         state = torch.full((vocab_size,), q, dtype=torch.long)
         for j in range(width):
             c = classes[:, j]
-            state = torch.where(c >= 0, step_table[state, c.clamp(min=0)], state)
-            completes[q] |= state == m
+            real = c >= 0  # past a token's text: padding, no character
+            state = torch.where(real, step_table[state, c.clamp(min=0)], state)
+            completes[q] |= real & (state == m)
         next_state[q] = state
     return StopMatcher(next_state.to(device), completes.to(device))
 
