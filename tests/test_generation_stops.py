@@ -86,7 +86,8 @@ def occurrence_ends(tok, response: list[int], stop: str) -> list[bool]:
     for token in response:
         start = len(text)
         text += texts[token]
-        flags.append(any(text.startswith(stop, i) for i in range(max(0, start - len(stop) + 1), len(text) - len(stop) + 1)))
+        first = max(0, start - len(stop) + 1)  # occurrences that end inside this token's text
+        flags.append(any(text.startswith(stop, i) for i in range(first, len(text) - len(stop) + 1)))
     return flags
 
 
