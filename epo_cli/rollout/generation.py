@@ -63,6 +63,16 @@ def _output_cache(out) -> object:
     return out["cache"] if "cache" in out else out["past_key_values"]
 
 
+def _takes_boolean_4d_mask(model: nn.Module) -> bool:
+    """Can decode steps hand the model a ready [B, 1, 1, L] boolean mask (True = attend)? transformers passes
+    a 4-D mask through as is, which skips building one per step; `sdpa` reads booleans that way. Not for
+    other attention kernels (eager adds the mask, flash attention wants 2-D) or sliding-window layers."""
+    config = getattr(model, "config", None)
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+    return (getattr(config, "_attn_implementation", None) == "sdpa"
+            and all(kind == "full_attention" for kind in layer_types))
+
+
 def left_pad(sequences: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, P] token ids left-padded with pad_id, and the attention mask (1 on real tokens)."""
     width = max(len(s) for s in sequences)
@@ -362,6 +372,8 @@ def generate(
     next_position = position[:, -1] + 1  # [B]
     # the attention mask of every step, allocated once: step t attends to prompt_width + t + 1 columns
     mask = torch.cat([mask, mask.new_ones((num_rows, params.max_new_tokens))], dim=1)
+    if _takes_boolean_4d_mask(model):
+        mask = mask.bool()[:, None, None, :]  # [B, 1, 1, width]
     keys = seed_keys(seeds, device) if seeds is not None else None
     _reserve_cache(cache, prompt_width + params.max_new_tokens)
 
@@ -411,7 +423,7 @@ def generate(
             stop_state, live = stop_state[index], live[index]
             if keys is not None:
                 keys = keys[index]
-        out = model(input_ids=tokens[:, None], attention_mask=mask[:, :prompt_width + step + 1],
+        out = model(input_ids=tokens[:, None], attention_mask=mask[..., :prompt_width + step + 1],
                     position_ids=next_position[:, None], use_cache=True, **{cache_kw: cache})
         cache = _output_cache(out)
         next_position = next_position + 1

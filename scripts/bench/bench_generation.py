@@ -1,6 +1,8 @@
 """Generation tokens/s: the package's `generate` against the sampling loop it replaced, in one run.
 
     python scripts/bench/bench_generation.py [--models tiny,small] [--repeats 3] [--turns 15] [--quick]
+    python scripts/bench/bench_generation.py --horizon 15,30,60 [--iterations 3]
+    python scripts/bench/bench_generation.py --profile [--models tiny]
 
 The prompts are the demo regime's (`experiment=improve_on_teacher`: household level tiny_open_pick_place,
 compact template, 4 tasks x group 8 = 32 envs, 15 turns): one rollout of a slipping expert (slip 0.4, the
@@ -24,6 +26,14 @@ call, and the fraction of the machine's limit: model FLOPs per generated token (
 one thread, 512 x 512). Prefill FLOPs (the prompts) are not counted, though generate's time includes them.
 Every variant must produce the same tokens as the others of the new implementation ("same" column; the old
 loop draws other random numbers, so its tokens differ).
+
+--profile: cProfile of the new implementation on the demo regime's calls: where the time per generated token
+goes (the model's forward and its parts, sampling, stop detection, the rest of the loop).
+
+--horizon: whole GRPO iterations of the demo regime (`experiment=improve_on_teacher env.max_turns=T`, tiny
+random model, so nearly every episode runs all T turns), one Trainer per T, iterations interleaved, the first
+not counted. Printed per T: iteration wall time per env turn, its parts (rollout, of it generate, scoring,
+update) per env turn, and the mean response tokens per turn.
 """
 
 from __future__ import annotations
@@ -228,7 +238,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--turns", type=int, default=15)
     parser.add_argument("--quick", action="store_true", help="1 repeat, 4 turns (a smoke run)")
+    parser.add_argument("--profile", action="store_true", help="profile the new implementation instead")
+    parser.add_argument("--horizon", help="comma-separated env.max_turns values: time whole iterations instead")
+    parser.add_argument("--iterations", type=int, default=3, help="--horizon: iterations per run (+1 warm-up)")
     args = parser.parse_args()
+    if args.horizon:
+        horizon([int(t) for t in args.horizon.split(",")], args.iterations)
+        return
     if args.quick:
         args.repeats, args.turns = 1, 4
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -251,6 +267,10 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(folder).eval()
         params_m = sum(p.numel() for p in model.parameters()) / 1e6
         calls = demo_calls(cfg, suite, tokenizer, args.turns)
+        if args.profile:
+            profile(name, model, tokenizer, calls, SamplingConfig(cfg.rollout.max_new_tokens, 1.0, 1.0, 0,
+                                                                  cfg.rollout.stop))
+            continue
         prompt_tokens = statistics.mean(len(p) for prompts, _ in calls for p in prompts)
         limit = len(tokenizer)
         for regime, stop in (("demo", cfg.rollout.stop), ("long-tail", long_tail_stop(tokenizer))):
@@ -298,6 +318,99 @@ def main() -> None:
     for model_name, regime, variant, n, mean_len, rate, ratio, reidx, fraction, same in rows:
         print(f"| {model_name} | {regime} | {variant} | {n} | {mean_len:.1f} | {rate:.0f} | {ratio:.2f}x | "
               f"{reidx:.1f} | {fraction:.3f} | {same} |")
+
+
+def profile(name: str, model, tokenizer, calls, params) -> None:
+    """Where the new implementation's time goes on `calls` (cProfile; shares of the whole)."""
+    import cProfile
+    import pstats
+
+    from epo_cli.rollout.generation import generate
+
+    for prompts, seeds in calls[:2]:  # warm up (the stop matcher is built once)
+        generate(model, prompts, params, tokenizer, seeds, len(tokenizer))
+    profiler = cProfile.Profile()
+    tokens = 0
+    profiler.enable()
+    for prompts, seeds in calls:
+        tokens += sum(len(r) for r in generate(model, prompts, params, tokenizer, seeds, len(tokenizer)))
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    total = max(stats.total_tt, 1e-9)
+
+    def cumulative(file_part: str, function: str) -> tuple[float, int]:
+        hits = [(v[3], v[1]) for (file, _, func), v in stats.stats.items() if file_part in file and func == function]
+        return (max(hits)[0], max(hits)[1]) if hits else (0.0, 0)
+
+    def own(function: str) -> float:
+        return sum(v[2] for (_, _, func), v in stats.stats.items() if func == function)
+
+    print(f"\n{name}: {tokens} tokens in {total:.2f} s under cProfile ({1e3 * total / tokens:.3f} ms per token)")
+    parts = {
+        "model forward, all of it (prefill + decode steps)": cumulative("torch/nn/modules/module.py", "_call_impl"),
+        "  attention kernel (sdpa)": (own("<built-in method torch._C._nn.scaled_dot_product_attention>"), 0),
+        "  matmuls (linear)": (own("<built-in method torch._C._nn.linear>"), 0),
+        "  attention mask building (create_causal_mask)": cumulative("masking_utils.py", "create_causal_mask"),
+        "  KV cache writes (update)": cumulative("rollout/generation.py", "update"),
+        "sampling (sample_next)": cumulative("rollout/generation.py", "sample_next"),
+        "noise (counter_uniforms)": cumulative("rollout/generation.py", "counter_uniforms"),
+        "stop confirmations (tokenizer.decode)": cumulative("tokenization_utils", "decode"),
+    }
+    for label, (seconds, calls_made) in parts.items():
+        print(f"  {label:<55} {seconds:7.2f} s  {100 * seconds / total:5.1f}%"
+              + (f"  ({calls_made} calls)" if calls_made else ""))
+    stats.sort_stats("tottime").print_stats(12)
+
+
+def horizon(turn_limits: list[int], iterations: int) -> None:
+    """Iteration time per env turn at each turn limit (module docstring): one Trainer per limit in this
+    process, their iterations interleaved (common.interleaved_iterations) so drift in the machine's load hits
+    all alike; the first iteration warms up and is not counted."""
+    from common import interleaved_iterations, scratch_dir
+
+    from epo_cli.compose import compose
+    from epo_cli.training.trainer import Trainer
+
+    trainers = {}
+    for turns in turn_limits:
+        cfg = compose(["experiment=improve_on_teacher", f"env.max_turns={turns}",
+                       f"trainer.total_steps={iterations + 1}", "logger.console=false", "logger.tensorboard=false"])
+        run = scratch_dir(f"bench_horizon_{turns}_")
+        cfg.run_dir = str(run)
+        trainers[turns] = Trainer(cfg, run)
+    parts = ("rollout_s", "generate_s", "score_s", "update_s")
+    per_turn: dict[int, dict[str, list[float]]] = {t: {k: [] for k in (*parts, "iteration_s", "tokens")}
+                                                   for t in turn_limits}
+
+    def show(it: int, turns: int, metrics: dict[str, float]) -> None:
+        episodes = trainers[turns].cfg.algo.tasks_per_step * trainers[turns].cfg.algo.group_size
+        env_turns = metrics["rollout/episode_len"] * episodes
+        tokens = metrics["perf/gen_tokens_per_s"] * metrics["perf/generate_s"]
+        print(f"  iteration {it}, max_turns {turns}: {metrics['iteration_s']:.2f} s, {env_turns:.0f} env turns, "
+              + ", ".join(f"{k} {metrics[f'perf/{k}']:.2f}" for k in parts), flush=True)
+        if it == 0:
+            return
+        for k in parts:
+            per_turn[turns][k].append(metrics[f"perf/{k}"] / env_turns)
+        per_turn[turns]["iteration_s"].append(metrics["iteration_s"] / env_turns)
+        per_turn[turns]["tokens"].append(tokens / env_turns)
+
+    try:
+        interleaved_iterations(trainers, iterations + 1, [], show)
+    finally:
+        for trainer in trainers.values():
+            trainer.pool.close()
+    mean = {t: {k: statistics.mean(v) for k, v in d.items()} for t, d in per_turn.items()}
+    base = mean[turn_limits[0]]["iteration_s"]
+    print()
+    print("| env.max_turns | iteration ms / env turn | vs first | rollout | (generate) | scoring | update "
+          "| response tokens / turn |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for turns in turn_limits:
+        m = mean[turns]
+        print(f"| {turns} | {1e3 * m['iteration_s']:.1f} | {m['iteration_s'] / base:.2f}x | "
+              f"{1e3 * m['rollout_s']:.1f} | {1e3 * m['generate_s']:.1f} | {1e3 * m['score_s']:.1f} | "
+              f"{1e3 * m['update_s']:.1f} | {m['tokens']:.1f} |")
 
 
 class _count_reindexes:
