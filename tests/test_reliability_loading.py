@@ -308,6 +308,16 @@ def test_a_checkpoint_of_another_algorithm_or_shape_is_refused(runs: dict[str, P
 
 
 @pytest.mark.slow
+def test_eval_of_a_checkpoint_of_another_shape_is_one_message(runs: dict[str, Path], tmp_path: Path) -> None:
+    run = received(runs["grpo"], tmp_path)
+    before = snapshot(run)
+    proc = run_epo(["eval", f"run={run}", "checkpoint=step_1", "model.hidden_size=32", "episodes=1"], cwd=tmp_path,
+                   expect=None)
+    assert_one_message(proc, str(run / "checkpoints" / "step_1"), "64] there and", "32] here")
+    assert snapshot(run) == before
+
+
+@pytest.mark.slow
 def test_a_zero2_checkpoint_with_its_enum_resumes(runs: dict[str, Path], tmp_path: Path) -> None:
     """The control of the rows above: the restricted loader reads DeepSpeed's own states (ZeroStageEnum,
     pickled as getattr on Python 3.11.2), its critic's included, and the run goes on."""
