@@ -24,6 +24,7 @@ from epo_cli.launch.deepspeed import launch_ranks
 from epo_cli.launch.setup import compose_for_train
 from epo_cli.launch.slurm import submit_slurm
 from epo_cli.launch.sweep import run_sweep
+from epo_cli.saved_state import check_model_path
 from epo_cli.training.stop import Interrupted
 
 # Composing a config and starting ranks need neither torch nor DeepSpeed (tests/test_imports.py checks it);
@@ -61,6 +62,7 @@ EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
 def train(overrides: list[str] = OVERRIDES_ARG) -> None:
     """Train a policy: `epo train algo=epo env=household`."""
     cfg, args = compose_for_train(list(overrides or []))
+    check_model_path(cfg.model)  # a model folder from elsewhere: checked before a run directory is written
     if cfg.launcher.name == "local":
         from epo_cli.launch.local import run_local  # the Trainer (torch): see the note at the imports
 

@@ -188,8 +188,9 @@ def _read_checkpoint_state(ckpt: Path) -> dict[str, Any]:
             with restricted_torch_load():
                 return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
         return load_tensors(ckpt / "mp_rank_00_model_states.pt")["module"]
-    except UserError:
-        raise
+    except UserError as err:  # the restricted unpickler refused a file (it names it)
+        raise UserError(f"{err} Evaluate another checkpoint (checkpoint=final, checkpoint=best or "
+                        f"checkpoint=step_N; see {ckpt.parent}).", exit_code=err.exit_code) from None
     except pickle.UnpicklingError as err:
         raise UserError(refused_message(ckpt, err) + " Evaluate another checkpoint (checkpoint=final, "
                         f"checkpoint=best or checkpoint=step_N; see {ckpt.parent}).") from None
@@ -201,6 +202,13 @@ def _read_checkpoint_state(ckpt: Path) -> dict[str, Any]:
 
 
 def _load_state(model: Any, state: dict[str, Any], ckpt: Path) -> None:
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    wrong = [f"{name} is {list(t.shape)} there and {list(expected[name])} here" for name, t in state.items()
+             if name in expected and hasattr(t, "shape") and tuple(t.shape) != expected[name]]
+    if wrong:  # another model shape (e.g. a model.hidden_size override): load_state_dict would raise
+        raise UserError(f"Checkpoint '{ckpt}' holds a model of another shape than this run's config builds "
+                        f"({len(wrong)} tensors differ, e.g. {'; '.join(wrong[:2])}). Evaluate it without the "
+                        "model overrides, with those the run was trained with, or evaluate checkpoint=final.")
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
     missing = [k for k in missing if k.split("base_model.model.")[-1] not in tied]

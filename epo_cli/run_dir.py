@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from epo_cli.compose import validate
 from epo_cli.errors import ConfigError, UserError
-from epo_cli.saved_state import check_saved_config
+from epo_cli.saved_state import check_saved_config, load_yaml
 from epo_cli.trust import drop_saved_settings
 
 CORE_PACKAGES = ("epo", "torch", "transformers", "deepspeed", "hydra-core", "omegaconf", "tokenizers")
@@ -126,8 +126,8 @@ def load_run_config(run: Path, command_line: dict[str, Any] | None = None,
     if not path.exists():
         raise UserError(f"'{run}' is not a run directory (no config.yaml). Pass the folder `epo train` made, "
                         "e.g. outputs/<date>/<time>-<name>.")
-    try:  # OmegaConf's YAML loader is a safe loader: a python/object tag is an error, never run
-        raw = OmegaConf.load(path)
+    try:  # a safe loader (a python/object tag is an error, never run), its aliases' expansion bounded
+        raw = load_yaml(path)
     except Exception as err:  # noqa: BLE001 - yaml and omegaconf errors alike: the file is damaged
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise UserError(f"'{path}' is not a readable run config ({type(err).__name__}: {first}); nothing was "
@@ -151,7 +151,7 @@ def read_yaml_data(path: Path) -> Any:
     """A YAML file of a run (safe loader) as plain data, or None with a one-line warning if it is damaged:
     for readers such as `epo report` that can go on without it."""
     try:
-        return OmegaConf.to_container(OmegaConf.load(path))
+        return OmegaConf.to_container(load_yaml(path))
     except Exception as err:  # noqa: BLE001 - yaml and omegaconf errors alike
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         warnings.warn(f"'{path}' is unreadable ({type(err).__name__}: {first}); going on without it.",

@@ -1,11 +1,11 @@
 """Reading files from a run directory without running code from them.
 
 Run directories, checkpoints and model folders are data: people share them, copy them between machines
-and download them. A pickle can run arbitrary code when it is loaded, so `epo` reads every such file
-with the restricted unpickler (`torch.load(weights_only=True)`: tensors, numbers, strings, lists, dicts),
-JSON, YAML or safetensors. The one exception is resuming a run (`trainer.resume=` on the command line):
-DeepSpeed's engine then restores its optimizer states with its own, full unpickling loader, because the
-user asked for that run explicitly (see epo_cli/training/checkpoint.py).
+and download them. A pickle can run arbitrary code when it is loaded, so every `torch.load` epo makes, and
+every one DeepSpeed makes for epo (resuming a run, consolidating ZeRO shards), uses the restricted
+unpickler (`torch.load(weights_only=True)`: tensors, numbers, strings, lists, dicts) with exactly the few
+DeepSpeed classes its states hold allowed (`deepspeed_state_classes`). Everything else epo reads is JSON,
+YAML or safetensors. A file that needs more is refused with one message naming it; nothing in it runs.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import pickle
 import re
 import warnings
 from collections.abc import Iterator
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -47,16 +48,7 @@ def quiet_unpickler() -> Iterator[None]:
         yield
 
 
-def load_tensors(path: Path, map_location: str | torch.device = "cpu") -> Any:
-    """`torch.load(path, weights_only=True)`; a file that needs full unpickling is a UserError, not run."""
-    try:
-        with quiet_unpickler():
-            return torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as err:
-        raise UserError(refused_message(Path(path), err)) from None
-
-
-def _deepspeed_state_classes() -> list[type]:
+def deepspeed_state_classes() -> list[type]:
     """The DeepSpeed classes its ZeRO optimizer shards store next to the tensors: an enum, the loss
     scaler (plain attributes) and a two-int dataclass. Allowing exactly these lets the restricted unpickler
     read those shards; they have no custom unpickling hooks."""
@@ -67,20 +59,57 @@ def _deepspeed_state_classes() -> list[type]:
     return [LossScaler, ZeroStageEnum, fragment_address]
 
 
+def enum_member(owner: Any, name: Any) -> Enum:
+    """What `builtins.getattr` means inside the restricted unpickler: a member of an allowed Enum, nothing else.
+
+    Python 3.11.0-3.11.4 (Debian 12's 3.11.2 among them) pickle an Enum member as
+    `getattr(EnumClass, "NAME")`; later versions as `EnumClass(value)`. DeepSpeed's ZeRO shards hold one
+    (ZeroStageEnum), so both forms must load, but a general getattr would reach any attribute of any
+    allowed object (a function's __globals__, a class's methods): only an allowed Enum class's own member
+    names are looked up here, and anything else is refused like a disallowed global."""
+    allowed = [c for c in deepspeed_state_classes() if isinstance(c, type) and issubclass(c, Enum)]
+    if owner in allowed and isinstance(name, str) and name in owner.__members__:
+        return owner.__members__[name]
+    shown = getattr(owner, "__qualname__", type(owner).__name__)
+    raise pickle.UnpicklingError(f"getattr({shown}, {name!r}): only the members of an allowed Enum "
+                                 f"({', '.join(c.__name__ for c in allowed)}) may be read that way")
+
+
+def _allowed_globals() -> list[Any]:
+    return [*deepspeed_state_classes(), (enum_member, "builtins.getattr")]
+
+
 @contextlib.contextmanager
 def restricted_torch_load() -> Iterator[None]:
-    """Inside this block every `torch.load` uses the restricted unpickler (weights_only=True), whatever
-    its caller asked for. DeepSpeed's zero_to_fp32 loads its shards with weights_only=False; `epo eval`
-    consolidates ZeRO 1-3 checkpoints through it inside this block, so a crafted shard is refused."""
+    """Inside this block every `torch.load` uses the restricted unpickler (weights_only=True) with the
+    DeepSpeed state classes allowed, whatever its caller asked for: DeepSpeed's engine (resuming a run:
+    its checkpoint engine's `load`) and its zero_to_fp32 (`epo eval` of a ZeRO 1-3 checkpoint) load with
+    weights_only=False. A file that needs more is a UserError naming it; nothing in it runs.
+
+    Re-entrant: an inner block leaves the outer one's allowed globals and patched torch.load in place."""
     original = torch.load
+    if getattr(original, "_epo_restricted", False):  # already inside a block
+        yield
+        return
 
-    def load(*args: Any, **kwargs: Any) -> Any:
+    def load(f: Any, *args: Any, **kwargs: Any) -> Any:
         kwargs["weights_only"] = True
-        return original(*args, **kwargs)
+        try:
+            return original(f, *args, **kwargs)
+        except pickle.UnpicklingError as err:
+            raise UserError(refused_message(Path(f) if isinstance(f, (str, Path)) else Path(str(f)), err)) from None
 
-    with torch.serialization.safe_globals(_deepspeed_state_classes()), quiet_unpickler():
+    load._epo_restricted = True  # type: ignore[attr-defined]
+    added = [g for g in _allowed_globals() if g not in torch.serialization.get_safe_globals()]
+    with torch.serialization.safe_globals(added), quiet_unpickler():
         torch.load = load
         try:
             yield
         finally:
             torch.load = original
+
+
+def load_tensors(path: Path, map_location: str | torch.device = "cpu") -> Any:
+    """`torch.load(path, weights_only=True)`; a file that needs full unpickling is a UserError, not run."""
+    with restricted_torch_load():
+        return torch.load(path, map_location=map_location)

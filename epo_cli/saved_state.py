@@ -4,9 +4,16 @@
                          from the defaults), then the same types and ranges as on the command line (validate)
     trainer_state.json   a JSON object of epo's checkpoint format; trainer.step an int >= 0 that matches the
                          checkpoint folder's step_N and its COMPLETE marker; the counters and the state of
-                         each part (entropy history, monitor, schedule, curriculum) of the right kinds
+                         each part (entropy history, monitor, schedule, curriculum) of the right kinds; what
+                         wrote it (`written_by`: algo, critic, model shape), compared with the resuming run by
+                         epo_cli/training/checkpoint.py
     resuming             the checkpoint's step below trainer.total_steps (else nothing would train); with
                          trainer.resume=auto, the command's config-group selections agree with the run
+    YAML files           (config.yaml, .hydra/overrides.yaml) at most MAX_YAML_BYTES, and their aliases
+                         expand to at most MAX_YAML_VALUES values (an alias bomb is refused, not expanded)
+    a model folder       (model.path=, a run's final/) config.json and tokenizer files readable and of the
+                         shape transformers needs, no auto_map without model.trust_remote_code=true on the
+                         command line, safetensors headers whole, the embedding's shape that of config.json
 
 Torch-free: `epo train` checks all of it before the run directory is touched or any rank starts.
 """
@@ -14,14 +21,17 @@ Torch-free: `epo train` checks all of it before the run directory is touched or 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import math
+import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from epo_cli.compose import compose
 from epo_cli.config import RunConfig
@@ -68,6 +78,52 @@ def check_saved_config(raw: DictConfig, path: Path) -> None:
                         "was loaded or taken from the defaults; restore the file from a copy of the run.")
 
 
+# ---- YAML files from elsewhere --------------------------------------------------------------------------------
+
+#: the largest YAML file of a run epo reads (a run's config.yaml is about 10 KB)
+MAX_YAML_BYTES = 4 * 1024 * 1024
+#: the most values (mappings, lists, keys and scalars) a YAML file may stand for once its aliases are expanded
+MAX_YAML_VALUES = 200_000
+
+
+def _expanded_values(node: yaml.Node, sizes: dict[int, int], open_nodes: set[int]) -> int:
+    """How many values `node` stands for with every alias expanded; memoised per node, so a node that many
+    aliases name is counted in one pass. ValueError for an alias inside its own anchor (a cycle)."""
+    if id(node) in sizes:
+        return sizes[id(node)]
+    if id(node) in open_nodes:
+        raise ValueError("an alias (*name) refers to a node that contains it")
+    open_nodes.add(id(node))
+    total = 1
+    if isinstance(node, yaml.SequenceNode):
+        total += sum(_expanded_values(child, sizes, open_nodes) for child in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        total += sum(_expanded_values(k, sizes, open_nodes) + _expanded_values(v, sizes, open_nodes)
+                     for k, v in node.value)
+    open_nodes.discard(id(node))
+    sizes[id(node)] = total
+    return total
+
+
+def load_yaml(path: Path) -> DictConfig | ListConfig:
+    """A YAML file of a run, read with OmegaConf's safe loader (a !!python tag is an error, never run) once
+    its size is known to be bounded: at most MAX_YAML_BYTES, and at most MAX_YAML_VALUES values with its
+    aliases expanded. An alias bomb ("billion laughs": ten lines whose nested *aliases stand for a billion
+    strings) would otherwise keep OmegaConf copying values for minutes, memory growing. The size is counted
+    on the composed node graph, where an alias is one shared node, so counting costs what the file's text
+    does. Raises ValueError (or yaml's own error) naming what is wrong; callers add the file and the fix."""
+    size = Path(path).stat().st_size
+    if size > MAX_YAML_BYTES:
+        raise ValueError(f"it is {size} bytes long, more than the {MAX_YAML_BYTES} epo reads")
+    text = Path(path).read_text()
+    root = yaml.compose(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # libyaml where built
+    values = _expanded_values(root, {}, set()) if root is not None else 0
+    if values > MAX_YAML_VALUES:
+        raise ValueError(f"its aliases (*name) expand it to {values} values, more than the {MAX_YAML_VALUES} "
+                         "epo reads (an alias bomb; a run's config.yaml holds about a thousand)")
+    return OmegaConf.load(io.StringIO(text))
+
+
 # ---- trainer_state.json --------------------------------------------------------------------------------------
 
 def _is_int(value: Any) -> bool:
@@ -98,6 +154,19 @@ def _trainer_problem(trainer: Any) -> str | None:
     signals = trainer.get("collapse_signals", [])
     if not isinstance(signals, list) or not all(isinstance(s, str) for s in signals):
         return "`trainer.collapse_signals` is not a list of strings"
+    return None
+
+
+def _written_by_problem(record: Any) -> str | None:
+    """What is wrong with the `written_by` entry of a trainer_state.json (epo_cli/training/checkpoint.py), or None."""
+    if not isinstance(record, Mapping) or set(record) != {"algo", "critic", "model"}:
+        return "`written_by` is not an object of algo, critic and model"
+    if not isinstance(record["algo"], str) or not isinstance(record["critic"], bool):
+        return "`written_by.algo` is not a string or `written_by.critic` not true/false"
+    model = record["model"]
+    if not isinstance(model, Mapping) or not all(isinstance(k, str) and isinstance(v, (int, str, bool))
+                                                 for k, v in model.items()):
+        return "`written_by.model` is not an object of numbers and strings"
     return None
 
 
@@ -143,6 +212,8 @@ def read_trainer_state(folder: Path) -> dict[str, Any]:
             problem = f"`{part}` is not an object"
     if problem is None and ("entropy_history" not in payload or "monitor" not in payload):
         problem = "`entropy_history` or `monitor` is missing"
+    if problem is None and "written_by" in payload:  # absent in checkpoints saved before it was recorded
+        problem = _written_by_problem(payload["written_by"])
     if problem is not None:
         raise UserError(f"'{path}' does not describe this checkpoint: {problem}. It was damaged or edited; "
                         "resume from another checkpoint of the run (trainer.resume=<run>/checkpoints/step_N). "
@@ -203,3 +274,146 @@ def groups_that_disagree(groups: list[str], saved: DictConfig, overridden: set[s
         if run.get(key, MISSING) != value:
             out.append(f"{key}: the run has {run.get(key, 'nothing')!r}, this command {value!r}")
     return out
+
+
+# ---- a model folder (model.path=, a run's final/) -------------------------------------------------------------
+
+def _json_object(path: Path) -> dict[str, Any]:
+    """A JSON file that must hold an object; ValueError saying what it holds instead."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"is not readable JSON ({type(err).__name__}: {str(err).splitlines()[0][:200]})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"holds a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def safetensors_shapes(path: Path) -> dict[str, list[int]]:
+    """The tensors' shapes in a safetensors file's header (an 8-byte length, then JSON), read without its
+    data; ValueError when the header is missing, cut short or does not fit the file."""
+    size = path.stat().st_size
+    if size == 0:
+        raise ValueError("is empty (0 bytes)")
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"is {size} bytes long, too short for a safetensors header")
+        (length,) = struct.unpack("<Q", head)
+        if length > size - 8:
+            raise ValueError(f"announces a {length}-byte header in a {size}-byte file (it was cut short)")
+        try:
+            header = json.loads(f.read(length))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise ValueError("has a header that is not JSON (not a safetensors file, or damaged)") from None
+    if not isinstance(header, dict):
+        raise ValueError("has a header that is not a JSON object (not a safetensors file)")
+    shapes, end = {}, 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+                and isinstance(shape, list) and all(isinstance(d, int) for d in shape)):
+            raise ValueError(f"has a header entry for {name!r} without a shape and data offsets")
+        shapes[name], end = shape, max(end, offsets[1])
+    if 8 + length + end > size:
+        raise ValueError(f"holds {size} bytes but its header describes {8 + length + end} (it was cut short)")
+    return shapes
+
+
+#: what to do about a damaged model folder
+COPY_AGAIN = ("copy it again from where it came from, or pass another model (model.path=DIR; for a run's final/, "
+              "`epo eval run=<run> checkpoint=step_N` evaluates one of its checkpoints)")
+
+
+class _FolderProblem(Exception):
+    """A file of a model folder and what is wrong with it (check_model_folder turns it into one UserError)."""
+
+    def __init__(self, path: Path, what: str, fix: str = COPY_AGAIN) -> None:
+        super().__init__(f"'{path}' {what}")
+        self.fix = fix
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a model folder: model.safetensors, or those its index lists."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise _FolderProblem(index, "has no `weight_map` object")
+        return [folder / name for name in sorted({str(v) for v in weight_map.values()})]
+    return [folder / "model.safetensors"] if (folder / "model.safetensors").exists() else []
+
+
+
+
+def check_model_path(model_cfg: Any) -> None:
+    """`model.path=<local folder>` checked (check_model_folder) before `epo train` writes a run directory."""
+    path = Path(str(model_cfg.path)).expanduser() if model_cfg.path else None
+    if path is not None and path.is_dir():
+        check_model_folder(path, bool(model_cfg.trust_remote_code))
+
+
+def check_model_folder(folder: Path, trust_remote_code: bool, weights: bool = True) -> None:
+    """A model folder is checked before anything loads from it (or a run directory is written for it):
+    config.json and the tokenizer files must be JSON objects of the shape transformers reads (tokenizer.json
+    with its `model` and `added_tokens`), no auto_map (the folder's own code) unless model.trust_remote_code
+    =true is on this command line, every safetensors file whole, and the embedding in the weights the shape
+    config.json gives (vocab_size x hidden_size). One UserError naming the file and what is wrong; nothing is
+    loaded or written. `weights=False`: the tokenizer's files and the folder's code only (a scripted policy
+    reads the tokenizer alone). Hub ids and pytorch_model.bin weights are left to transformers (loaded with
+    the restricted unpickler, epo_cli/models/loading.py)."""
+    try:
+        _check_model_folder(Path(folder), trust_remote_code, weights)
+    except _FolderProblem as err:
+        raise UserError(f"{err}. Nothing was loaded from the model folder '{folder}' or written; {err.fix}.") from None
+
+
+def _check_model_folder(folder: Path, trust_remote_code: bool, weights: bool) -> None:
+    def read(name: str) -> dict[str, Any]:
+        try:
+            return _json_object(folder / name)
+        except ValueError as err:
+            raise _FolderProblem(folder / name, str(err)) from None
+
+    config = read("config.json")
+    for name in ("config.json", "tokenizer_config.json"):
+        data = config if name == "config.json" else read(name) if (folder / name).is_file() else {}
+        if "auto_map" in data and not trust_remote_code:
+            raise _FolderProblem(folder / name, "has an auto_map: the folder holds its own model code, which "
+                                 "runs when it loads, and epo runs a model folder's code only when this command "
+                                 "line says model.trust_remote_code=true (a saved config cannot)",
+                                 "pass model.trust_remote_code=true if you trust that code, or use another model")
+    if (folder / "tokenizer.json").is_file():
+        tokenizer = read("tokenizer.json")
+        for key, kind in (("model", dict), ("added_tokens", list)):
+            if not isinstance(tokenizer.get(key), kind):
+                state = "has no" if key not in tokenizer else "has a damaged"
+                noun = "object" if kind is dict else "list"
+                raise _FolderProblem(folder / "tokenizer.json", f"{state} `{key}` {noun} (transformers needs it: "
+                                     "the file is damaged or cut down)")
+    if not weights:
+        return
+    shapes: dict[str, list[int]] = {}
+    try:
+        files = _weight_files(folder)
+    except ValueError as err:
+        raise _FolderProblem(folder / "model.safetensors.index.json", str(err)) from None
+    for path in files:
+        if not path.is_file():
+            raise _FolderProblem(path, "is missing (model.safetensors.index.json lists it)")
+        try:
+            shapes.update(safetensors_shapes(path))
+        except ValueError as err:
+            raise _FolderProblem(path, str(err)) from None
+    embedding = next((name for name in shapes if name.endswith("embed_tokens.weight")), None)
+    vocab, hidden = config.get("vocab_size"), config.get("hidden_size")
+    if embedding is not None and isinstance(vocab, int) and isinstance(hidden, int) \
+            and len(shapes[embedding]) == 2 and shapes[embedding] != [vocab, hidden]:
+        rows, cols = shapes[embedding]
+        what = [f"vocab_size={vocab} but the weights hold {rows} token embeddings"] if rows != vocab else []
+        what += [f"hidden_size={hidden} but the embeddings have {cols} values each"] if cols != hidden else []
+        raise _FolderProblem(folder / "config.json", f"disagrees with the weights ({embedding} is {rows} x {cols}): "
+                             + "; ".join(what))

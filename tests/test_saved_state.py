@@ -97,11 +97,16 @@ def _lie(state: dict, how: str) -> str | dict:
         return {**state, "monitor": [1, 2]}
     if how == "not an object":
         return "[1, 2, 3]"
+    if how == "written_by not an object":
+        return {**state, "written_by": "grpo"}
+    if how == "written_by model of lists":
+        return {**state, "written_by": {**state["written_by"], "model": {"hidden_size": [64]}}}
     raise AssertionError(how)
 
 
 LIES = ["damaged json", "step 99", "step -5", "step text", "step true", "best_step beyond step", "best_value nan",
-        "unknown counter", "no trainer", "monitor not an object", "not an object"]
+        "unknown counter", "no trainer", "monitor not an object", "not an object", "written_by not an object",
+        "written_by model of lists"]
 
 
 @pytest.mark.parametrize("how", LIES)

@@ -3,8 +3,11 @@
 Real models load from a hub id or a local folder through AutoTokenizer / AutoModelForCausalLM
 (trust_remote_code off unless `model.trust_remote_code=true` on this invocation's command line: a run
 directory's saved config cannot turn it on, see epo_cli/run_dir.py); weights load from safetensors, or
-from PyTorch files with the restricted unpickler only (weights_only=True). `model=tiny` builds a small
-local model first (epo_cli/models/tiny.py) and then loads it through the very same path.
+from PyTorch files with the restricted unpickler only (weights_only=True). A local folder is checked first
+(epo_cli/saved_state.check_model_folder: no auto_map without that flag, readable config and tokenizer
+files, whole safetensors files whose embedding fits config.json), and what transformers still cannot read
+in it is one message naming the folder. `model=tiny` builds a small local model first
+(epo_cli/models/tiny.py) and then loads it through the very same path.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from torch import nn
 from epo_cli.envs.base import EnvSuite
 from epo_cli.errors import UserError
 from epo_cli.models.tiny import build_tiny, cache_root
-from epo_cli.safe_load import quiet_unpickler, refused_message
+from epo_cli.safe_load import refused_message, restricted_torch_load
+from epo_cli.saved_state import check_model_folder
 from epo_cli.writable import check_output_dir
 
 
@@ -61,14 +65,20 @@ def model_source(model_cfg: Any, suite: EnvSuite, seed: int) -> str:
 def load_tokenizer(source: str, model_cfg: Any):
     from transformers import AutoTokenizer
 
+    local = Path(source).is_dir()
+    if local:
+        check_model_folder(Path(source), model_cfg.trust_remote_code, weights=False)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=model_cfg.trust_remote_code)
     except OSError as err:
         raise UserError(_hub_message(source, err)) from None
-    except (ValueError, KeyError) as err:
-        if not _known_refusal(err):
+    except Exception as err:  # noqa: BLE001 - a local folder's files are data: any failure to read them is theirs
+        if not (local or _known_refusal(err)):
             raise
-        raise UserError(_unloadable_message(source, err)) from None
+        raise UserError(_unloadable_message(source, err) if _known_refusal(err) else
+                        f"The tokenizer files in '{source}' cannot be read: {type(err).__name__}: "
+                        f"{_first_line(err)}. Nothing was loaded; copy the folder again from where it came from, "
+                        "or pass another model.") from None
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -78,8 +88,10 @@ def load_tokenizer(source: str, model_cfg: Any):
 def load_causal_lm(source: str, model_cfg: Any, dtype: torch.dtype) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
+    if Path(source).is_dir():
+        check_model_folder(Path(source), model_cfg.trust_remote_code)
     try:
-        with quiet_unpickler():  # a refused pytorch_model.bin: epo's message only
+        with restricted_torch_load():  # a pytorch_model.bin that needs full unpickling: epo's message, naming it
             model = AutoModelForCausalLM.from_pretrained(
                 source,
                 dtype=dtype,
@@ -97,6 +109,10 @@ def load_causal_lm(source: str, model_cfg: Any, dtype: torch.dtype) -> nn.Module
     except (ValueError, RuntimeError, KeyError) as err:
         if "safetensors" in str(err).lower() or "header" in str(err).lower() or "size mismatch" in str(err):
             raise UserError(f"The model files in '{source}' are corrupt or incomplete: {err}") from None
+        if "ignore_mismatched_sizes" in str(err):  # config.json's shapes are not the weights' (the report above)
+            raise UserError(f"'{Path(source) / 'config.json'}' does not describe the weights in '{source}': some "
+                            "tensors have other shapes than it gives (listed above). Nothing was loaded; copy the "
+                            "folder again from where it came from, or pass another model.") from None
         if not _known_refusal(err):
             raise
         raise UserError(_unloadable_message(source, err)) from None
@@ -143,6 +159,10 @@ def _unloadable_message(source: str, err: Exception) -> str:
                 "(a saved config cannot). Pass it if you trust that code, or use another model.")
     return (f"'{source}' is not a model transformers can load: {text.splitlines()[0]} Pass a folder written "
             "by save_pretrained of a supported architecture (e.g. <run>/final), or a hub id.")
+
+
+def _first_line(err: Exception) -> str:
+    return (str(err).splitlines() or [""])[0][:300]
 
 
 def check_context(model: nn.Module, rollout_cfg: Any, source: str) -> None:

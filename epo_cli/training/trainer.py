@@ -328,7 +328,8 @@ class Trainer:
         return self.evaluation.all_splits(policy, done_steps, self.run / "samples" if self.dist.is_main else None)
 
     def _load(self, ckpt: Path) -> None:
-        payload = checkpoint.load(ckpt, self.models.engine, self.models.critic_engine, self.dist.rank)
+        payload = checkpoint.load(ckpt, self.models.engine, self.models.critic_engine, self.dist.rank,
+                                  self.cfg.algo.name)
         with refusing_damaged(ckpt):  # a part's state of the wrong shape: one message, not a traceback
             self.state = TrainState(**payload["trainer"])
             self.entropy.load_state_dict(payload)
@@ -347,7 +348,8 @@ class Trainer:
             payload = {"trainer": self.state.__dict__, **self.entropy.state_dict(),
                        "curriculum": self.curriculum.state_dict()}
             checkpoint.save(self.run, done_steps, self.models.engine, self.models.critic_engine, payload,
-                            self.dist.rank, keep=trainer.keep_checkpoints, best_step=self.state.best_step)
+                            self.dist.rank, keep=trainer.keep_checkpoints, best_step=self.state.best_step,
+                            algo=self.cfg.algo.name)
 
     def _after_step(self, done_steps: int, total: int, metrics: dict[str, float]) -> bool:
         """Evaluate, log and checkpoint a finished step; True when this process should stop now."""
