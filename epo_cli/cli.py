@@ -107,6 +107,22 @@ def report(paths: list[str] = REPORT_PATHS, out: str | None = REPORT_OUT) -> Non
     run_report([Path(p) for p in paths], Path(out) if out else None)
 
 
+@app.command(context_settings=EXTRA)
+def plan(overrides: list[str] = OVERRIDES_ARG,
+         gpus: int | None = typer.Option(None, "--gpus", help="GPUs in all (default: the launcher's world size)."),
+         gpu_mem: float | None = typer.Option(None, "--gpu-mem", help="GiB per GPU (default 80)."),
+         device: str = typer.Option("gpu", "--device", help="gpu (bf16 where precision=auto) | cpu (fp32 ranks)."),
+         throughput: str | None = typer.Option(None, "--throughput", help="scripts/gpu_check.py --out file."),
+         prompt_tokens: int | None = typer.Option(None, "--prompt-tokens", help="Default: rollout.max_prompt_tokens."),
+         response_tokens: int | None = typer.Option(None, "--response-tokens", help="Default: rollout.max_new_tokens."),
+         as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON.")) -> None:
+    """Memory per rank and time per iteration of a run before it starts, whether it fits N GPUs of M GiB, and the
+    single change that makes it fit: `epo plan experiment=paper/epo_alfworld_grpo_epo_3b --gpus 8 --gpu-mem 24`."""
+    from epo_cli.analysis.plan import run_plan  # torch-free, but only this command needs it
+
+    run_plan(list(overrides or []), gpus, gpu_mem, device, throughput, prompt_tokens, response_tokens, as_json)
+
+
 @config_app.command("show", context_settings=EXTRA, epilog=groups_help())
 def config_show(overrides: list[str] = OVERRIDES_ARG) -> None:
     """Print the fully resolved config for these overrides (nothing runs)."""
