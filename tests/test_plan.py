@@ -58,13 +58,37 @@ def test_model_states_by_hand() -> None:
     s2 = model_states(P, 2, 2, "fp32")
     assert (s2.weights, s2.grads, s2.optimizer) == (4 * P, 2 * P, 6 * P)
     assert model_states(P, 3, 2, "fp32").total == 10 * P
-    # bf16 = DeepSpeed's estimators: zero2 4P + 16P/N; zero3 18P/N (+ 4 x largest layer, counted apart)
-    assert model_states(P, 2, 8, "bf16").total == 4 * P + 2 * P
+    # bf16 = DeepSpeed's estimators: zero2 2P + 18P/N; zero3 18P/N (+ 4 x largest layer, counted apart)
+    assert model_states(P, 2, 8, "bf16").total == pytest.approx(2 * P + 18 * P / 8)
+    assert model_states(P, 1, 8, "bf16").total == pytest.approx(4 * P + 16 * P / 8)
     assert model_states(P, 3, 8, "bf16").total == pytest.approx(18 * P / 8)
     off = model_states(P, 2, 8, "bf16", offload_optimizer=True)
     assert off.total == 2 * P and off.host == P * max(4 * 8, 16) * 1.5
     both = model_states(P, 3, 8, "bf16", offload_optimizer=True, offload_param=True)
     assert both.total == 0 and both.host == 18 * P * 1.5
+
+
+@pytest.mark.parametrize("ranks,nodes", [(1, 1), (8, 1), (16, 2)])
+def test_bf16_states_are_deepspeeds_own_estimates(ranks: int, nodes: int) -> None:
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    arch, _ = architecture(compose(["model=qwen2.5-7b"]).model)
+    P, L = arch.params(), arch.largest_layer_params()
+    per_node = ranks // nodes
+    for offload in (False, True):
+        cpu, gpu = estimate_zero2_model_states_mem_needs(P, per_node, nodes, cpu_offload=offload)
+        ours = model_states(P, 2, ranks, "bf16", offload_optimizer=offload, nodes=nodes)
+        assert ours.total == pytest.approx(gpu, abs=1)
+        if offload:
+            assert ours.host == pytest.approx(cpu, abs=1)
+    for offload, offload_params in ((False, False), (True, False), (True, True)):
+        cpu, gpu, largest = estimate_zero3_model_states_mem_needs(P, L, per_node, nodes, cpu_offload=offload,
+                                                                  cpu_offload_params=offload_params)
+        ours = model_states(P, 3, ranks, "bf16", offload, offload_params, nodes=nodes)
+        assert ours.total + 4 * L == pytest.approx(gpu, abs=1) and largest == 4 * L
+        if offload:
+            assert ours.host == pytest.approx(cpu, abs=1)
 
 
 def test_activations_and_kv_cache_by_hand() -> None:

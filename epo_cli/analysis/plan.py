@@ -154,12 +154,12 @@ def model_states(params: int, stage: int, ranks: int, precision: str, offload_op
                  offload_param: bool = False, nodes: int = 1) -> States:
     """Weights, gradients and Adam state of `params` parameters on one of `ranks` ranks.
 
-    bf16 (DeepSpeed's accounting, per parameter): 2 bytes of weights, 2 of gradients, and 16 that ZeRO
-    partitions from stage 1 on (fp32 master 4, fp32 gradient partition 4, Adam moments 8). So ZeRO-2 =
-    4P + 16P/N (estimate_zero2_model_states_mem_needs, no offload); ZeRO-3 = 18P/N (its zero3 estimate
-    without the largest-layer term, which is `gathered_layer` here); ZeRO-1 has ZeRO-2's footprint in this
-    accounting; ZeRO-0 keeps all 20P. Offloaded optimizer: the device keeps the 2-byte weights (ZeRO-1/2) or
-    their partition (ZeRO-3), the host holds P x max(4N, 16) x 1.5 (ZeRO-1/2) or 16P x 1.5 per node (ZeRO-3);
+    bf16 (DeepSpeed's accounting, per parameter): 2 bytes of 16-bit weights, 2 of 16-bit gradients, 4 of fp32
+    gradients, 4 of fp32 master weights, 8 of Adam moments. ZeRO-2 partitions all but the weights:
+    2P + 18P/N (estimate_zero2_model_states_mem_needs without offload); ZeRO-3 the weights too: 18P/N (its zero3
+    estimate without the largest-layer term, which is `gathered layer` here); ZeRO-1 keeps the 16-bit gradients
+    whole: 4P + 16P/N; ZeRO-0 holds all 20P. Offloaded optimizer: the device keeps the 16-bit weights (ZeRO-1/2)
+    or their partition (ZeRO-3); the host P x max(4N, 16) x 1.5 (ZeRO-1/2) or 16P x 1.5 per node (ZeRO-3);
     offloaded parameters as well: nothing but the gathered layer on the device, 18P x 1.5 per node on the host.
 
     fp32 (CPU ranks): 4-byte weights and gradients, no separate gradient copy; ZeRO-1 and up partition the
@@ -174,7 +174,8 @@ def model_states(params: int, stage: int, ranks: int, precision: str, offload_op
         if stage in (1, 2):
             if offload_optimizer:
                 return States(2 * P, 0.0, 0.0, host=P * max(4 * N, 16) * 1.5)
-            return States(2 * P, 2 * P + 4 * P / N, 12 * P / N)
+            grads = (2 * P if stage == 1 else 2 * P / N) + 4 * P / N
+            return States(2 * P, grads, 12 * P / N)
         if offload_param and offload_optimizer:
             return States(0.0, 0.0, 0.0, host=18 * P * per_node_factor)
         if offload_optimizer:
