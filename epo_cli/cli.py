@@ -2,6 +2,7 @@
 
     epo train algo=epo env=household trainer.total_steps=20     train (any key is a Hydra override)
     epo config show algo=grpo                                    print the resolved config
+    epo plan experiment=paper/epo_alfworld_grpo_epo_3b --gpus 8  memory per rank, fit verdict, time per iteration
     epo train --help                                             config groups and their options
 """
 
@@ -16,6 +17,7 @@ from typing import Any
 import typer
 from rich.markup import escape
 
+from epo_cli.analysis.plan import run_plan
 from epo_cli.analysis.sweep_summary import summarize_command
 from epo_cli.config import GROUPS, config_dir, group_options, to_yaml
 from epo_cli.console import err_console, quiet_libraries
@@ -118,8 +120,6 @@ def plan(overrides: list[str] = OVERRIDES_ARG,
          as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON.")) -> None:
     """Memory per rank and time per iteration of a run before it starts, whether it fits N GPUs of M GiB, and the
     single change that makes it fit: `epo plan experiment=paper/epo_alfworld_grpo_epo_3b --gpus 8 --gpu-mem 24`."""
-    from epo_cli.analysis.plan import run_plan  # torch-free, but only this command needs it
-
     run_plan(list(overrides or []), gpus, gpu_mem, device, throughput, prompt_tokens, response_tokens, as_json)
 
 

@@ -32,13 +32,15 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from epo_cli.config import config_dir
+from epo_cli.compose import compose
+from epo_cli.config import ModelConfig, config_dir
 from epo_cli.errors import ConfigError
 
 GIB = 1024**3
@@ -424,10 +426,6 @@ def read_throughput(path: str | None, arch_params: int) -> tuple[dict[str, float
     measured_model = data.get("model")
     measured_params = None
     if isinstance(measured_model, str) and (config_dir() / "model" / f"{measured_model}.yaml").is_file():
-        from omegaconf import OmegaConf
-
-        from epo_cli.config import ModelConfig
-
         model_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig),
                                     OmegaConf.load(config_dir() / "model" / f"{measured_model}.yaml"))
         measured_params = architecture(model_cfg)[0].params()
@@ -581,10 +579,6 @@ def render(plan: Plan) -> None:
 def run_plan(overrides: list[str], gpus: int | None, gpu_mem: float | None, device: str, throughput: str | None,
              prompt: int | None, response: int | None, as_json: bool) -> Plan:
     """`epo plan`: compose and validate the config, estimate, print."""
-    import sys
-
-    from epo_cli.compose import compose
-
     cfg = compose(overrides)
     plan = make_plan(cfg, gpus, gpu_mem, device, throughput, prompt, response)
     if as_json:
