@@ -38,7 +38,10 @@ def groups_help() -> str:
     lines = ["Config groups (pick one option with group=option):\n\n"]
     for group in GROUPS:
         if (config_dir() / group).is_dir():
-            lines.append(f"  {group:<11} {', '.join(group_options(group)) or '-'}\n\n")
+            folders = [d.name for d in sorted((config_dir() / group).iterdir()) if d.is_dir()]
+            nested = [f"{name}/<{len(group_options(f'{group}/{name}'))} presets>" for name in folders
+                      if group_options(f"{group}/{name}")]  # e.g. experiment=paper/<name> (docs/recipes.md)
+            lines.append(f"  {group:<11} {', '.join(group_options(group) + nested) or '-'}\n\n")
     lines.append("Any key can be overridden: trainer.total_steps=20 seed=3 model.hidden_size=128 "
                  "algo.entropy_smoothing.alpha=0.05. See every key with `epo config show`.")
     return "".join(lines)

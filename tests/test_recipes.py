@@ -63,3 +63,10 @@ def test_shrunk_recipe_trains_one_iteration(recipe: str, tmp_path: Path) -> None
     text = (run / "config.yaml").read_text()
     assert f"name: paper-{recipe.split('/')[1]}" in text
     assert (run / "final").is_dir()
+
+
+def test_a_mistyped_recipe_names_the_right_override(tmp_path: Path) -> None:
+    proc = run_epo(["config", "show", "experiment=paper/epo_alfworld_grpo_3"], tmp_path, expect=2)
+    assert "Did you mean 'experiment=paper/epo_alfworld_grpo_3b'?" in proc.stderr
+    assert "paper/gigpo_alfworld_7b" in proc.stderr
+    assert "paper/<10 presets>" in " ".join(run_epo(["train", "--help"], tmp_path).stdout.split())  # rich wraps
