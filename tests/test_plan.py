@@ -168,10 +168,16 @@ def test_iteration_cost_from_a_gpu_check_file(tmp_path: Path) -> None:
     t = plan.tokens
     assert (t["episodes"], t["turn_samples"], t["generated_tokens"], t["prefill_tokens"]) == (8, 40, 800, 4000)
     assert "scaled from qwen2.5-0.5b-random" in plan.time["throughput_source"]  # the same model: factor 1
-    # 800 generated tokens at 100/s; update 40 x 120 tokens, plus forward-only passes at a third: scoring (no
-    # reuse) and reference 2 x 4800 / 3, prefill 4000 / 3; at 1000 tokens/s
-    assert plan.time["generation_s"] == pytest.approx(8.0)
-    assert plan.time["update_and_scoring_s"] == pytest.approx((4800 + 2 * 4800 / 3 + 4000 / 3) / 1000)
+    # generation: 800 decoded tokens at 100/s, and the 4000 prompt tokens' prefill as forward-only (a third of
+    # a training token) at 1000/s; update: 40 x 120 trained tokens, plus the old policy's scoring (no reuse) and
+    # the reference, 2 x 4800 / 3 forward-only tokens, at 1000 tokens/s
+    assert plan.time["generation_s"] == pytest.approx(8.0 + 4000 / 3 / 1000)
+    assert plan.time["update_and_scoring_s"] == pytest.approx((4800 + 2 * 4800 / 3) / 1000)
+    # without a file: 120 effective TFLOP/s over 6 FLOPs per parameter and token, per GPU; 2 GPUs halve the time
+    default = make_plan(cfg, gpus=1)
+    assert default.time["update_tokens_per_s_per_gpu"] == pytest.approx(120e12 / (6 * default.params))
+    two = make_plan(cfg, gpus=2)
+    assert two.time["update_and_scoring_s"] == pytest.approx(default.time["update_and_scoring_s"] / 2)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -454,13 +454,14 @@ def iteration_cost(planner: Planner, s: Setup, throughput: dict[str, float], row
     critic = 0.0
     if planner.has_critic:
         critic = samples * P * (algo.ppo_epochs * recompute + 1 / 3)
-    train_equiv = tokens["update_tokens"] * recompute + forward_only + critic + tokens["prefill_tokens"] / 3
+    train_equiv = tokens["update_tokens"] * recompute + forward_only + critic
     update_tps = throughput["update_tokens_per_s"]
     rollout_tps = throughput["rollout_tokens_per_s"]
     if rollout_tps <= 0:  # default: decoding reads the weights once per step for all rows of the rank
         step_s = planner.width * planner.params / (DEFAULT_DECODE_GBPS * 1e9)
         rollout_tps = rows_per_rank / step_s
-    rollout_s = tokens["generated_tokens"] / (rollout_tps * s.gpus)
+    # generation: decoding at the rollout rate, the prompts' prefill as forward-only tokens at the update rate
+    rollout_s = (tokens["generated_tokens"] / rollout_tps + tokens["prefill_tokens"] / 3 / update_tps) / s.gpus
     update_s = train_equiv / (update_tps * s.gpus)
     time = {"rollout_tokens_per_s_per_gpu": rollout_tps, "update_tokens_per_s_per_gpu": update_tps,
             "generation_s": rollout_s, "update_and_scoring_s": update_s, "iteration_s": rollout_s + update_s,
