@@ -155,6 +155,8 @@ def test_activation_bound_run_is_fixed_by_a_smaller_micro_batch() -> None:
     fixed = make_plan(compose(["experiment=paper/epo_alfworld_grpo_epo_3b", "algo.micro_batch_size=16"]), gpus=8,
                       gpu_mem_gib=80)
     assert fixed.estimate.fits
+    # more GPUs are only offered in layouts `epo train` accepts: 16 tasks per step split evenly over the ranks
+    assert not any(f["change"].startswith("--gpus 32") for f in plan.suggestions)
 
 
 def test_iteration_cost_from_a_gpu_check_file(tmp_path: Path) -> None:

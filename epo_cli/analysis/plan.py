@@ -357,7 +357,8 @@ class Planner:
             [("deepspeed=zero3_offload (parameters and optimizer on the host)",
               {"stage": 3, "offload_optimizer": True, "offload_param": True})] if not s.offload_param else [],
             [(f"--gpus {g} (launcher.num_gpus x launcher.num_nodes)", {"gpus": g})
-             for g in (s.gpus * 2**i for i in range(1, 10))],
+             for g in (s.gpus * 2**i for i in range(1, 10))  # layouts `epo train` accepts (whole groups per rank)
+             if self.cfg.algo.tasks_per_step % g == 0 and mini % (s.micro * g) == 0],
         ]
         return [k for k in kinds if k]
 
