@@ -1,15 +1,18 @@
 """`epo plan` against measured memory: 2 CPU ranks, ZeRO-0..3, one training step of the real pieces.
 
     OMP_NUM_THREADS=1 python scripts/bench/bench_plan.py                      # tiny and mid models, ZeRO 0-3
+    python scripts/bench/bench_plan.py --algo ppo --models mid --stages 2,3    # with the critic
     python scripts/bench/bench_plan.py --models mid --stages 3 --micro 4 --prompt 96 --response 32
 
 For each model size and ZeRO stage, 2 ranks start under the deepspeed launcher (CPU, fp32) and each rank
 builds what a GRPO run's update holds, with the package's own functions: the policy (a Qwen2 model of the
 `model.*` sizes, as model=tiny builds it), the KL reference (epo_cli.models.loading.frozen_copy), under ZeRO-3
 the inference copy (epo_cli.training.engine.inference_copy), the DeepSpeed engine (build_engine, the config of
-`deepspeed=zeroN`). It then runs two optimizer steps of micro-batches of random tokens through the update's
-forward (epo_cli.training.forward.policy_forward: logits at the response tokens, fp32 log-softmax, entropy),
-a reference forward, a clipped-ratio-free loss (-logprob - 0.001 x entropy + KL) and engine.backward/step.
+`deepspeed=zeroN`); `--algo ppo` adds the critic as training builds it (a ValueModel of a copy of the policy,
+its own engine, its ZeRO-3 copy). It then runs two optimizer steps of micro-batches of random tokens through the
+update's forward (epo_cli.training.forward.policy_forward: logits at the response tokens, fp32 log-softmax,
+entropy), a reference forward, a clipped-ratio-free loss (-logprob - 0.001 x entropy + KL) and
+engine.backward/step (and the critic's value_forward, squared error, backward/step).
 
 Measured per rank:
     model states  every tensor the engine and its optimizer hold after the second step's backward (weights or
@@ -54,6 +57,7 @@ MODELS = {
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="tiny,mid")
+    p.add_argument("--algo", default="grpo", choices=("grpo", "ppo"), help="ppo: also the critic and its engine")
     p.add_argument("--stages", default="0,1,2,3")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--micro", type=int, default=4)
@@ -70,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def overrides(args: argparse.Namespace, model: str, stage: int) -> list[str]:
     sizes = [f"model.{k}={v}" for k, v in MODELS[model].items()]
     mini = args.micro * args.ranks * args.accumulation
-    return ["model=tiny", *sizes, "algo=grpo", f"deepspeed=zero{stage}", "trainer.device=cpu",
+    return ["model=tiny", *sizes, f"algo={args.algo}", f"deepspeed=zero{stage}", "trainer.device=cpu",
             f"algo.micro_batch_size={args.micro}", f"algo.mini_batch_size={mini}",
             f"algo.tasks_per_step={args.ranks}", "algo.group_size=2", "rollout.generation_batch_size=1",
             f"rollout.max_prompt_tokens={args.prompt}", f"rollout.max_new_tokens={args.response}"]
@@ -84,10 +88,10 @@ def child(args: argparse.Namespace) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from epo_cli.compose import compose
-    from epo_cli.models.loading import frozen_copy
+    from epo_cli.models.loading import ValueModel, frozen_copy
     from epo_cli.rollout.batch import MicroBatch
     from epo_cli.training.engine import build_engine, inference_copy, init_distributed
-    from epo_cli.training.forward import policy_forward
+    from epo_cli.training.forward import policy_forward, value_forward
 
     torch.set_num_threads(1)
     cfg = compose(overrides(args, args.model, args.stage))
@@ -103,7 +107,15 @@ def child(args: argparse.Namespace) -> None:
         tie_word_embeddings=m.tie_word_embeddings, attn_implementation="sdpa"))
     ref = frozen_copy(model)
     template = inference_copy(model, args.stage)  # noqa: F841 - held, as RolloutModule holds it
+    critic = None
+    if args.algo == "ppo":  # as epo_cli/training/models.py builds it
+        critic = ValueModel(frozen_copy(model))
+        for p in critic.parameters():
+            p.requires_grad_(True)
     engine = build_engine(model, cfg, dist, lr=1e-5)
+    if critic is not None:
+        critic_template = inference_copy(critic, args.stage)  # noqa: F841 - held, as the critic's RolloutModule
+        critic = build_engine(critic, cfg, dist, lr=1e-5)
     P, R, B = args.prompt, args.response, args.micro
     gen = torch.Generator().manual_seed(dist.rank)
     states: dict[str, float] = {}
@@ -122,9 +134,16 @@ def child(args: argparse.Namespace) -> None:
             kl = (log_ratio.exp() - log_ratio - 1).mean()  # k3 (low_var_kl)
             loss = -out.logprobs.mean() - 0.001 * out.entropy.mean() + 0.01 * kl
             engine.backward(loss / args.accumulation, scale_wrt_gas=False)
+            if critic is not None:  # the critic's update: values at the last prompt token against a target
+                value_loss = (value_forward(critic, mb) - 1.0).pow(2).mean()
+                critic.backward(value_loss / args.accumulation, scale_wrt_gas=False)
         if step == 1:
             states = count_memory(engine)
+            if critic is not None:
+                states = {k: v + count_memory(critic)[k] for k, v in states.items()}
         engine.step()
+        if critic is not None:
+            critic.step()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
     Path(args.out, f"rank{dist.rank}.json").write_text(json.dumps({"states": states, "peak": peak}))
     torch.distributed.barrier()
@@ -143,7 +162,7 @@ def run_world(args: argparse.Namespace, model: str, stage: int) -> list[dict[str
                "--master_port", str(free_port()), "--no_local_rank", "--log_level", "error",
                str(Path(__file__).resolve()), "--child", "--out", tmp, "--model", model, "--stage", str(stage),
                "--micro", str(args.micro), "--accumulation", str(args.accumulation), "--prompt", str(args.prompt),
-               "--response", str(args.response), "--ranks", str(args.ranks)]
+               "--response", str(args.response), "--ranks", str(args.ranks), "--algo", args.algo]
         subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
         return [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(args.ranks)]
 
@@ -166,7 +185,8 @@ def main() -> None:
         return
     mib = 1024 * 1024
     rows = []
-    print(f"2 CPU ranks, fp32, GRPO update (policy + KL reference), micro-batch {args.micro} x "
+    what = "GRPO update (policy + KL reference)" if args.algo == "grpo" else "PPO update (policy, KL reference, critic)"
+    print(f"2 CPU ranks, fp32, {what}, micro-batch {args.micro} x "
           f"({args.prompt} + {args.response}) tokens, {args.accumulation} micro-batches per step")
     print(f"{'model':<9}{'params':>9}{'stage':>6}{'states MiB':>12}{'plan':>9}{'ratio':>7}"
           f"{'peak MiB':>10}{'plan':>9}{'ratio':>7}")
@@ -176,8 +196,8 @@ def main() -> None:
             measured_states = max(r["states"]["total"] for r in ranks)
             measured_peak = max(r["peak"] for r in ranks)
             plan_states, plan_peak, params = planned(args, model, stage)
-            row = dict(model=model, params=params, stage=stage, states=measured_states, plan_states=plan_states,
-                       peak=measured_peak, plan_peak=plan_peak)
+            row = dict(model=model, algo=args.algo, params=params, stage=stage, states=measured_states,
+                       plan_states=plan_states, peak=measured_peak, plan_peak=plan_peak)
             rows.append(row)
             print(f"{model:<9}{params / 1e6:>8.1f}M{stage:>6}{measured_states / mib:>12.1f}{plan_states / mib:>9.1f}"
                   f"{plan_states / measured_states:>7.2f}{measured_peak / mib:>10.1f}{plan_peak / mib:>9.1f}"
