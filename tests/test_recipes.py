@@ -16,6 +16,7 @@ import pytest
 
 from epo_cli.compose import compose
 from epo_cli.config import config_dir
+from epo_cli.errors import ConfigError
 from tests.conftest import only_run_dir, run_epo
 
 RECIPES = sorted(f"paper/{p.stem}" for p in (config_dir() / "experiment" / "paper").glob("*.yaml"))
@@ -70,3 +71,11 @@ def test_a_mistyped_recipe_names_the_right_override(tmp_path: Path) -> None:
     assert "Did you mean 'experiment=paper/epo_alfworld_grpo_3b'?" in proc.stderr
     assert "paper/gigpo_alfworld_7b" in proc.stderr
     assert "paper/<10 presets>" in " ".join(run_epo(["train", "--help"], tmp_path).stdout.split())  # rich wraps
+
+
+def test_a_sweep_over_recipes_is_checked_against_the_nested_presets() -> None:
+    from epo_cli.launch.sweep import _parse, check_first_job
+
+    check_first_job(_parse(["experiment=paper/gigpo_alfworld_1.5b,paper/gigpo_alfworld_7b", "seed=0,1"]))
+    with pytest.raises(ConfigError, match="Unknown option 'paper/gigpo_alfworld_8b'"):
+        check_first_job(_parse(["experiment=paper/gigpo_alfworld_1.5b,paper/gigpo_alfworld_8b"]))
