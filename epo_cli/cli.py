@@ -2,6 +2,7 @@
 
     epo train algo=epo env=household trainer.total_steps=20     train (any key is a Hydra override)
     epo config show algo=grpo                                    print the resolved config
+    epo plan experiment=paper/epo_alfworld_grpo_epo_3b --gpus 8  memory per rank, fit verdict, time per iteration
     epo train --help                                             config groups and their options
 """
 
@@ -16,6 +17,7 @@ from typing import Any
 import typer
 from rich.markup import escape
 
+from epo_cli.analysis.plan import run_plan
 from epo_cli.analysis.sweep_summary import summarize_command
 from epo_cli.config import GROUPS, config_dir, group_options, to_yaml
 from epo_cli.console import err_console, quiet_libraries
@@ -37,7 +39,10 @@ def groups_help() -> str:
     lines = ["Config groups (pick one option with group=option):\n\n"]
     for group in GROUPS:
         if (config_dir() / group).is_dir():
-            lines.append(f"  {group:<11} {', '.join(group_options(group)) or '-'}\n\n")
+            folders = [d.name for d in sorted((config_dir() / group).iterdir()) if d.is_dir()]
+            nested = [f"{name}/<{len(group_options(f'{group}/{name}'))} presets>" for name in folders
+                      if group_options(f"{group}/{name}")]  # e.g. experiment=paper/<name> (docs/recipes.md)
+            lines.append(f"  {group:<11} {', '.join(group_options(group) + nested) or '-'}\n\n")
     lines.append("Any key can be overridden: trainer.total_steps=20 seed=3 model.hidden_size=128 "
                  "algo.entropy_smoothing.alpha=0.05. See every key with `epo config show`.")
     return "".join(lines)
@@ -107,6 +112,20 @@ def report(paths: list[str] = REPORT_PATHS, out: str | None = REPORT_OUT) -> Non
     from epo_cli.analysis.report import run_report  # torch, numpy: see the note at the imports
 
     run_report([Path(p) for p in paths], Path(out) if out else None)
+
+
+@app.command(context_settings=EXTRA)
+def plan(overrides: list[str] = OVERRIDES_ARG,
+         gpus: int | None = typer.Option(None, "--gpus", help="GPUs in all (default: the launcher's world size)."),
+         gpu_mem: float | None = typer.Option(None, "--gpu-mem", help="GiB per GPU (default 80)."),
+         device: str = typer.Option("gpu", "--device", help="gpu (bf16 where precision=auto) | cpu (fp32 ranks)."),
+         throughput: str | None = typer.Option(None, "--throughput", help="scripts/gpu_check.py --out file."),
+         prompt_tokens: int | None = typer.Option(None, "--prompt-tokens", help="Default: rollout.max_prompt_tokens."),
+         response_tokens: int | None = typer.Option(None, "--response-tokens", help="Default: rollout.max_new_tokens."),
+         as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON.")) -> None:
+    """Memory per rank and time per iteration of a run before it starts, whether it fits N GPUs of M GiB, and the
+    single change that makes it fit: `epo plan experiment=paper/epo_alfworld_grpo_epo_3b --gpus 8 --gpu-mem 24`."""
+    run_plan(list(overrides or []), gpus, gpu_mem, device, throughput, prompt_tokens, response_tokens, as_json)
 
 
 @config_app.command("show", context_settings=EXTRA, epilog=groups_help())

@@ -107,13 +107,15 @@ def _translate_hydra_error(err: Exception) -> ConfigError:
     text = re.sub(r"(?<![\w+])\+\+(?=[\w/])", "", str(err))
     m = re.search(r"Could not find '([\w\-/.]+)/([\w\-.]+)'", text)
     if m:
-        group, option = m.group(1), m.group(2)
-        options = group_options(group) if (config_dir() / group).is_dir() else []
-        close = difflib.get_close_matches(option, options, n=1)
+        folder, option = m.group(1), m.group(2)
+        group, _, sub = folder.partition("/")  # a preset in a subfolder: experiment=paper/<name>
+        prefix = f"{sub}/" if sub else ""
+        options = [prefix + o for o in group_options(folder)] if (config_dir() / folder).is_dir() else []
+        close = difflib.get_close_matches(prefix + option, options, n=1)
         hint = f" Did you mean '{group}={close[0]}'?" if close else ""
         return ConfigError(
-            f"Unknown option '{option}' for config group '{group}'.{hint}\n"
-            f"Valid options for {group}: {', '.join(options)}."
+            f"Unknown option '{prefix}{option}' for config group '{group}'.{hint}\n"
+            f"Valid options{f' in {folder}/' if sub else f' for {group}'}: {', '.join(options)}."
         )
     m = re.search(r"Could not override '([\w.\-]+)'", text)
     if m:

@@ -606,9 +606,14 @@ def config_dir() -> Path:
     raise RuntimeError(f"config tree not found next to {__file__}; the package is installed incorrectly")
 
 
-def group_options(group: str) -> list[str]:
-    """Options of a config group, from the yaml files in conf/<group>/."""
-    return sorted(p.stem for p in (config_dir() / group).glob("*.yaml"))
+def group_options(group: str, nested: bool = False) -> list[str]:
+    """Options of a config group, from the yaml files in conf/<group>/; nested=True also those in its subfolders,
+    as `sub/name` (e.g. experiment=paper/epo_alfworld_grpo_3b)."""
+    folder = config_dir() / group
+    options = sorted(p.stem for p in folder.glob("*.yaml"))
+    if nested:
+        options += sorted(p.relative_to(folder).with_suffix("").as_posix() for p in folder.glob("*/**/*.yaml"))
+    return options
 
 
 def _choice(key: str, value: Any, valid: list[Any] | tuple[Any, ...]) -> None:

@@ -82,3 +82,17 @@ def test_bench_diagnostics_quick(tmp_path: Path, epo_cache: Path) -> None:
     assert rows["off"]["perf/diagnostics_s"] == 0.0  # off: nothing measured, nothing spent
     assert rows["defaults"]["perf/diagnostics_s"] > 0 and rows["defaults"]["perf/mi_s"] == 0.0
     assert 0 < rows["mi"]["perf/mi_s"] <= rows["mi"]["perf/diagnostics_s"] < rows["mi"]["iteration_s"]
+
+
+@pytest.mark.slow
+def test_bench_plan_model_states_match_the_plan(tmp_path: Path) -> None:
+    """bench_plan on the tiny model under ZeRO-2 (2 CPU ranks): the engine's counted model states are within 15% of
+    `epo plan`'s (counted tensors, not timings: deterministic)."""
+    out = tmp_path / "rows.json"
+    scratch, env = script_temp_dir(tmp_path)
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_plan.py"), "--models", "tiny", "--stages", "2",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())
+    assert row["stage"] == 2 and row["peak"] > 0
+    assert row["plan_states"] / row["states"] == pytest.approx(1.0, abs=0.15)

@@ -24,6 +24,9 @@ BAD_ARGUMENTS = [
     (["config", "show", "algo=nope"], 2, "Unknown option 'nope'"),
     (["config", "show", "rollout.top_p=2"], 2, "rollout.top_p"),
     (["config", "frobnicate"], 2, "No such command"),
+    (["plan", "bogus.key=1"], 2, "Unknown config key 'bogus'"),
+    (["plan", "--gpus", "0"], 2, "--gpus 0"),
+    (["plan", "--throughput", "does/not/exist.json"], 2, "no such file"),
     (["frobnicate"], 2, "No such command"),
 ]
 

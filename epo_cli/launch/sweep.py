@@ -226,7 +226,7 @@ def check_first_job(parsed: list[Any]) -> None:
     for key, values in swept:
         group = key.lstrip("+~")
         if group in GROUPS or (config_dir() / group).is_dir():
-            options = group_options(group)
+            options = group_options(group, nested=True)  # experiment=paper/<name> too
             for value in values:
                 if value not in options:
                     raise ConfigError(f"Unknown option '{value}' for config group '{group}' in the sweep "
