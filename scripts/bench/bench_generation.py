@@ -11,7 +11,7 @@ seeds) is replayed by each implementation, interleaved per repeat so drift in th
 alike. max_new_tokens 64, temperature 1.0.
 
 Models: `tiny` (model=tiny, random weights) and `small` (the tiny builder at hidden 256, intermediate 1024,
-4 layers, 8 heads: ~4M parameters, ~3M of them in matmuls). Regimes:
+4 layers, 8 heads: 4.2M parameters, nearly all in matmuls). Regimes:
 - `demo`: stop at "</action>" as in training. A random model never writes it, so every row runs to
   max_new_tokens: the per-token cost with no finished rows.
 - `long-tail`: stop at one character chosen so that ~1/16 of the vocabulary's token texts hold it, so rows
