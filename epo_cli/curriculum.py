@@ -111,16 +111,22 @@ def check_levels_fit(cfg: Any) -> None:
         named.append(("algo.demo_level", cfg.algo.demo_level))
     if cfg.curriculum.name in ("staged", "adaptive"):
         named += [("curriculum.levels", level) for level in cfg.curriculum.levels]
+    short = {}  # level -> (the keys that name it, the turns its shortest win takes)
     for key, level in named:
         if level not in LEVEL_BY_NAME:
             continue  # the env's own check names the valid levels
         types = resolve_task_types(list(cfg.env.task_types)) or LEVEL_BY_NAME[level].task_types
         need = min(HOUSEHOLD_MIN_TURNS.get(t, 1) for t in types)
         if cfg.env.max_turns < need:
-            warnings.warn(f"env.max_turns={cfg.env.max_turns} is too few for every task of the household level "
-                          f"'{level}' ({key}; task types {', '.join(types)}): the shortest win takes {need} turns, "
-                          "so every episode ends unsolved and nothing can be learned. Raise env.max_turns (at "
-                          f"least {need}; the expert's median is about 8).", stacklevel=4)
+            short.setdefault(level, ([], need))[0].append(key)
+    if short:
+        levels = ", ".join(f"'{level}' ({', '.join(keys)}: its shortest win takes {need} turns)"
+                           for level, (keys, need) in short.items())
+        most = max(need for _, need in short.values())
+        warnings.warn(f"env.max_turns={cfg.env.max_turns} is too few for every task of the household level"
+                      f"{'s' if len(short) > 1 else ''} {levels}, so every episode there ends unsolved and nothing "
+                      f"can be learned. Raise env.max_turns (at least {most}; the expert's median is about 8).",
+                      stacklevel=4)
 
 
 _S = TypeVar("_S", bound="CommonCurriculumConfig")
