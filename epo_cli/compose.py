@@ -241,7 +241,9 @@ def preset_settings(overrides: list[str] | tuple[str, ...]) -> dict[str, str]:
 
 def blame_preset(message: str, preset: dict[str, str]) -> str:
     """`message` with a note naming the preset that set the keys it mentions (the user did not set them)."""
-    named = [key for key in preset if re.search(rf"(?<![\w.])'?{re.escape(key)}(?='|=)", message)]
+    # a key the message is about, not one of the valid keys or values it lists ("Valid keys in 'env': name, ...")
+    about = "\n".join(line for line in message.splitlines() if not line.startswith("Valid "))
+    named = [key for key in preset if re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", about)]
     if not named:
         return message
     keys = ", ".join(named)

@@ -8,11 +8,12 @@
         final/               the trained policy in Hugging Face format (model.path=<run>/final)
         eval/  plots/  samples/   evaluation results, PNG plots, decoded trajectories
         status.json          running | finished | stopped (with the signal) | failed (with the error)
-        .epo.lock            held by the process that writes the run (see `claim_run_dir`)
+        .epo.lock            while a process writes the run: its lock (see `claim_run_dir`)
 
 One process writes a run directory at a time, and a directory that holds a run is only ever written again to
 resume that run: `claim_run_dir` takes the directory's lock (an exclusive flock on .epo.lock, held until the
-process ends; a launcher's ranks run under their launcher's claim) and refuses a directory that holds anything
+command ends, then removed; the kernel releases it if the process dies; a launcher's ranks run under their
+launcher's claim) and refuses a directory that holds anything
 but the files `epo sweep` puts in a job's folder before the job starts, unless the command resumes it.
 """
 
@@ -261,23 +262,20 @@ def lock_folder(path: Path, what: str) -> Claim:
         setting = "output_dir=DIR (or run_dir=DIR)" if what == "run directory" else "hydra.sweep.dir=DIR"
         raise UserError(f"Cannot write the {what} {path}: {err.strerror or err} ({err.filename or path}). Choose "
                         f"a writable {setting}, or free disk space.") from None
-    try:
-        fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as err:
-        if err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-            raise UserError(f"The {what} '{path}' is read-only ({err.strerror}): epo writes its lock, "
-                            "checkpoints, metrics and status there. Copy it to a writable folder and use the "
-                            f"copy (cp -r '{path}' NEW_DIR), or make it writable.") from None
-        raise
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as err:
-        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        if err.errno not in (errno.EWOULDBLOCK, errno.EACCES):
-            raise
-        raise UserError(f"The {what} '{path}' is in use by another epo process ({holder}): one process writes "
-                        f"a {what} at a time. Wait for that one to end, or choose another folder.") from None
+    while True:
+        fd = _open_lock(path, what)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            if err.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+                raise
+            raise UserError(f"The {what} '{path}' is in use by another epo process ({holder}): one process "
+                            f"writes a {what} at a time. Wait for that one to end, or choose another folder.") from None
+        if _is_current(fd, path / LOCK_NAME):
+            break
+        os.close(fd)  # its owner removed that lock file while we opened it: take the one there now
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()}: {' '.join(['epo', *sys.argv[1:]])[:1000]}\n".encode(), 0)
     claim = Claim(path, fd, created)
@@ -285,25 +283,47 @@ def lock_folder(path: Path, what: str) -> Claim:
     return claim
 
 
+def _open_lock(path: Path, what: str) -> int:
+    try:
+        return os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:
+        if err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise UserError(f"The {what} '{path}' is read-only ({err.strerror}): epo writes its lock, "
+                            "checkpoints, metrics and status there. Copy it to a writable folder and use the "
+                            f"copy (cp -r '{path}' NEW_DIR), or make it writable.") from None
+        raise
+
+
+def _is_current(fd: int, lock: Path) -> bool:
+    """Whether the locked file is still the one at `lock` (release removes it while holding the lock)."""
+    try:
+        here = os.stat(lock)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (here.st_ino, here.st_dev) == (held.st_ino, held.st_dev)
+
+
 def release_folders() -> None:
-    """Release every folder this process claimed (cli.main, when a command ends): a folder the claim
-    created and nothing else wrote into is removed again, with the parents it created."""
+    """Release every folder this process claimed (cli.main, when a command ends)."""
     for claim in list(_CLAIMS.values()):
         release(claim)
 
 
 def release(claim: Claim) -> None:
-    """Release one claim (see release_folders)."""
-    if _CLAIMS.pop(claim.path, None) is not None:
-        try:
-            if claim.created and [p.name for p in claim.path.iterdir()] == [LOCK_NAME]:
-                (claim.path / LOCK_NAME).unlink()
-                for folder in claim.created:
-                    folder.rmdir()
-        except OSError:  # not empty after all (another process wrote there), or already gone: leave it
-            pass
-        finally:
-            os.close(claim.fd)
+    """Release one claim: its lock file is removed while still locked (a process that opened it meanwhile
+    sees that and takes the next one: `_is_current`), so a run leaves no lock behind; a folder the claim
+    created and nothing else wrote into is removed again, with the parents it created."""
+    if _CLAIMS.pop(claim.path, None) is None:
+        return
+    try:
+        (claim.path / LOCK_NAME).unlink(missing_ok=True)
+        for folder in claim.created:
+            folder.rmdir()  # only while empty: stops at the first folder that holds something
+    except OSError:  # not empty (the run wrote there), read-only, or already gone: leave it
+        pass
+    finally:
+        os.close(claim.fd)
 
 
 def foreign_entries(path: Path) -> list[str]:

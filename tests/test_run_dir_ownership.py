@@ -10,7 +10,6 @@ run_dir=<other>` ignored run_dir.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import signal
 import subprocess
@@ -135,7 +134,7 @@ def test_a_sweep_directory_in_use_or_used_is_refused(lock_holder, tmp_path: Path
     (used / "0-seed-0").mkdir()
     proc = run_epo(["sweep", "algo=sft", "seed=0,1", f"hydra.sweep.dir={used}"], cwd=tmp_path, expect=1)
     one_error(proc, str(used), "already holds 0-seed-0, sweep.json", "another hydra.sweep.dir")
-    assert sorted(p.name for p in used.iterdir()) == [".epo.lock", "0-seed-0", "sweep.json"]
+    assert sorted(p.name for p in used.iterdir()) == ["0-seed-0", "sweep.json"]
     assert not any((busy / name).exists() for name in ("sweep.json", "multirun.yaml"))
 
 
@@ -173,15 +172,15 @@ def test_two_trains_on_one_run_dir_at_once_the_second_refuses(tmp_path: Path, ep
 
 
 def test_the_lock_is_released_when_the_command_ends(finished_run: Path, tmp_path: Path) -> None:
-    """Released at the end (the next command of this process may claim it), and a refused new folder that
-    the claim created is removed again with the parents it made."""
+    """Released at the end, leaving no lock file (a stale one, of a killed process, is taken over), and a
+    refused new folder that the claim created is removed again with the parents it made."""
     run = copy_of(finished_run, tmp_path / "run")
+    before = snapshot(run)
     run_epo(["train", *SFT, f"run_dir={run}"], cwd=tmp_path, expect=1)
-    fd = os.open(run / ".epo.lock", os.O_RDWR)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises if anything still held it
-    finally:
-        os.close(fd)
+    assert not (run / ".epo.lock").exists() and snapshot(run) == before
+    (run / ".epo.lock").write_text("pid 1: a process that was killed")
+    proc = run_epo(["train", *SFT, f"run_dir={run}"], cwd=tmp_path, expect=1)
+    one_error(proc, "already holds a run")  # not "in use": nobody holds that lock
     proc = run_epo(["train", "model.attn_implementation=flash_attention_2", "trainer.device=cpu",
                     f"output_dir={tmp_path / 'out'}"], cwd=tmp_path, expect=1)
     one_error(proc, "flash_attention_2 cannot be used here")
