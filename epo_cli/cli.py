@@ -8,7 +8,9 @@
 
 from __future__ import annotations
 
+import errno
 import inspect
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -26,6 +28,7 @@ from epo_cli.launch.deepspeed import launch_ranks
 from epo_cli.launch.setup import compose_for_train
 from epo_cli.launch.slurm import submit_slurm
 from epo_cli.launch.sweep import run_sweep
+from epo_cli.run_dir import check_resume_run_dir, claim_run_dir, release_folders
 from epo_cli.saved_state import check_model_path
 from epo_cli.training.stop import Interrupted
 
@@ -68,6 +71,7 @@ def train(overrides: list[str] = OVERRIDES_ARG) -> None:
     """Train a policy: `epo train algo=epo env=household`."""
     cfg, args = compose_for_train(list(overrides or []))
     check_model_path(cfg.model)  # a model folder from elsewhere: checked before a run directory is written
+    claim_run_dir(cfg, args)  # this process owns the run directory until it ends (epo_cli/run_dir.py)
     if cfg.launcher.name == "local":
         from epo_cli.launch.local import run_local  # the Trainer (torch): see the note at the imports
 
@@ -131,7 +135,8 @@ def plan(overrides: list[str] = OVERRIDES_ARG,
 @config_app.command("show", context_settings=EXTRA, epilog=groups_help())
 def config_show(overrides: list[str] = OVERRIDES_ARG) -> None:
     """Print the fully resolved config for these overrides (nothing runs)."""
-    cfg, _ = compose_for_train(list(overrides or []))
+    cfg, args = compose_for_train(list(overrides or []))
+    check_resume_run_dir(cfg, args)
     sys.stdout.write(to_yaml(cfg))
 
 
@@ -164,26 +169,88 @@ def _show_warning(message: Warning | str, category: type[Warning], filename: str
 def main() -> None:
     quiet_libraries()
     warnings.showwarning = _show_warning
+    output = sys.stdout = WatchedOutput(sys.stdout)
+    try:
+        code = run_app(output)
+        try:
+            output.flush()  # here, not at exit: an output that cannot be written is one message too
+        except OSError as err:
+            code = output_failed(err)
+    finally:
+        sys.stdout = output.stream
+        release_folders()  # the run and sweep directories this command owned (epo_cli/run_dir.py)
+    sys.exit(code)
+
+
+def run_app(output: WatchedOutput) -> int | str | None:
+    """Run the command; its exit code (a user error: one message on stderr)."""
     try:
         app()
+    except SystemExit as exit_:  # typer ends every command with one
+        return exit_.code
     except UserError as err:
         err_console.print("[bold red]error:[/] " + escape(str(err)), soft_wrap=True)
-        sys.exit(err.exit_code)
+        return err.exit_code
     except Stopped as err:
         err_console.print("[bold yellow]stopped:[/] " + escape(str(err)), soft_wrap=True)
-        sys.exit(err.exit_code)
+        return err.exit_code
     except KeyboardInterrupt:
         err_console.print("[yellow]interrupted[/]")
-        sys.exit(130)
+        return 130
     except OSError as err:  # a path the file system refused (read-only, full, a file where a folder goes...)
+        if err is output.failed:
+            return output_failed(err)
         message = file_system_message(err)
         if message is None:
             raise
         err_console.print("[bold red]error:[/] " + escape(message), soft_wrap=True)
-        sys.exit(1)
+        return 1
     except Interrupted as err:
         err_console.print(f"[yellow]{escape(str(err))}[/]")
-        sys.exit(err.exit_code)
+        return err.exit_code
+    return 0
+
+
+class WatchedOutput:
+    """sys.stdout, remembering the error of a write that failed: an OSError without a file name (a full
+    device, a closed pipe) is otherwise the same whether stdout or an open data file raised it."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream, self.failed = stream, None
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except OSError as err:
+            self.failed = err
+            raise
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except OSError as err:
+            self.failed = err
+            raise
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding...: the stream's own
+        return getattr(self.stream, name)
+
+
+def output_failed(err: OSError) -> int:
+    """Standard output cannot be written (full device, closed pipe): one message on stderr, exit 1; stdout
+    then points at /dev/null, so that Python's own flush at exit does not print a second error."""
+    if sys.__stdout__ is not None:
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.__stdout__.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):
+            pass
+    if err.errno != errno.EPIPE:  # a reader that closed the pipe (`| head`) wanted no more: no message
+        err_console.print(f"[bold red]error:[/] cannot write to the standard output ({escape(err.strerror or '')}"
+                          "): the device it goes to is full or failing. Send it to a file on a disk with space, "
+                          "or to /dev/null.", soft_wrap=True)
+    return 1
 
 
 if __name__ == "__main__":

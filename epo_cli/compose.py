@@ -51,9 +51,10 @@ from epo_cli.config import (
     group_options,
     is_sft,
 )
-from epo_cli.curriculum import CURRICULA, check_curriculum
+from epo_cli.curriculum import CURRICULA, check_curriculum, check_levels_fit
 from epo_cli.envs import env_config_class
 from epo_cli.errors import ConfigError
+from epo_cli.memory import check_memory
 from epo_cli.registry import Registry
 from epo_cli.rollout.prompts import get_template
 
@@ -128,6 +129,13 @@ def _translate_hydra_error(err: Exception) -> ConfigError:
     if m:
         return ConfigError(f"'{m.group(1)}' already exists: override it without the leading '+'.")
     first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
+    quote = re.search(r"(?:LexerNoViableAltException|token recognition error)[^\n]*?([\w.+/~\-]+)=(.*)", text)
+    if quote and re.search(r"[^\x21-\x7e]", quote.group(2)):
+        key, value = quote.group(1).lstrip("+"), quote.group(2).strip()
+        return ConfigError(f"The value of '{key}' holds a space or a non-ASCII character, which an override must "
+                           f"quote. Quote it twice, once for the shell and once for the override: "
+                           f"'{key}=\"{value}\"' (a path with a space given unquoted is split into two arguments "
+                           "by the shell).")
     return ConfigError(
         f"Invalid override: {first}\nOverrides look like `group=option` or `section.key=value`, "
         "e.g. `algo=epo trainer.total_steps=20`."
@@ -152,8 +160,14 @@ def check_override_forms(overrides: list[str] | tuple[str, ...]) -> None:
     (a deleted group or key comes back from the schema's defaults: `~algo` would train SFT). A `key=value`
     given twice keeps the last, as in Hydra (scripts append their own overrides to a shared list)."""
     seen: dict[str, str] = {}
-    for o in overrides:
+    for i, o in enumerate(overrides):
         key = o.split("=", 1)[0]
+        if "=" not in o and not key.startswith("~"):
+            before = overrides[i - 1] if i else ""
+            hint = (f" If it is the rest of a value with a space ({before} {o}), quote the value: "
+                    f"'{before.split('=', 1)[0]}=\"{before.split('=', 1)[1]} {o}\"'." if "=" in before else "")
+            raise ConfigError(f"'{o}' is not an override: overrides look like group=option or "
+                              f"section.key=value.{hint}")
         if key.startswith("~"):
             what = key[1:]
             fix = (f"choose one of its options ({what}=<option>)" if what in GROUPS else
@@ -162,6 +176,11 @@ def check_override_forms(overrides: list[str] | tuple[str, ...]) -> None:
                               f"without a word. To change it, {fix}.")
         plain = key.lstrip("+")
         is_group = plain in GROUPS or "/" in plain
+        value = o.split("=", 1)[1].strip() if "=" in o else ""
+        if is_group and value.startswith("[") and not plain.startswith("hydra"):
+            raise ConfigError(f"'{o}' selects several options of the config group '{plain}'; a run takes one (Hydra "
+                              f"would merge them into one config without a word). Choose one ({plain}=<option>); "
+                              f"to run each, use a sweep: epo sweep {plain}={value.strip('[]')}.")
         if is_group and plain in seen and "=" in o and seen[plain].split("=", 1)[1] != o.split("=", 1)[1]:
             raise ConfigError(f"The config group '{plain}' is given twice ({seen[plain]} and {o}); only the last "
                               "would count. Choose one option.")
@@ -216,17 +235,25 @@ def preset_settings(overrides: list[str] | tuple[str, ...]) -> dict[str, str]:
     def leaves(node: Any, prefix: str) -> list[str]:
         if isinstance(node, dict):
             return [k for key, value in node.items() for k in leaves(value, f"{prefix}{key}.")]
-        return [prefix.rstrip(".")]
+        # a ${required:...} value is the command line's to give, not a setting of the preset
+        return [] if REQUIRED.match(str(node)) else [prefix.rstrip(".")]
 
     return {key: f"experiment={chosen[-1]}" for key in leaves(data, "") if key not in given}
 
 
 def blame_preset(message: str, preset: dict[str, str]) -> str:
     """`message` with a note naming the preset that set the keys it mentions (the user did not set them)."""
-    named = [key for key in preset if re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", message)]
+    # a key the message is about, not one of the valid keys or values it lists ("Valid keys in 'env': name, ...")
+    about = "\n".join(line for line in message.splitlines() if not line.startswith("Valid "))
+    named = [key for key in preset if re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", about)]
     if not named:
         return message
     keys = ", ".join(named)
+    if "Unknown config key" in message:  # the user's selection took the key away: only dropping one helps
+        message = message.replace("\nFix the override, or run `epo config show` to see every key and its value.", "")
+        return (f"{message}\n(note: {keys} {'is' if len(named) == 1 else 'are'} set by the preset "
+                f"{preset[named[0]]}, not on this command line: the preset is made for other selections than "
+                "this command line's. Drop the preset or the selection that does not fit it.)")
     return (f"{message}\n(note: {keys} {'is' if len(named) == 1 else 'are'} set by the preset {preset[named[0]]}, "
             "not on this command line: the preset does not fit the other selections; drop one of them, or set "
             f"{named[0]}=<value> yourself.)")
@@ -239,6 +266,7 @@ def validate(raw: DictConfig) -> DictConfig:
     OmegaConf.set_struct(raw, False)
     raw.pop("hydra", None)
     check_number_sizes(OmegaConf.to_container(raw, resolve=False))  # before the merge: see its docstring
+    check_required(raw)
     try:
         schema = _schema_for(raw)
         _check_booleans(schema, raw, "")
@@ -249,6 +277,9 @@ def validate(raw: DictConfig) -> DictConfig:
     except ConfigKeyError as err:
         raise ConfigError(_unknown_key_message(err.full_key, env_name)) from None
     except ValidationError as err:
+        section = None if err.full_key else _section_given_a_value(schema, raw, "")
+        if section is not None:
+            raise ConfigError(section) from None
         expected = _expected_type(err)
         raise ConfigError(
             f"Wrong type for config key '{err.full_key}': {str(err).splitlines()[0]}."
@@ -267,6 +298,44 @@ def validate(raw: DictConfig) -> DictConfig:
     _warn_unused_settings(cfg)
     OmegaConf.set_readonly(cfg, False)
     return cfg
+
+
+#: a value a preset leaves to the command line: `key: ${required:what to give}` (e.g. the policy to start from)
+REQUIRED = re.compile(r"^\$\{required:(.*)\}$", re.S)
+
+
+def check_required(raw: DictConfig, prefix: str = "") -> None:
+    """A `${required:...}` value the command line did not replace: one ConfigError naming the key and what
+    to give (e.g. experiment=improve_on_teacher without model.path would train a random model)."""
+    for key in raw:
+        node = raw._get_node(key)
+        if isinstance(node, DictConfig):
+            check_required(node, f"{prefix}{key}.")
+        elif OmegaConf.is_interpolation(raw, key):
+            found = REQUIRED.match(str(node._value()))
+            if found:
+                what = found.group(1).strip().strip("\"'")
+                raise ConfigError(f"{prefix}{key} must be given on the command line: {what}.")
+
+
+def _section_given_a_value(schema: Any, raw: Any, prefix: str) -> str | None:
+    """The message for a section set to a plain value (`algo.diagnostics=5`), which OmegaConf reports with
+    an empty key; None if there is none."""
+    if not isinstance(schema, DictConfig) or not isinstance(raw, DictConfig):
+        return None
+    for key in schema:
+        if key not in raw:
+            continue
+        node, given = schema._get_node(key), raw._get_node(key)
+        if isinstance(node, DictConfig) and not isinstance(given, DictConfig) and given._value() is not None:
+            keys = ", ".join(str(k) for k in node)
+            return (f"'{prefix}{key}' is a section of settings ({keys}), not a value: {prefix}{key}="
+                    f"{given._value()!r} cannot be used. Set one of its keys, e.g. {prefix}{key}.{next(iter(node))}"
+                    "=<value>.")
+        found = _section_given_a_value(node, given, f"{prefix}{key}.")
+        if found:
+            return found
+    return None
 
 
 def _unresolvable_key(raw: DictConfig) -> str | None:
@@ -324,6 +393,29 @@ def _expected_type(err: ValidationError) -> str | None:
         return None
 
 
+#: what an evaluation logs per split (eval/<split>/<name>; epo_cli.rollout.episodes.episode_metrics), besides
+#: success/<task type>; trainer.best_metric picks the checkpoint whose value of one of them is highest
+EVAL_METRICS = ("success", "episode_len", "invalid_rate", "truncated", "obs_trimmed", "crashed")
+
+
+def check_best_metric(cfg: DictConfig) -> None:
+    """trainer.best_metric must be a metric an evaluation logs (a name that never appears would keep no
+    `best` checkpoint without a word): eval/success (the first split's) or eval/<split>/<metric>."""
+    name = cfg.trainer.best_metric
+    if name is None or name == "eval/success":
+        return
+    parts = str(name).split("/")
+    splits = list(cfg.env.eval_splits)
+    if len(parts) >= 3 and parts[0] == "eval" and parts[1] in splits and \
+            (parts[2] in EVAL_METRICS and len(parts) == 3 or parts[2] == "success" and len(parts) == 4):
+        return
+    examples = ["eval/success", *(f"eval/{split}/success" for split in splits[:2])]
+    raise ConfigError(f"trainer.best_metric='{name}' is not a metric an evaluation logs, so no `best` checkpoint "
+                      f"would ever be kept. Use eval/success or eval/<split>/<metric> (splits in env.eval_splits: "
+                      f"{', '.join(splits) or 'none'}; metrics: {', '.join(EVAL_METRICS)}, success/<task type>), "
+                      f"e.g. {' or '.join(examples)}; or trainer.best_metric=null for none.")
+
+
 def _auto_estimator(base: str) -> str:
     """algo.estimator=auto: the estimator whose registry entry names this algo.base (Entry.auto_for)."""
     chosen = [name for name in ESTIMATORS.names() if base in ESTIMATORS.entry(name).auto_for]
@@ -334,6 +426,23 @@ def _check_sections(cfg: DictConfig) -> None:
     """Rules that span the keys of a section (each field's own range is declared next to it and checked
     before this; a component's own rules are its registry entry's `check`)."""
     algo = cfg.algo
+    if not algo.loss_terms:
+        raise ConfigError("algo.loss_terms is empty: the policy would have no loss to train on. Give at least one "
+                          f"term, e.g. algo.loss_terms=[{'nll' if is_sft(algo) else 'policy_clip'}] (terms: "
+                          f"{', '.join(LOSS_TERMS.names())}).")
+    if not str(algo.demos).strip():
+        raise ConfigError("algo.demos is empty. Give algo.demos=expert (demonstrations played by the env's expert) "
+                          "or the path of a JSONL file of trajectories.")
+    if algo.intrinsic.coef > algo.reward_scale:
+        raise ConfigError(f"algo.intrinsic.coef={algo.intrinsic.coef:g} is above algo.reward_scale="
+                          f"{algo.reward_scale:g}, the reward of a success: a single new observation would pay "
+                          "more than solving the task, which teaches wandering. Use a value <= algo.reward_scale "
+                          "(the default bonus is 0.1).")
+    if cfg.model.lora.rank > 0 and not cfg.model.lora.target_modules:
+        raise ConfigError(f"model.lora.target_modules is empty while model.lora.rank={cfg.model.lora.rank}: LoRA "
+                          "would adapt no layer. Name the modules (default [q_proj,k_proj,v_proj,o_proj]), or set "
+                          "model.lora.rank=0 for full fine-tuning.")
+    check_best_metric(cfg)
     if not is_sft(algo) and algo.estimator == "none":
         raise ConfigError(f"algo={algo.name} needs an advantage estimator; set algo.estimator.")
     if is_sft(algo) and algo.estimator != "none":
@@ -361,6 +470,7 @@ def _check_sections(cfg: DictConfig) -> None:
         raise ConfigError(f"entropy.min_coef={cfg.entropy.min_coef:g} must be <= entropy.max_coef="
                           f"{cfg.entropy.max_coef:g}.")
     check_curriculum(cfg.curriculum, cfg.env.max_turns)
+    check_levels_fit(cfg)
     model = cfg.model
     if model.hidden_size % model.num_attention_heads or model.num_attention_heads % model.num_key_value_heads:
         raise ConfigError(f"model.hidden_size={model.hidden_size} must be divisible by model.num_attention_heads="
@@ -392,6 +502,7 @@ def _check_sections(cfg: DictConfig) -> None:
         warnings.warn(f"trainer.stop_after={tr.stop_after} >= trainer.total_steps={tr.total_steps}: the run "
                       "ends at total_steps first, so stop_after has no effect.", stacklevel=3)
     get_template(cfg.env.prompt_template)  # ConfigError listing the template names
+    check_memory(cfg)  # last: the sizes are known to be consistent
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -85,6 +86,47 @@ def check_curriculum(section: Any, max_turns: int | None = None) -> None:
     if max_turns is not None and (node.horizon or node.name == "horizon") and node.start_turns > max_turns:
         raise ConfigError(f"curriculum.start_turns={node.start_turns} is above env.max_turns={max_turns}: the "
                           "horizon would shrink, not grow. Lower start_turns.")
+
+
+#: the fewest turns that can win a household task of each type, by the rules (the agent starts at no receptacle;
+#: `go to` the object's place, `take` it, transform it or not, `go to` the destination, `move` it there):
+#: pick_and_place 4; look_at_obj_in_light 3 (the lamp may stand where the object lies); clean/heat/cool 5 (the
+#: object may lie in the sink, microwave or fridge); pick_two 6 (two takes and two moves, with two `go to`s at
+#: least). Lower bounds: the expert's shortest wins on 1200 generated tasks each are 4, 3, 5, 6, 6 and 8.
+HOUSEHOLD_MIN_TURNS = {"pick_and_place": 4, "look_at_obj_in_light": 3, "pick_clean_then_place": 5,
+                       "pick_heat_then_place": 5, "pick_cool_then_place": 5, "pick_two_obj_and_place": 6}
+
+
+def check_levels_fit(cfg: Any) -> None:
+    """A household level none of whose tasks can be won within env.max_turns trains on nothing but failures
+    (every episode is truncated, every reward 0): one warning naming the level and the turns it needs (a
+    warning, not an error: a pipeline check with a few turns is such a run on purpose). Checked for env.level,
+    algo.demo_level and the curriculum's levels (curriculum=staged|adaptive)."""
+    if cfg.env.name != "household":
+        return
+    from epo_cli.envs.household import LEVEL_BY_NAME, resolve_task_types
+
+    named = [("env.level", cfg.env.level)]
+    if cfg.algo.demo_level:
+        named.append(("algo.demo_level", cfg.algo.demo_level))
+    if cfg.curriculum.name in ("staged", "adaptive"):
+        named += [("curriculum.levels", level) for level in cfg.curriculum.levels]
+    short = {}  # level -> (the keys that name it, the turns its shortest win takes)
+    for key, level in named:
+        if level not in LEVEL_BY_NAME:
+            continue  # the env's own check names the valid levels
+        types = resolve_task_types(list(cfg.env.task_types)) or LEVEL_BY_NAME[level].task_types
+        need = min(HOUSEHOLD_MIN_TURNS.get(t, 1) for t in types)
+        if cfg.env.max_turns < need:
+            short.setdefault(level, ([], need))[0].append(key)
+    if short:
+        levels = ", ".join(f"'{level}' ({', '.join(keys)}: its shortest win takes {need} turns)"
+                           for level, (keys, need) in short.items())
+        most = max(need for _, need in short.values())
+        warnings.warn(f"env.max_turns={cfg.env.max_turns} is too few for every task of the household level"
+                      f"{'s' if len(short) > 1 else ''} {levels}, so every episode there ends unsolved and nothing "
+                      f"can be learned. Raise env.max_turns (at least {most}; the expert's median is about 8).",
+                      stacklevel=4)
 
 
 _S = TypeVar("_S", bound="CommonCurriculumConfig")

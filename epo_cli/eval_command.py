@@ -59,6 +59,7 @@ from epo_cli.evaluation import (
     score_episodes,
     write_samples,
 )
+from epo_cli.memory import check_memory, episodes_estimate
 from epo_cli.models.attention import check_attention
 from epo_cli.models.loading import (
     apply_lora,
@@ -113,6 +114,24 @@ def _bool(key: str, value: str) -> bool:
     raise ConfigError(f"{key}={value}: expected true or false.")
 
 
+def unquoted(value: str) -> str:
+    """A value in matching single or double quotes (Hydra's way to quote a path with spaces) without them."""
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+        return value[1:-1]
+    return value
+
+
+def whole_number(value: str) -> int:
+    """An integer written as 1000, 1e6 or 1_000 (ValueError for 2.5 or text)."""
+    try:
+        return int(value)
+    except ValueError:
+        number = float(value)
+        if not number.is_integer():
+            raise ValueError(value) from None
+        return int(number)
+
+
 def parse_eval_args(args: list[str]) -> tuple[EvalCommandConfig, list[str]]:
     """Split `key=value` arguments into eval options and config overrides (everything else)."""
     opts, overrides = EvalCommandConfig(), []
@@ -121,6 +140,7 @@ def parse_eval_args(args: list[str]) -> tuple[EvalCommandConfig, list[str]]:
         if not sep or key not in EVAL_KEYS:
             overrides.append(arg)
             continue
+        value = unquoted(value)  # run='/my runs/x' (Hydra's quoting, as for config values): the path inside
         if not value.strip():  # `split=` would otherwise mean "the default split" without a word
             raise ConfigError(f"{key}= has no value. Give one ({key}=<value>), or leave {key} out for its "
                               "default.")
@@ -128,7 +148,7 @@ def parse_eval_args(args: list[str]) -> tuple[EvalCommandConfig, list[str]]:
             if key in ("run", "out"):
                 setattr(opts, key, Path(value).expanduser())
             elif key == "episodes":
-                opts.episodes = int(value)
+                opts.episodes = whole_number(value)
             elif key == "temperature":
                 opts.temperature = float(value)
             elif key == "greedy":
@@ -144,6 +164,11 @@ def parse_eval_args(args: list[str]) -> tuple[EvalCommandConfig, list[str]]:
         raise ConfigError(f"episodes must be >= 1 (got {opts.episodes}).")
     if opts.checkpoint is not None and opts.run is None:
         raise ConfigError("checkpoint= needs run=<run dir> (with model.path=DIR the folder is the model).")
+    path = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == "model.path"), None)
+    if opts.run is not None and path not in (None, "null", "None"):
+        raise ConfigError(f"run= and model.path= both name the weights to evaluate (run={opts.run}, model.path="
+                          f"{path}); run= evaluates the run's own. Pass one: run=<run dir> [checkpoint=...], or "
+                          "model.path=<HF folder> with the run's settings as overrides.")
     if opts.greedy and opts.temperature is not None:
         raise ConfigError("Pass either greedy=true or temperature=T, not both.")
     if opts.temperature is not None and not (opts.temperature > 0 and math.isfinite(opts.temperature)):
@@ -157,6 +182,9 @@ def eval_config(opts: EvalCommandConfig, overrides: list[str]) -> DictConfig:
     group for that option's defaults), or a freshly composed config when no run is given."""
     if opts.run is None:
         return compose(overrides)
+    if opts.run.exists() and not opts.run.is_dir():
+        raise UserError(f"run={opts.run} is a file, not a run directory. Pass the folder `epo train` made, e.g. "
+                        "run=outputs/<date>/<time>-<name>, or evaluate a model folder with model.path=DIR.")
     if not opts.run.is_dir():
         raise UserError(f"Run directory '{opts.run}' does not exist. Pass the folder `epo train` made, e.g. "
                         "run=outputs/<date>/<time>-<name>, or evaluate a model folder with model.path=DIR.")
@@ -300,8 +328,9 @@ def run_eval(args: list[str]) -> dict[str, Any]:
     if opts.policy == "model" and opts.run is None and not cfg.model.path:
         raise UserError("Nothing to evaluate: pass run=<run dir> (a trained run) or model.path=<HF folder>; "
                         "policy=expert|look|random evaluates a scripted baseline.")
-    suite.check()
     episodes_n = opts.episodes or cfg.trainer.eval_episodes
+    check_memory(cfg, [episodes_estimate(episodes_n, cfg, "episodes")])  # before any task is drawn
+    suite.check()
     temperature = 0.0 if opts.greedy else (opts.temperature if opts.temperature is not None
                                           else cfg.rollout.eval_temperature)
 

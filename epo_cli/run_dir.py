@@ -8,15 +8,25 @@
         final/               the trained policy in Hugging Face format (model.path=<run>/final)
         eval/  plots/  samples/   evaluation results, PNG plots, decoded trajectories
         status.json          running | finished | stopped (with the signal) | failed (with the error)
+        .epo.lock            while a process writes the run: its lock (see `claim_run_dir`)
+
+One process writes a run directory at a time, and a directory that holds a run is only ever written again to
+resume that run: `claim_run_dir` takes the directory's lock (an exclusive flock on .epo.lock, held until the
+command ends, then removed; the kernel releases it if the process dies; a launcher's ranks run under their
+launcher's claim) and refuses a directory that holds anything
+but the files `epo sweep` puts in a job's folder before the job starts, unless the command resumes it.
 """
 
 from __future__ import annotations
 
 import datetime
 import errno
+import fcntl
 import json
+import os
 import sys
 import warnings
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -209,3 +219,168 @@ def read_status(run: Path) -> dict[str, Any]:
 def override_keys(overrides: list[str] | tuple[str, ...]) -> set[str]:
     """The dotted keys that `key=value` overrides set (`++key=value`, `+key=value` too)."""
     return {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Ownership: one process writes a run directory, and a run is only written again to resume it
+# ----------------------------------------------------------------------------------------------------
+
+#: the lock file of a run (or sweep) directory: whoever holds an exclusive flock on it owns the directory
+LOCK_NAME = ".epo.lock"
+#: what `epo sweep` writes into a job's folder before that job's `epo train` claims it
+SWEEP_JOB_FILES = frozenset({".hydra", "sweep_job.json", "train.log", "epo_sweep.log"})
+#: what marks a folder as holding a run, in the order a message names them
+RUN_FILES = ("config.yaml", "metrics.jsonl", "status.json", "checkpoints", "final")
+
+
+@dataclass
+class Claim:
+    """A directory this process owns: the open lock file, and the folders the claim created (removed again
+    when nothing else was written into them)."""
+
+    path: Path
+    fd: int
+    created: list[Path]
+
+
+_CLAIMS: dict[Path, Claim] = {}
+
+
+def lock_folder(path: Path, what: str) -> Claim:
+    """Create `path` if needed and take its lock (an exclusive, non-blocking flock on path/.epo.lock, which
+    the kernel releases when the process ends, however it ends). A second process is refused with the pid
+    and command of the one that holds it. `what`: "run directory" or "sweep directory", for the messages."""
+    path = Path(path).expanduser().absolute()
+    if path in _CLAIMS:
+        return _CLAIMS[path]
+    if path.exists() and not path.is_dir():
+        raise UserError(f"The {what} '{path}' is a file, not a folder. Choose a folder that does not exist yet.")
+    created = [p for p in (path, *path.parents) if not p.exists()]
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # read-only, full, or a file where a folder must go: before any work
+        setting = "output_dir=DIR (or run_dir=DIR)" if what == "run directory" else "hydra.sweep.dir=DIR"
+        raise UserError(f"Cannot write the {what} {path}: {err.strerror or err} ({err.filename or path}). Choose "
+                        f"a writable {setting}, or free disk space.") from None
+    while True:
+        fd = _open_lock(path, what)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            if err.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+                raise
+            raise UserError(f"The {what} '{path}' is in use by another epo process ({holder}): one process "
+                            f"writes a {what} at a time. Wait for that one to end, or choose another folder.") from None
+        if _is_current(fd, path / LOCK_NAME):
+            break
+        os.close(fd)  # its owner removed that lock file while we opened it: take the one there now
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()}: {' '.join(['epo', *sys.argv[1:]])[:1000]}\n".encode(), 0)
+    claim = Claim(path, fd, created)
+    _CLAIMS[path] = claim
+    return claim
+
+
+def _open_lock(path: Path, what: str) -> int:
+    try:
+        return os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:
+        if err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise UserError(f"The {what} '{path}' is read-only ({err.strerror}): epo writes its lock, "
+                            "checkpoints, metrics and status there. Copy it to a writable folder and use the "
+                            f"copy (cp -r '{path}' NEW_DIR), or make it writable.") from None
+        raise
+
+
+def _is_current(fd: int, lock: Path) -> bool:
+    """Whether the locked file is still the one at `lock` (release removes it while holding the lock)."""
+    try:
+        here = os.stat(lock)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (here.st_ino, here.st_dev) == (held.st_ino, held.st_dev)
+
+
+def release_folders() -> None:
+    """Release every folder this process claimed (cli.main, when a command ends)."""
+    for claim in list(_CLAIMS.values()):
+        release(claim)
+
+
+def release(claim: Claim) -> None:
+    """Release one claim: its lock file is removed while still locked (a process that opened it meanwhile
+    sees that and takes the next one: `_is_current`), so a run leaves no lock behind; a folder the claim
+    created and nothing else wrote into is removed again, with the parents it created."""
+    if _CLAIMS.pop(claim.path, None) is None:
+        return
+    try:
+        (claim.path / LOCK_NAME).unlink(missing_ok=True)
+        for folder in claim.created:
+            folder.rmdir()  # only while empty: stops at the first folder that holds something
+    except OSError:  # not empty (the run wrote there), read-only, or already gone: leave it
+        pass
+    finally:
+        os.close(claim.fd)
+
+
+def foreign_entries(path: Path) -> list[str]:
+    """What a folder holds besides its lock and the files a sweep puts in a job's folder."""
+    try:
+        names = [p.name for p in Path(path).iterdir()]
+    except OSError:
+        return []
+    return sorted(n for n in names if n != LOCK_NAME and n not in SWEEP_JOB_FILES)
+
+
+def claim_run_dir(cfg: DictConfig, overrides: list[str]) -> Path:
+    """Own the run directory of `epo train` before anything is loaded or written (a new dated folder is
+    chosen here when run_dir is unset): its lock for the life of this process, and refused
+      - when another process holds it (two `epo train` on one run_dir);
+      - when it already holds something and this command does not resume it: a finished or stopped run
+        (`epo train run_dir=<run>` would overwrite its config, final/ and status and mix its metrics), or
+        any other files; `trainer.resume=auto` over a run without a complete checkpoint is refused too
+        (it cannot continue that run, and starting over would mix two runs in one folder), while over an
+        empty or new folder it starts the run;
+      - when trainer.resume=<run> and run_dir=<another folder> disagree (a resume continues in its run).
+    Sets cfg.run_dir and returns it."""
+    check_resume_run_dir(cfg, overrides)
+    resume = cfg.trainer.resume
+    resuming = resume is not None and resume != "auto"
+    run = Path(new_run_dir(cfg)).expanduser().absolute()
+    claim = lock_folder(run, "run directory")
+    cfg.run_dir = str(run)
+    found = [] if resuming else foreign_entries(run)
+    if not found:
+        return run
+    release(claim)
+    shown = ", ".join(found[:6]) + (", ..." if len(found) > 6 else "")
+    if not any(name in found for name in RUN_FILES):
+        raise UserError(f"run_dir '{run}' is not empty (it holds {shown}); a run starts in an empty or new "
+                        "folder. Choose another run_dir (or leave it unset for a new dated folder under "
+                        "output_dir).")
+    if resume == "auto":
+        raise UserError(f"trainer.resume=auto found no complete checkpoint in '{run}', which already holds a run "
+                        f"({shown}): there is nothing to continue, and starting over there would mix two runs "
+                        "in one folder. Start the run in a new run_dir, or remove that folder first if its run "
+                        "is not needed.")
+    raise UserError(f"run_dir '{run}' already holds a run ({shown}); a run directory is never reused for a new "
+                    "run (it would overwrite that run's config, final/ and status, and mix the metrics). To "
+                    f"continue that run: epo train trainer.resume={run} (plus overrides such as a larger "
+                    "trainer.total_steps). To start a new run: choose another run_dir, or leave it unset.")
+
+
+def check_resume_run_dir(cfg: DictConfig, overrides: list[str]) -> None:
+    """trainer.resume=<run> continues in that run's folder: a run_dir=<another folder> on the same command
+    line is refused rather than ignored (`epo config show` and `epo train` alike)."""
+    given = next((o.split("=", 1)[1] for o in reversed(overrides) if o.lstrip("+").startswith("run_dir=")), None)
+    resume = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("trainer.resume=")), None)
+    if not given or given in ("null", "None") or not resume or resume in ("auto", "null", "None"):
+        return
+    if Path(given).expanduser().resolve() != Path(str(cfg.run_dir)).expanduser().resolve():
+        raise ConfigError(f"trainer.resume={resume} continues the run in '{cfg.run_dir}' (its checkpoints, "
+                          f"metrics and status are there), so run_dir={given} cannot apply. Drop run_dir= to "
+                          "resume; or, to start a new run in that folder from this run's weights, use "
+                          f"model.path={cfg.run_dir}/final run_dir={given} without trainer.resume.")

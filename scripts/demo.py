@@ -63,9 +63,27 @@ def show(args: list[str]) -> None:
 def epo(args: list[str], cwd: Path) -> None:
     """Run one epo command in the foreground (its own progress on the terminal); stop on failure."""
     show(args)
-    proc = subprocess.run(command(args), cwd=cwd)
-    if proc.returncode != 0:
-        sys.exit(proc.returncode)
+    proc = subprocess.Popen(command(args), cwd=cwd)
+    try:
+        code = proc.wait()
+    except KeyboardInterrupt:  # the command got the terminal's Ctrl-C too: let it save and stop
+        finish([proc])
+        raise
+    if code != 0:
+        sys.exit(code)
+
+
+def finish(procs: list[subprocess.Popen]) -> None:
+    """After a Ctrl-C (which the epo commands receive as well, from the terminal): wait for them to finish
+    their step and save it (epo_cli.training.stop); a second Ctrl-C ends them at once."""
+    try:
+        for proc in procs:
+            proc.wait()
+    except KeyboardInterrupt:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def only_run(root: Path) -> Path:
@@ -121,6 +139,15 @@ def run_arms(arms: list[Arm], cwd: Path) -> None:
         arm.start(cwd)
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("{task.fields[last]}")]
+    try:
+        follow(arms, columns)
+    except KeyboardInterrupt:
+        finish([arm.proc for arm in arms if arm.proc is not None])
+        raise
+
+
+def follow(arms: list[Arm], columns: list) -> None:
+    """Show the arms' iterations as they come until all have finished; stop all if one fails."""
     with Progress(*columns, console=console) as progress:
         tasks = {arm.name: progress.add_task(f"{arm.name:>5}", total=None, last="starting") for arm in arms}
         while True:
@@ -199,7 +226,26 @@ def plot(runs: dict[str, Path], warm_success: float, path: Path) -> None:
     plt.close(fig)
 
 
+def print_table(table: Table) -> None:
+    """The summary table, one line per row also in a log: on a terminal rich fits it to the window; elsewhere
+    (a file, a pipe, CI) rich would assume 80 columns and wrap every cell, so it gets the width it needs."""
+    if console.is_terminal:
+        console.print(table)
+        return
+    wide = Console(file=console.file, highlight=False, width=10_000, color_system=None)
+    wide.print(table, crop=False)
+
+
 def main() -> None:
+    try:
+        run_demo()
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted:[/] every run stopped at the end of a step with its checkpoint (epo "
+                      "train trainer.resume=<run> continues one); rerun the demo with a fresh --out to start over.")
+        sys.exit(130)
+
+
+def run_demo() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="outputs/demo")
     parser.add_argument("--episodes", type=int, default=64, help="evaluation episodes per policy")
@@ -244,7 +290,7 @@ def main() -> None:
     rows = summary_rows(results, {arm.name.upper(): metrics_rows(runs[arm.name]) for arm in arms}, "warm start")
     for row in rows:
         table.add_row(*row)
-    console.print(table)
+    print_table(table)
     warm_rate = results["warm start"]["success"]["rate"]
     reached = {arm.name.upper(): results[arm.name.upper()]["success"]["rate"] - warm_rate >= TARGET_GAIN - 1e-9
                for arm in arms}

@@ -88,7 +88,8 @@ def test_run_stats_on_a_hand_made_run() -> None:
 
 def test_arms_compose_to_what_they_name() -> None:
     def algo(key: str):
-        return compose_for_train([f"experiment={exp_explore.EXPERIMENT}", *exp_explore.ARMS[key].overrides])[0]
+        return compose_for_train([f"experiment={exp_explore.EXPERIMENT}", *exp_explore.ARMS[key].overrides,
+                                  "model.path=/a/warm/start/final"])[0]
 
     assert list(algo("grpo").algo.loss_terms) == ["policy_clip", "kl"]
     assert "entropy" in algo("grpo_bonus").algo.loss_terms and algo("grpo_bonus").entropy.coef == 0.1

@@ -25,6 +25,7 @@ all past steps, of the last `window` steps, or their EMA; the global reference, 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,9 @@ def find_runs(paths: list[Path]) -> list[Path]:
     """Run folders behind the given paths: a run directory itself, or the job folders of a sweep."""
     found: list[Path] = []
     for path in paths:
+        if path.exists() and not path.is_dir():
+            raise UserError(f"'{path}' is a file, not a folder. Pass a run directory (outputs/<date>/<time>-<name>) "
+                            "or a sweep directory (outputs/sweeps/<date>/<time>-<name>).")
         if not path.is_dir():
             raise UserError(f"'{path}' does not exist. Pass a run directory (outputs/<date>/<time>-<name>) "
                             "or a sweep directory (outputs/sweeps/<date>/<time>-<name>).")
@@ -89,7 +93,33 @@ def find_runs(paths: list[Path]) -> list[Path]:
 def load_run(path: Path) -> RunData:
     cfg_path = path / "config.yaml"
     config = read_yaml_data(cfg_path) if cfg_path.exists() else {}
-    return RunData(path, run_overrides(path), config if isinstance(config, dict) else {}, read_metrics(path))
+    rows = ordered_steps(read_metrics(path), path / "metrics.jsonl")
+    return RunData(path, run_overrides(path), config if isinstance(config, dict) else {}, rows)
+
+
+def ordered_steps(rows: list[dict[str, Any]], where: Path) -> list[dict[str, Any]]:
+    """One row per step, in step order. A run logs each step once, counting up from 1; a step logged again
+    (two runs wrote into one folder) or a step that is not a whole number >= 0 would draw lines that run back
+    and forth: one warning each, then the last row of a repeated step is kept and the others are dropped."""
+    by_step: dict[int, dict[str, Any]] = {}
+    bad, repeated = [], []
+    for row in rows:
+        step = row.get("step")
+        if isinstance(step, bool) or not isinstance(step, (int, float)) or not float(step).is_integer() or step < 0:
+            bad.append(step)
+            continue
+        if int(step) in by_step:
+            repeated.append(int(step))
+        by_step[int(step)] = row
+    if bad:
+        shown = ", ".join(str(b) for b in bad[:5]) + (", ..." if len(bad) > 5 else "")
+        warnings.warn(f"'{where}' has {len(bad)} row(s) whose step is not a whole number >= 0 ({shown}); they are "
+                      "left out of the plots.", stacklevel=2)
+    if repeated:
+        shown = ", ".join(str(r) for r in sorted(set(repeated))[:8]) + (", ..." if len(set(repeated)) > 8 else "")
+        warnings.warn(f"'{where}' logs some steps more than once ({shown}): more than one run wrote into this "
+                      "folder. The plots keep the last row of each step; the file holds them all.", stacklevel=2)
+    return [by_step[step] for step in sorted(by_step)]
 
 
 def group_runs(runs: list[RunData]) -> list[Group]:

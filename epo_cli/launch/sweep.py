@@ -11,8 +11,11 @@
 
 Options of the sweep itself (never passed to the runs): sweep.name (folder name), sweep.metric (the value a
 job returns to the sweeper, e.g. optuna's objective; default eval/success), sweep.direction (maximize |
-minimize; also optuna's direction), sweep.threshold (success level for the "steps to threshold" column).
-`epo sweep` exits non-zero only when every job failed.
+minimize; also optuna's direction), sweep.threshold (success level for the "steps to threshold" column),
+sweep.max_jobs (the most jobs it starts, default MAX_JOBS = 1000: it says how many jobs a sweep starts, and
+refuses more unless sweep.max_jobs=N allows them). `epo sweep` exits non-zero only when every job failed.
+One process runs a sweep directory at a time (its lock, epo_cli/run_dir.py), and a sweep directory that holds
+anything already (an earlier sweep) is refused: choose a new hydra.sweep.dir.
 
 Every job trains in its own subprocess (`python -m epo_cli train <job overrides> run_dir=<job dir>`), so
 jobs share no process group, GPU memory or global state, and a failing job is recorded (status.json:
@@ -53,6 +56,7 @@ from hydra._internal.utils import _run_hydra, get_args_parser
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, RangeSweep
 from omegaconf import OmegaConf
 
 from epo_cli.analysis.sweep_summary import SweepSummaryConfig, is_run_dir, last_value, split_sweep_options, summarize
@@ -60,7 +64,16 @@ from epo_cli.compose import compose, hydra_overrides, validate
 from epo_cli.config import GROUPS, config_dir, group_options
 from epo_cli.errors import ConfigError, UserError
 from epo_cli.loggers.jsonl import read_metrics
-from epo_cli.run_dir import check_lengths, check_name, check_path, read_status, write_status
+from epo_cli.run_dir import (
+    LOCK_NAME,
+    check_lengths,
+    check_name,
+    check_path,
+    lock_folder,
+    read_status,
+    release_folders,
+    write_status,
+)
 from epo_cli.writable import prepare_output_dir
 
 log = logging.getLogger("epo.sweep")
@@ -241,8 +254,8 @@ def check_first_job(parsed: list[Any]) -> None:
 def check_hydra_groups(parsed: list[Any]) -> None:
     """hydra/launcher=..., hydra/sweeper=...: an unknown option is one ConfigError (exit 2) before any folder
     is made, listing the options Hydra knows (its plugins' and conf/hydra/'s)."""
-    groups = [o.input_line for o in parsed
-              if o.is_hydra_override() and "/" in o.key_or_group and not o.is_sweep_override()]
+    groups = [o.input_line for o in parsed if o.is_hydra_override() and not o.is_sweep_override()
+              and o.key_or_group not in ("hydra.sweep.dir", "hydra.sweep.subdir")]
     if not groups:
         return
     GlobalHydra.instance().clear()
@@ -255,13 +268,90 @@ def check_hydra_groups(parsed: list[Any]) -> None:
         text = str(err)
         missing = re.search(r"Could not find '([\w\-/.]+)/([\w\-.]+)'", text)
         if not missing:
-            raise ConfigError(f"Invalid override: {text.strip().splitlines()[0]}") from None
+            raise ConfigError(_hydra_setting_message(text, err.__cause__)) from None
         options = re.findall(r"^\t(\S+)\s*$", text, flags=re.M)
         raise ConfigError(f"Unknown option '{missing.group(2)}' for '{missing.group(1)}'."
                           + (f"\nValid options for {missing.group(1)}: {', '.join(options)}." if options else "")
                           ) from None
     finally:
         GlobalHydra.instance().clear()
+
+
+def _hydra_setting_message(text: str, cause: BaseException | None) -> str:
+    """A hydra.* setting Hydra refused (a wrong type, a key the selected launcher or sweeper does not have)."""
+    merging = re.search(r"Error merging override (\S+)", text)
+    if merging:
+        why = str(cause).strip().splitlines()[0] if cause is not None and str(cause).strip() else "wrong type"
+        return f"Invalid value in {merging.group(1)}: {why}. Fix the value (see the launcher's or sweeper's docs)."
+    unknown = re.search(r"Could not override '([\w.\-]+)'", text)
+    if unknown:
+        return (f"'{unknown.group(1)}' is not a setting of the selected Hydra launcher or sweeper. Select the "
+                "plugin that has it first (e.g. hydra/launcher=joblib for hydra.launcher.n_jobs).")
+    return f"Invalid override: {text.strip().splitlines()[0]}"
+
+
+#: the most jobs one `epo sweep` starts unless `sweep.max_jobs=N` allows more: each job is a training process
+#: and a run directory, and a range typed one digit too long (seed=range(0,100000)) should not start them all
+MAX_JOBS = 1000
+
+
+def pop_max_jobs(args: list[str]) -> tuple[int, list[str]]:
+    """sweep.max_jobs=N out of the arguments (an option of `epo sweep` itself, never passed to the runs)."""
+    limit, rest = MAX_JOBS, []
+    for arg in args:
+        key, _, value = arg.partition("=")
+        if key != "sweep.max_jobs":
+            rest.append(arg)
+            continue
+        try:
+            limit = int(value)
+        except ValueError:
+            limit = 0
+        if limit < 1:
+            raise ConfigError(f"sweep.max_jobs must be a whole number >= 1 (got '{value}').")
+    return limit, rest
+
+
+def _sweep_size(value: Any) -> int | None:
+    """How many values one swept override takes (None: the sweeper picks them, as optuna's intervals)."""
+    if isinstance(value, RangeSweep):
+        start, stop, step = value.start, value.stop, value.step or 1
+        return max(0, math.ceil((stop - start) / step)) if math.isfinite((stop - start) / step) else None
+    if isinstance(value, ChoiceSweep):
+        return len(value.list)
+    if isinstance(value, IntervalSweep):
+        return None
+    return 1  # a glob over a group's options: a handful at most
+
+
+def job_count(parsed: list[Any]) -> int | None:
+    """The jobs this sweep starts, from the overrides alone (without listing them): the product of the swept
+    values' counts, or hydra.sweeper.n_trials for a sweeper that picks its values (None when not given)."""
+    trials = next((o.value() for o in parsed if o.key_or_group == "hydra.sweeper.n_trials"), None)
+    picked = any(o.is_hydra_override() and o.key_or_group == "hydra/sweeper" and o.value() != "basic"
+                 for o in parsed)
+    if picked:
+        return int(trials) if isinstance(trials, int) else None
+    count = 1
+    for o in parsed:
+        if o.is_hydra_override() or not o.is_sweep_override():
+            continue
+        size = _sweep_size(o.value())
+        if size is None:
+            return None
+        count *= size
+    return count
+
+
+def check_job_count(parsed: list[Any], limit: int) -> int | None:
+    """Say how many jobs the sweep starts; refuse more than `limit` (sweep.max_jobs) before anything runs."""
+    count = job_count(parsed)
+    if count is not None and count > limit:
+        raise ConfigError(f"This sweep would start {count} jobs (the product of its swept values), more than "
+                          f"sweep.max_jobs={limit}{' (the default)' if limit == MAX_JOBS else ''}: each job is a "
+                          "training process and a run directory. Check the ranges; if you mean it, add "
+                          f"sweep.max_jobs={count}.")
+    return count
 
 
 def new_sweep_dir(output_dir: str, name: str) -> Path:
@@ -289,11 +379,13 @@ def hydra_argv(overrides: list[str], parsed: list[Any], sweep_dir: Path, options
 
 def run_sweep(args: list[str]) -> Path:
     """`epo sweep ARGS`: run every job through Hydra, then summarise. Returns the sweep directory."""
+    max_jobs, args = pop_max_jobs(args)
     options, overrides = split_sweep_options(args)
     if any(o.split("=", 1)[0] == "run_dir" for o in overrides):
         raise ConfigError("run_dir is set per job by `epo sweep`; use output_dir=DIR or hydra.sweep.dir=DIR.")
     check_name(options.name, "sweep.name")
     parsed = _parse(overrides)
+    count = check_job_count(parsed, max_jobs)  # before the values are listed: a huge range is never built
     check_first_job(parsed)
     output_dir = next((o.value() for o in parsed
                        if o.key_or_group == "output_dir" and not o.is_sweep_override()), "outputs")
@@ -302,6 +394,16 @@ def run_sweep(args: list[str]) -> Path:
     check_path(sweep_dir, "the sweep directory")
     created = [d for d in (sweep_dir, *sweep_dir.parents) if not d.exists()]  # removed again if nothing runs
     prepare_output_dir(sweep_dir, "hydra.sweep.dir" if given else "output_dir")
+    lock_folder(sweep_dir, "sweep directory")  # held until this command ends: one sweep per folder
+    earlier = sorted(p.name for p in sweep_dir.iterdir() if p.name != LOCK_NAME)
+    if earlier:
+        release_folders()
+        raise UserError(f"The sweep directory '{sweep_dir}' already holds {', '.join(earlier[:5])}"
+                        f"{', ...' if len(earlier) > 5 else ''} (an earlier sweep): a sweep starts in a new folder, "
+                        "or its jobs would mix with the earlier ones. Choose another hydra.sweep.dir (or leave it "
+                        "unset for a new dated folder).")
+    print(f"epo sweep: {count if count is not None else 'the sweeper decides how many'} jobs -> {sweep_dir}",
+          flush=True)
     _write_json(sweep_dir / "sweep.json", {"options": asdict(options), "overrides": overrides,
                                            "command": " ".join(["epo", *sys.argv[1:]]), "started": _now()})
 

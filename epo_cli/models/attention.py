@@ -23,9 +23,18 @@ def planned_device(trainer_device: str) -> Any:
     return torch.device("cuda" if use_cuda else "cpu")
 
 
+#: attention implementations epo runs on CUDA GPUs only: flex_attention's kernels are compiled by torch's
+#: inductor, whose CPU path fails on this model after minutes of compiling (seen with torch 2.x on a CPU run)
+CUDA_ONLY = {"flex_attention"}
+
+
 def check_attention(model_cfg: Any, device: Any) -> None:
     """model.attn_implementation's package and device (`device.type`). flash_attention_2/3 need their packages
-    and a CUDA GPU; sdpa, eager and flex run anywhere."""
+    and a CUDA GPU, flex_attention a CUDA GPU; sdpa and eager run anywhere."""
+    if model_cfg.attn_implementation in CUDA_ONLY and device.type != "cuda":
+        raise UserError(f"model.attn_implementation={model_cfg.attn_implementation} cannot be used here: epo runs "
+                        "it on CUDA GPUs only (on the CPU, torch's compiler fails on its kernels after minutes) and "
+                        "this run is on the CPU. Use model.attn_implementation=sdpa (the default).")
     if model_cfg.attn_implementation not in NEEDS_PACKAGE:
         return
     module, package = NEEDS_PACKAGE[model_cfg.attn_implementation]

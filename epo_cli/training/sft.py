@@ -47,8 +47,20 @@ def demonstrations(cfg: Any, suite: EnvSuite, pool: Any, builder: PromptBuilder,
     log(f"expert solved {len(solved)}/{len(episodes)} demo episodes "
         f"({sum(len(e.turns) for e in solved)} turn samples) -> {save_to}")
     if not solved:
-        raise UserError("The expert solved none of the demonstration episodes; check env.max_turns.")
+        raise UserError(no_demos_message(cfg, len(episodes)))
     return records_to_batch(records, builder, tokenizer)
+
+
+def no_demos_message(cfg: Any, played: int) -> str:
+    """Why no demonstration episode was solved, naming the setting most likely at fault."""
+    algo, turns = cfg.algo, cfg.env.max_turns
+    if algo.demo_slip > 0:
+        return (f"The expert solved none of the {played} demonstration episodes: with algo.demo_slip="
+                f"{algo.demo_slip:g} it takes another command than its own on {algo.demo_slip:.0%} of its turns, "
+                f"and no episode reached the goal within env.max_turns={turns}. Lower algo.demo_slip (the demo's "
+                "noisy teacher slips on 40% of its turns), or raise env.max_turns.")
+    return (f"The expert solved none of the {played} demonstration episodes within env.max_turns={turns}; raise "
+            "env.max_turns.")
 
 
 def step_rows(n: int, step: int, mini_batch_size: int, seed: int, rank: int,

@@ -421,4 +421,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # the runs got the terminal's Ctrl-C too, and stopped at the end of a step
+        print("\ninterrupted: the finished runs are kept and reused by the next invocation with the same --out "
+              "(an unfinished run is started over).", file=sys.stderr, flush=True)
+        sys.exit(130)
