@@ -65,8 +65,8 @@ def step_rows(n: int, step: int, mini_batch_size: int, seed: int, rank: int,
 def sft_step(update: PolicyUpdate, data: TurnBatch, coefs: dict[str, float], step: int) -> UpdateResult:
     """One optimizer step on this rank's rows of the step's mini-batch; perf/* and sft/epoch join the
     update's metrics."""
-    mine, epochs = step_rows(len(data), step, update.algo.mini_batch_size, update.seed, update.dist.rank,
-                             update.dist.world_size)
+    mine, epochs = step_rows(len(data), step, update.settings.mini_batch_size, update.settings.seed,
+                             update.dist.rank, update.dist.world_size)
     t0 = time.perf_counter()
     result = update.run(data.select(mine), coefs, step)
     update_s = time.perf_counter() - t0

@@ -76,7 +76,7 @@ from epo_cli.training.step_metrics import (
     rollout_sums,
 )
 from epo_cli.training.stop import STOP, signal_name
-from epo_cli.training.update import PolicyUpdate, UpdateResult, skip_streak
+from epo_cli.training.update import PolicyUpdate, PolicyUpdateSettings, UpdateResult, skip_streak
 
 
 @dataclass
@@ -116,7 +116,8 @@ class Trainer:
         self.models = build_models(cfg, self.dist, self.suite)
         self.loss_stack = LossStack(build_loss_terms(algo))
         value_term = build_value_term(algo) if self.models.critic_engine is not None else None
-        self.policy_update = PolicyUpdate(cfg, self.dist, self.models, self.loss_stack, value_term)
+        self.policy_update = PolicyUpdate(PolicyUpdateSettings.from_config(cfg), self.dist, self.models,
+                                          self.loss_stack, value_term)
         self.entropy = EntropyControl(cfg)  # history, fluctuation monitor, lambda's schedule
         self.phase_schedule, self.kl_schedule = build_phase_schedule(algo.phase), build_kl_schedule(algo)
         self.lr_schedule = build_lr_schedule(algo)
