@@ -58,10 +58,10 @@ from epo_cli.rollout.prompts import PromptBuilder, chat_encoder
 from epo_cli.saved_state import refusing_damaged
 from epo_cli.seeding import derive_seed
 from epo_cli.training import checkpoint
-from epo_cli.training.collapse import CollapseWatch
+from epo_cli.training.collapse import CollapseSettings, CollapseWatch
 from epo_cli.training.engine import all_reduce_max, all_reduce_sum, barrier, init_distributed
 from epo_cli.training.entropy_control import EntropyControl
-from epo_cli.training.evaluate import TrainingEval
+from epo_cli.training.evaluate import TrainingEval, TrainingEvalSettings
 from epo_cli.training.export import export_policy
 from epo_cli.training.finite import check_finite_weights
 from epo_cli.training.group_sampler import GroupSampler, Rollout
@@ -118,7 +118,7 @@ class Trainer:
         value_term = build_value_term(algo) if self.models.critic_engine is not None else None
         self.policy_update = PolicyUpdate(PolicyUpdateSettings.from_config(cfg), self.dist, self.models,
                                           self.loss_stack, value_term)
-        self.entropy = EntropyControl(cfg)  # history, fluctuation monitor, lambda's schedule
+        self.entropy = EntropyControl.from_config(cfg)  # history, fluctuation monitor, lambda's schedule
         self.phase_schedule, self.kl_schedule = build_phase_schedule(algo.phase), build_kl_schedule(algo)
         self.lr_schedule = build_lr_schedule(algo)
         self.builder = PromptBuilder(cfg.env.prompt_template, cfg.env.history_length,
@@ -128,8 +128,10 @@ class Trainer:
         self._resume_and_open_outputs()
         self.sampler = GroupSampler(cfg, self.dist.rank, self.dist.world_size, self.suite, self.pool,
                                     self.curriculum, self.builder, self.models.tokenizer)
-        self.evaluation = TrainingEval(cfg, self.dist, self.suite, self.pool, self.builder, self.models.tokenizer)
-        self.collapse = CollapseWatch(cfg, self.dist, self.models, run if self.dist.is_main else None, self.logger.warn)
+        self.evaluation = TrainingEval(TrainingEvalSettings.from_config(cfg), self.dist, self.suite, self.pool,
+                                       self.builder, self.models.tokenizer)
+        self.collapse = CollapseWatch(CollapseSettings.from_config(cfg), self.dist, self.models,
+                                      run if self.dist.is_main else None, self.logger.warn)
         #: called with every rollout and its step, after step 1 (a benchmark keeps the episodes it plays)
         self.on_rollout: list[Callable[[Rollout, int], None]] = []
 
