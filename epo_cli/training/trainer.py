@@ -64,7 +64,7 @@ from epo_cli.training.entropy_control import EntropyControl
 from epo_cli.training.evaluate import TrainingEval, TrainingEvalSettings
 from epo_cli.training.export import export_policy
 from epo_cli.training.finite import check_finite_weights
-from epo_cli.training.group_sampler import GroupSampler, Rollout
+from epo_cli.training.group_sampler import GroupSampler, GroupSamplerSettings, Rollout
 from epo_cli.training.models import build_models
 from epo_cli.training.sft import demonstrations, sft_step
 from epo_cli.training.step_metrics import (
@@ -126,8 +126,8 @@ class Trainer:
         self.state = TrainState()
         self.stop_signal: int | None = None  # a stop signal all ranks agreed on (epo_cli.training.stop)
         self._resume_and_open_outputs()
-        self.sampler = GroupSampler(cfg, self.dist.rank, self.dist.world_size, self.suite, self.pool,
-                                    self.curriculum, self.builder, self.models.tokenizer)
+        self.sampler = GroupSampler(GroupSamplerSettings.from_config(cfg), self.dist.rank, self.dist.world_size,
+                                    self.suite, self.pool, self.curriculum, self.builder, self.models.tokenizer)
         self.evaluation = TrainingEval(TrainingEvalSettings.from_config(cfg), self.dist, self.suite, self.pool,
                                        self.builder, self.models.tokenizer)
         self.collapse = CollapseWatch(CollapseSettings.from_config(cfg), self.dist, self.models,
