@@ -15,24 +15,16 @@ NEEDS_PACKAGE = {"flash_attention_2": ("flash_attn", "flash-attn"),
                  "flash_attention_3": ("flash_attn_interface", "flash-attn 3 (hopper)")}
 
 
-def planned_device(trainer_device: str) -> Any:
-    """The torch.device a run with trainer.device=`trainer_device` will use on this machine."""
-    import torch  # not at the top: see the module docstring (callers have loaded torch already)
-
-    use_cuda = trainer_device == "cuda" or (trainer_device == "auto" and torch.cuda.is_available())
-    return torch.device("cuda" if use_cuda else "cpu")
-
-
-def check_attention(model_cfg: Any, device: Any) -> None:
-    """model.attn_implementation's package and device (`device.type`). flash_attention_2/3 need their packages
-    and a CUDA GPU; sdpa, eager and flex run anywhere."""
+def check_attention(model_cfg: Any, device_type: str) -> None:
+    """model.attn_implementation's package and device (`device_type`: cuda | cpu, epo_cli.training.device).
+    flash_attention_2/3 need their packages and a CUDA GPU; sdpa, eager and flex run anywhere."""
     if model_cfg.attn_implementation not in NEEDS_PACKAGE:
         return
     module, package = NEEDS_PACKAGE[model_cfg.attn_implementation]
     problems = []
     if importlib.util.find_spec(module) is None:
         problems.append(f"the {package} package is not installed")
-    if device.type != "cuda":
+    if device_type != "cuda":
         problems.append("it runs on CUDA GPUs only and this run is on the CPU")
     if problems:
         raise UserError(f"model.attn_implementation={model_cfg.attn_implementation} cannot be used here: "

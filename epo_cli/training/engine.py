@@ -21,6 +21,7 @@ from torch import nn
 
 from epo_cli.errors import UserError
 from epo_cli.training.deepspeed_config import PORT_ATTEMPTS, deepspeed_config, free_port, port_taken
+from epo_cli.training.device import device_type
 
 
 @dataclass
@@ -36,8 +37,8 @@ class DistInfo:
 
 
 def pick_device(cfg: Any, local_rank: int) -> torch.device:
-    want = cfg.trainer.device
-    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+    """This rank's device under trainer.device (training/device.py's rule): its local GPU, or the CPU."""
+    if device_type(cfg.trainer.device) == "cuda":
         if not torch.cuda.is_available():
             raise UserError("trainer.device=cuda but no CUDA GPU is visible; use trainer.device=cpu.")
         torch.cuda.set_device(local_rank)

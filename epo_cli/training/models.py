@@ -25,7 +25,6 @@ from epo_cli.models.loading import (
     resolve_dtype,
 )
 from epo_cli.rollout.episodes import ModelPolicy
-from epo_cli.rollout.generation import SamplingConfig
 from epo_cli.training.engine import DistInfo, RolloutModule, build_engine, inference_copy
 from epo_cli.training.packing import enable_packing
 
@@ -51,9 +50,7 @@ class Models:
         """The policy that plays episodes: `policy.module` sampling with the rollout.* settings, at `temperature`
         (default: rollout.temperature, the training rollouts')."""
         temperature = rollout.temperature if temperature is None else temperature
-        params = SamplingConfig(rollout.max_new_tokens, temperature, rollout.top_p, rollout.top_k, rollout.stop)
-        return ModelPolicy(self.policy.module, self.tokenizer, params, self.vocab_limit,
-                           rollout.generation_batch_size, rollout.shared_prefill)
+        return ModelPolicy.from_rollout(self.policy.module, self.tokenizer, rollout, temperature, self.vocab_limit)
 
 
 def build_models(cfg: Any, dist: DistInfo, suite: EnvSuite) -> Models:
