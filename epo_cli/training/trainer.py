@@ -65,7 +65,7 @@ from epo_cli.training.evaluate import TrainingEval, TrainingEvalSettings
 from epo_cli.training.export import export_policy
 from epo_cli.training.finite import check_finite_weights
 from epo_cli.training.group_sampler import GroupSampler, GroupSamplerSettings, Rollout
-from epo_cli.training.models import build_models
+from epo_cli.training.models import ModelSettings, build_models
 from epo_cli.training.sft import demonstrations, sft_step
 from epo_cli.training.step_metrics import (
     batch_metrics,
@@ -113,7 +113,7 @@ class Trainer:
         self.suite = suite or make_suite(cfg.env)
         self.suite.check()
         self.curriculum = build_curriculum(cfg, self.suite)
-        self.models = build_models(cfg, self.dist, self.suite)
+        self.models = build_models(ModelSettings.from_config(cfg, self.dist), self.dist, self.suite)
         self.loss_stack = LossStack(build_loss_terms(algo))
         value_term = build_value_term(algo) if self.models.critic_engine is not None else None
         self.policy_update = PolicyUpdate(PolicyUpdateSettings.from_config(cfg), self.dist, self.models,
