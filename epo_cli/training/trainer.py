@@ -66,7 +66,7 @@ from epo_cli.training.export import export_policy
 from epo_cli.training.finite import check_finite_weights
 from epo_cli.training.group_sampler import GroupSampler, GroupSamplerSettings, Rollout
 from epo_cli.training.models import ModelSettings, build_models
-from epo_cli.training.sft import demonstrations, sft_step
+from epo_cli.training.sft import DemoSettings, demonstrations, sft_step
 from epo_cli.training.step_metrics import (
     batch_metrics,
     level_results,
@@ -179,8 +179,9 @@ class Trainer:
         run's status.json is its lifecycle's (training/lifecycle.py), which calls this."""
         try:
             if is_sft(self.cfg.algo):
-                data = demonstrations(self.cfg, self.suite, self.pool, self.builder, self.models.tokenizer,
-                                      self.run / "demos.jsonl" if self.dist.is_main else None, self.logger.info)
+                data = demonstrations(DemoSettings.from_config(self.cfg), self.suite, self.pool, self.builder,
+                                      self.models.tokenizer, self.run / "demos.jsonl" if self.dist.is_main else None,
+                                      self.logger.info)
                 final = self._loop(lambda step, total: self.sft_step(data, step))
             else:
                 final = self._loop(self.rl_step)
