@@ -319,7 +319,8 @@ class AlgoConfig:
     #: flash_attention_2/3), with a budget of micro_batch_size x the longest sample; 0 = off (padded)
     pack_tokens: int | None = num(None, ge=0)
     #: the update's first forward (first mini-batch, first epoch: the rollout's weights) provides its samples'
-    #: old log-probs and entropies instead of a separate scoring pass over them (see PolicyUpdate.score)
+    #: old log-probs and entropies instead of a separate scoring pass over them; off anyway when the policy has
+    #: dropout or algo.monitor.action=clamp (training/update.py: PolicyUpdate.reuses_scoring)
     reuse_scoring_forward: bool = True
     # rollout batch
     tasks_per_step: int = num(4, ge=1)

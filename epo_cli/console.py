@@ -14,6 +14,8 @@ from typing import Any
 
 from rich.console import Console
 
+from epo_cli.training.device import device_type
+
 err_console = Console(stderr=True, highlight=False)
 
 
@@ -31,9 +33,7 @@ def name_the_accelerator() -> None:
     """DS_ACCELERATOR=cuda or cpu, unless set: DeepSpeed then skips probing for accelerators (and its
     "Setting accelerator to CPU" warning)."""
     if "DS_ACCELERATOR" not in os.environ:
-        import torch  # lazy: deepspeed, the only reader, imports torch anyway
-
-        os.environ["DS_ACCELERATOR"] = "cuda" if torch.cuda.is_available() else "cpu"
+        os.environ["DS_ACCELERATOR"] = device_type("auto")  # imports torch: deepspeed, the only reader, does anyway
 
 
 class _DeepSpeedImport(importlib.abc.MetaPathFinder):

@@ -70,10 +70,10 @@ from epo_cli.models.loading import (
     resolve_dtype,
 )
 from epo_cli.rollout.episodes import ExpertPolicy, ModelPolicy, Policy
-from epo_cli.rollout.generation import SamplingConfig
 from epo_cli.rollout.prompts import PromptBuilder, chat_encoder
 from epo_cli.run_dir import load_run_config, override_keys
 from epo_cli.safe_load import load_tensors, refused_message, restricted_torch_load
+from epo_cli.training.engine import pick_device
 from epo_cli.writable import check_output_dir
 
 #: the documented top-level fields of an eval JSON (tests check them)
@@ -267,14 +267,6 @@ def load_model(cfg: DictConfig, suite: EnvSuite, run: Path | None, which: str, d
     return model.to(device).eval(), load_tokenizer(source, cfg.model), source, ckpt.name
 
 
-def _device(cfg: DictConfig) -> Any:
-    if cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise UserError("trainer.device=cuda but no CUDA GPU is visible; use trainer.device=cpu.")
-        return torch.device("cuda")
-    return torch.device("cpu")
-
-
 # ----------------------------------------------------------------------------------------------------
 # `epo eval`: run it
 # ----------------------------------------------------------------------------------------------------
@@ -305,9 +297,7 @@ def build_policy(opts: EvalCommandConfig, cfg: DictConfig, suite: EnvSuite, temp
     which = opts.checkpoint or ("final" if has_final or opts.run is None else "latest")
     model, tokenizer, source, resolved = load_model(cfg, suite, opts.run, which, device)
     check_context(model, cfg.rollout, source)
-    r = cfg.rollout
-    params = SamplingConfig(r.max_new_tokens, temperature, r.top_p, r.top_k, r.stop)
-    policy = ModelPolicy(model, tokenizer, params, len(tokenizer), r.generation_batch_size)
+    policy = ModelPolicy.from_rollout(model, tokenizer, cfg.rollout, temperature, len(tokenizer))
     # latest/best move as training goes on: name the file after the step they resolved to
     label = (resolved or which) if opts.run is not None else "model"
     return policy, tokenizer, PolicyInfo(label, which if opts.run is not None else None, resolved or which,
@@ -336,9 +326,9 @@ def run_eval(args: list[str]) -> dict[str, Any]:
 
     out = check_output_dir(opts.out or ((opts.run / "eval") if opts.run is not None else Path(cfg.output_dir)
                              / "eval" / datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")), "out")
-    device = _device(cfg)
+    device = pick_device(cfg, local_rank=0)
     if opts.policy == "model":
-        check_attention(cfg.model, device)
+        check_attention(cfg.model, device.type)
     policy, tokenizer, info = build_policy(opts, cfg, suite, temperature, device)
 
     # --- play and score ----------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -154,6 +155,19 @@ def test_concat_and_select_whole_groups():
     assert rows == [10, 11, 12, 13, 14, 15, 0, 1, 2]
     picked = both.select(rows)
     assert picked.group_id.tolist() == [3] * 6 + [0] * 3
+    # every field follows the rows: tensors and per-row lists (filled in or not), None stays None
+    both.entropy = [torch.full((1,), float(r)) for r in range(len(both))]
+    both.advantages = torch.arange(len(both), dtype=torch.float32)
+    picked = both.select(rows)
+    for f in fields(TurnBatch):
+        value, full = getattr(picked, f.name), getattr(both, f.name)
+        if isinstance(full, torch.Tensor):
+            assert value.tolist() == full[rows].tolist(), f.name
+        elif full is None:
+            assert value is None, f.name
+        else:
+            assert value == [full[r] for r in rows] if full else value == [], f.name
+    assert [float(e) for e in picked.entropy] == [float(r) for r in rows]
 
 
 @pytest.mark.parametrize("overrides,needle", [

@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from epo_cli.algos.entropy import EntropyHistory, FluctuationMonitor
+from epo_cli.algos.schedules import Constant
 from epo_cli.compose import compose
+from epo_cli.config import MonitorConfig, SmoothingConfig
 from epo_cli.rollout.batch import TurnBatch
 from epo_cli.training.entropy_control import EntropyControl
 
@@ -21,7 +24,7 @@ def _batch(entropies: list[list[float]], turns: list[int]) -> TurnBatch:
 
 
 def test_statistics_observe_and_the_reference() -> None:
-    control = EntropyControl(compose(["algo=epo", "env.max_turns=4"]))
+    control = EntropyControl.from_config(compose(["algo=epo", "env.max_turns=4"]))
     assert control.reference_metrics() == {}  # no step recorded yet: no band
     warnings: list[str] = []
     # turn 0: tokens 1, 2 and 3 -> sum 6, count 3 (mean 2); turn 1: token 4 -> mean 4; all: 10 / 4 = 2.5
@@ -42,12 +45,12 @@ def test_statistics_observe_and_the_reference() -> None:
 
 def test_an_alert_is_warned_and_the_state_round_trips() -> None:
     cfg = compose(["algo=epo", "env.max_turns=4", "algo.monitor.threshold=0.01", "algo.monitor.action=clamp"])
-    control, warnings = EntropyControl(cfg), []
+    control, warnings = EntropyControl.from_config(cfg), []
     for step, value in enumerate([1.0, 3.0, 0.5]):  # swings far above 1% of the mean
         stats = control.statistics(_batch([[value]], [0]), step, 4, warnings.append)
         control.observe(stats)
     assert stats.alert and warnings and "entropy terms clamped" in warnings[-1] and "at step 3" in warnings[-1]
-    restored = EntropyControl(cfg)
+    restored = EntropyControl.from_config(cfg)
     restored.load_state_dict(control.state_dict())
     assert restored.state_dict() == control.state_dict()
     assert set(control.state_dict()) == {"entropy_history", "monitor", "entropy_schedule"}  # checkpoint keys
@@ -58,7 +61,7 @@ def test_the_clamp_verdict_in_advance_is_the_one_the_statistics_record() -> None
     the update; `clamps_now` gives it without changing the monitor, and `statistics` after the update records
     the same verdict. Without a clamp there is no verdict in advance (and no collective)."""
     cfg = compose(["algo=epo", "env.max_turns=4", "algo.monitor.threshold=0.01", "algo.monitor.action=clamp"])
-    control, warnings = EntropyControl(cfg), []
+    control, warnings = EntropyControl.from_config(cfg), []
     verdicts = []
     for step, value in enumerate([1.0, 3.0, 0.5]):
         batch = _batch([[value]], [0])
@@ -69,5 +72,19 @@ def test_the_clamp_verdict_in_advance_is_the_one_the_statistics_record() -> None
         assert stats.alert == verdicts[-1]
         control.observe(stats)
     assert verdicts == [False, True, True]  # |3 - 2| / 2 = 0.5 of the mean after the first swing
-    unclamped = EntropyControl(compose(["algo=epo", "env.max_turns=4", "algo.monitor.threshold=0.01"]))
+    unclamped = EntropyControl.from_config(compose(["algo=epo", "env.max_turns=4", "algo.monitor.threshold=0.01"]))
     assert not unclamped.clamps_now(_batch([[3.0]], [0]), 4)
+
+
+def test_built_from_its_parts_without_a_run_config() -> None:
+    """A history of 2 turn slots, a monitor that alerts beyond 1% and clamps, a constant lambda: the verdict in
+    advance follows the monitor (the second value, 3, swings |3 - 2| / 2 = 0.5 of the mean) and lambda is the
+    schedule's."""
+    control = EntropyControl(EntropyHistory(SmoothingConfig(), max_turns=2),
+                             FluctuationMonitor(MonitorConfig(threshold=0.01, action="clamp")), Constant(0.25),
+                             clamps=True)
+    assert control.schedule(3, 10) == 0.25
+    first = _batch([[1.0]], [0])
+    assert not control.clamps_now(first, 2)
+    control.observe(control.statistics(first, 0, 2, print))
+    assert control.clamps_now(_batch([[3.0]], [0]), 2)

@@ -18,7 +18,7 @@ from epo_cli.envs.base import Env, EnvSuite, StepResult, Task
 from epo_cli.envs.pool import EnvPool
 from epo_cli.errors import UserError
 from epo_cli.rollout.prompts import PromptBuilder
-from epo_cli.training.group_sampler import GroupSampler, Rollout
+from epo_cli.training.group_sampler import GroupSampler, GroupSamplerSettings, Rollout
 
 
 class DoorEnv(Env):
@@ -71,7 +71,8 @@ def _sampler(pool: EnvPool, rank: int = 0, world_size: int = 1, *overrides: str)
     cfg = _config(*overrides)
     suite = pool.suite
     builder = PromptBuilder("compact", 2, 4096, lambda text: list(text.encode()))
-    return GroupSampler(cfg, rank, world_size, suite, pool, build_curriculum(cfg, suite), builder, ByteTokenizer())
+    return GroupSampler(GroupSamplerSettings.from_config(cfg), rank, world_size, suite, pool,
+                        build_curriculum(cfg, suite), builder, ByteTokenizer())
 
 
 def _trace(rollout: Rollout) -> list:

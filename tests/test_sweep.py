@@ -10,7 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from epo_cli.analysis.sweep_summary import RunResult, SweepSummaryConfig, aggregate, mean_std, run_result, summarize
+from epo_cli.analysis.sweep_summary import (
+    RunResult,
+    SweepSummaryConfig,
+    aggregate,
+    format_mean_std,
+    mean_pm_std,
+    mean_std,
+    run_result,
+    summarize,
+)
 
 from conftest import SmallConfig, run_epo
 
@@ -22,6 +31,15 @@ TINY = SmallConfig().sft("trainer.eval_episodes=1", "env.eval_splits=[eval_in_di
 
 def _run(overrides: list[str], status: str = "finished", **values: float) -> RunResult:
     return RunResult(path=Path("/x"), job=0, overrides=overrides, status=status, **values)
+
+
+def test_mean_plus_minus_std_is_formatted_in_one_place() -> None:
+    """The sweep table, `epo report` and the study scripts: mean ± sample std of the finite values."""
+    assert mean_pm_std([0.5, 0.7, 0.9]) == "0.7 ± 0.2"
+    assert mean_pm_std([0.5, 0.7, 0.9], ".3f", ".3f") == "0.700 ± 0.200"
+    assert mean_pm_std([0.25, math.nan]) == "0.25"  # one finite value: the value alone
+    assert mean_pm_std([]) == mean_pm_std([math.inf]) == "-"
+    assert format_mean_std(1234.5, 0.0123) == "1.23e+03 ± 0.012"
 
 
 def test_mean_std_is_the_sample_std() -> None:

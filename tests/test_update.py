@@ -8,6 +8,7 @@ the update's first forward scores the on-policy rows, and the skipped-update str
 from __future__ import annotations
 
 import copy
+from dataclasses import FrozenInstanceError, replace
 from types import SimpleNamespace
 
 import pytest
@@ -15,14 +16,14 @@ import torch
 from torch import nn
 
 from epo_cli.algos.aggregation import normalized_weights
-from epo_cli.algos.losses import LossStack, build_loss_terms, loss_coefficients
+from epo_cli.algos.losses import LossStack, NLLLoss, build_loss_terms
 from epo_cli.compose import compose
 from epo_cli.errors import UserError
 from epo_cli.rollout.batch import TurnBatch
 from epo_cli.training.engine import DistInfo, RolloutModule
 from epo_cli.training.forward import collate, policy_forward
 from epo_cli.training.models import Models
-from epo_cli.training.update import PolicyUpdate, UpdateResult, skip_streak
+from epo_cli.training.update import PolicyUpdate, PolicyUpdateSettings, UpdateResult, skip_streak
 
 VOCAB = 24
 CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -83,18 +84,62 @@ def _batch() -> TurnBatch:
     )
 
 
-def _update(*overrides: str, lr: float = 0.5) -> PolicyUpdate:
-    cfg = compose(["algo=grpo", "algo.pack_tokens=0", "seed=1", *overrides])
+def _toy_models(lr: float) -> Models:
+    """ToyLM (seed 0) trained by plain SGD at `lr`; its initial copy as the frozen reference."""
     torch.manual_seed(0)
     model = ToyLM()
     ref = copy.deepcopy(model).requires_grad_(False)
     engine = SGDEngine(model, lr)
-    models = Models(SimpleNamespace(pad_token_id=0), VOCAB, False, engine, RolloutModule(engine, None, 0), ref)
-    return PolicyUpdate(cfg, CPU, models, LossStack(build_loss_terms(cfg.algo)))
+    return Models(SimpleNamespace(pad_token_id=0), VOCAB, False, engine, RolloutModule(engine, None, 0), ref)
+
+
+def _update(*overrides: str, lr: float = 0.5) -> PolicyUpdate:
+    """GRPO's update part (policy_clip + kl) with the settings of a composed run config."""
+    cfg = compose(["algo=grpo", "algo.pack_tokens=0", "seed=1", *overrides])
+    return PolicyUpdate(PolicyUpdateSettings.from_config(cfg), CPU, _toy_models(lr),
+                        LossStack(build_loss_terms(cfg.algo)))
 
 
 def _coefs(update: PolicyUpdate) -> dict[str, float]:
-    return loss_coefficients(update.algo, 0.0, 0.0, 0.01)
+    """GRPO's coefficients: policy_clip 1, kl at its weight 0.01."""
+    return {"policy_clip": 1.0, "kl": 0.01}
+
+
+def _settings(**changes: object) -> PolicyUpdateSettings:
+    """Settings written out, no run config: one epoch of 8-sample mini-batches, 2-sample micro-batches."""
+    settings = PolicyUpdateSettings(seed=1, temperature=1.0, sft=False, ppo_epochs=1, mini_batch_size=8,
+                                    micro_batch_size=2, pack_tokens=0, lr=0.5, critic_lr=0.5, value_coef=0.5,
+                                    turn_decay=0.9, reuse_scoring_forward=False)
+    return replace(settings, **changes)
+
+
+def test_the_part_is_built_from_its_settings_alone_and_weighs_turns_by_their_decay() -> None:
+    """No run config: an nll term aggregated turn-decay with settings.turn_decay=0.5. Each trajectory has 2
+    turns, Z = 1 + 0.5: turn 0 weighs 1/1.5, turn 1 0.5/1.5, each the mean of its tokens' -log p; the
+    denominator is the 3 trajectories' sum of those weights, 3."""
+    update = PolicyUpdate(_settings(sft=True, turn_decay=0.5), CPU, _toy_models(0.0),
+                          LossStack(nn.ModuleDict({"nll": NLLLoss(aggregation="turn-decay")})))
+    batch = update.forward_scores(_batch()).apply(_batch())
+    expected = 0.0
+    for r in range(len(batch)):
+        k = len(batch.response_ids[r])
+        logp = policy_forward(update.models.engine.module, collate(batch, [r], 0, CPU.device), 1.0, VOCAB).logprobs
+        expected += 0.5 ** int(batch.turn_index[r]) / 1.5 * float(-logp[0, :k].mean()) / 3
+    result = update.run(batch, {"nll": 1.0}, step=0)
+    assert result.optimizer_steps == 1
+    assert result.metrics["loss/nll"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_settings_from_a_run_config() -> None:
+    """from_config reads each setting once; the turn decay is algo.entropy.decay (EPO: 0.9), the critic's lr
+    falls back to algo.lr, and a clamping monitor turns scoring reuse off."""
+    settings = PolicyUpdateSettings.from_config(compose(["algo=epo", "seed=7"]))
+    assert (settings.seed, settings.turn_decay, settings.critic_lr) == (7, 0.9, settings.lr)
+    assert settings.reuse_scoring_forward and not settings.sft
+    clamped = PolicyUpdateSettings.from_config(compose(["algo=epo", "algo.monitor.action=clamp"]))
+    assert not clamped.reuse_scoring_forward
+    with pytest.raises(FrozenInstanceError):
+        settings.lr = 1.0  # type: ignore[misc]
 
 
 def test_scoring_returns_the_scores_and_leaves_the_batch_alone() -> None:

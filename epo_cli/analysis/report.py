@@ -39,6 +39,7 @@ from epo_cli.analysis.sweep_summary import (
     config_label,
     is_run_dir,
     job_number,
+    mean_pm_std,
     run_overrides,
     varying_keys,
 )
@@ -419,13 +420,6 @@ def _last(rows: list[dict[str, Any]], key: str) -> float:
     return float(values[-1]) if len(values) else math.nan
 
 
-def _fmt(values: list[float]) -> str:
-    xs = [v for v in values if math.isfinite(v)]
-    if not xs:
-        return "-"
-    return f"{np.mean(xs):.3g}" + (f" ± {np.std(xs, ddof=1):.2g}" if len(xs) > 1 else "")
-
-
 def write_index(groups: list[Group], written: dict[str, tuple[str, bool]], out: Path,
                 sources: list[Path]) -> Path:
     lines = [f"# Report: {', '.join(str(s) for s in sources)}", "",
@@ -437,9 +431,9 @@ def write_index(groups: list[Group], written: dict[str, tuple[str, bool]], out: 
         statuses = sorted({read_status(r.path).get("status", "unknown") for r in g.runs})
         last = max((int(r.rows[-1]["step"]) for r in g.runs if r.rows), default=0)
         lines.append(f"| {g.label} | {len(g.runs)} | {last} | "
-                     f"{_fmt([_last(r.rows, 'rollout/success') for r in g.runs])} | "
-                     f"{_fmt([_last(r.rows, 'eval/success') for r in g.runs])} | "
-                     f"{_fmt([_last(r.rows, 'policy/entropy') for r in g.runs])} | {', '.join(statuses)} |")
+                     f"{mean_pm_std([_last(r.rows, 'rollout/success') for r in g.runs])} | "
+                     f"{mean_pm_std([_last(r.rows, 'eval/success') for r in g.runs])} | "
+                     f"{mean_pm_std([_last(r.rows, 'policy/entropy') for r in g.runs])} | {', '.join(statuses)} |")
     lines.append("")
     alerted = [(r, alert_onsets(r.rows), len(alert_steps(r.rows))) for g in groups for r in g.runs]
     for r, onsets, on in alerted:

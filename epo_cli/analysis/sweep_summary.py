@@ -316,10 +316,17 @@ def _cell(value: Any) -> Any:
     return "" if value is None else value
 
 
-def _pm(mean: float, std: float) -> str:
+def format_mean_std(mean: float, std: float, digits: str = ".3g", std_digits: str = ".2g") -> str:
+    """`mean ± std`, the mean alone when std is NaN (one value), `-` without a mean: the one format of a
+    statistic over seeds (this table, `epo report`'s, the study scripts' in scripts/experiments)."""
     if math.isnan(mean):
         return "-"
-    return f"{mean:.3g}" if math.isnan(std) else f"{mean:.3g} ± {std:.2g}"
+    return format(mean, digits) if math.isnan(std) else f"{format(mean, digits)} ± {format(std, std_digits)}"
+
+
+def mean_pm_std(values: list[float], digits: str = ".3g", std_digits: str = ".2g") -> str:
+    """format_mean_std of the finite `values` (mean_std: sample std)."""
+    return format_mean_std(*mean_std(values), digits, std_digits)
 
 
 def display_columns(options: SweepSummaryConfig) -> list[tuple[str, Any]]:
@@ -329,14 +336,14 @@ def display_columns(options: SweepSummaryConfig) -> list[tuple[str, Any]]:
         ("configuration", lambda g: g.label),
         ("runs", lambda g: str(g.runs)),
         ("finished", lambda g: str(g.finished)),
-        ("success", lambda g: _pm(g.success_mean, g.success_std)),
-        ("entropy fluct.", lambda g: _pm(g.entropy_fluctuation_mean, g.entropy_fluctuation_std)),
-        ("entropy swing", lambda g: _pm(g.entropy_swing_mean, g.entropy_swing_std)),
-        (f"steps to {t}", lambda g: f"{_pm(g.steps_to_threshold_mean, g.steps_to_threshold_std)} "
+        ("success", lambda g: format_mean_std(g.success_mean, g.success_std)),
+        ("entropy fluct.", lambda g: format_mean_std(g.entropy_fluctuation_mean, g.entropy_fluctuation_std)),
+        ("entropy swing", lambda g: format_mean_std(g.entropy_swing_mean, g.entropy_swing_std)),
+        (f"steps to {t}", lambda g: f"{format_mean_std(g.steps_to_threshold_mean, g.steps_to_threshold_std)} "
                                     f"({g.reached_threshold})"),
     ]
     if options.metric not in SUCCESS_KEYS:  # the sweeper's objective, when it is not the success column
-        cols.append((options.metric, lambda g: _pm(g.objective_mean, g.objective_std)))
+        cols.append((options.metric, lambda g: format_mean_std(g.objective_mean, g.objective_std)))
     return cols
 
 

@@ -16,6 +16,12 @@ Info keys every env fills (others may add more):
     progress             float      0..1, how much of the task is done (for intermediate rewards)
     expert_action        str | None the expert's next action from this state (behaviour cloning)
     expert_thought       str | None a short rationale for it, used inside <think>..</think>
+Info keys of a step that ended an episode without a verdict (may be absent; absent means False/none):
+    truncated            bool       the episode was cut short, neither won nor lost: the env's own turn cap
+                                    (alfworld, scienceworld, textworld), or the env pool answering for a
+                                    worker that crashed or hung (envs/pool.py, with `error`); the rollout's
+                                    own turn limit (env.max_turns) needs neither
+    error                str        why the pool cut it (with `truncated`: the rollout marks the episode crashed)
 """
 
 from __future__ import annotations

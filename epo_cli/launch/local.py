@@ -13,7 +13,8 @@ from omegaconf import DictConfig
 from epo_cli.analysis.run_summary import print_summary
 from epo_cli.envs import make_suite
 from epo_cli.launch.setup import prepare_run_dir
-from epo_cli.models.attention import check_attention, planned_device
+from epo_cli.models.attention import check_attention
+from epo_cli.training.device import device_type
 from epo_cli.training.lifecycle import run_training
 from epo_cli.training.trainer import Trainer
 
@@ -21,7 +22,7 @@ from epo_cli.training.trainer import Trainer
 def run_local(cfg: DictConfig, overrides: list[str]) -> dict:
     """Train in this process (a world of one)."""
     resuming = bool(cfg.trainer.resume) and cfg.run_dir and (Path(cfg.run_dir) / "config.yaml").exists()
-    check_attention(cfg.model, planned_device(cfg.trainer.device))  # before the run directory is written
+    check_attention(cfg.model, device_type(cfg.trainer.device))  # before the run directory is written
     resumed: list[Trainer] = []  # the Trainer built before the run directory is rewritten (resuming)
     suite = None
 

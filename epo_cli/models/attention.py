@@ -15,23 +15,16 @@ NEEDS_PACKAGE = {"flash_attention_2": ("flash_attn", "flash-attn"),
                  "flash_attention_3": ("flash_attn_interface", "flash-attn 3 (hopper)")}
 
 
-def planned_device(trainer_device: str) -> Any:
-    """The torch.device a run with trainer.device=`trainer_device` will use on this machine."""
-    import torch  # not at the top: see the module docstring (callers have loaded torch already)
-
-    use_cuda = trainer_device == "cuda" or (trainer_device == "auto" and torch.cuda.is_available())
-    return torch.device("cuda" if use_cuda else "cpu")
-
-
 #: attention implementations epo runs on CUDA GPUs only: flex_attention's kernels are compiled by torch's
 #: inductor, whose CPU path fails on this model after minutes of compiling (seen with torch 2.x on a CPU run)
 CUDA_ONLY = {"flex_attention"}
 
 
-def check_attention(model_cfg: Any, device: Any) -> None:
-    """model.attn_implementation's package and device (`device.type`). flash_attention_2/3 need their packages
-    and a CUDA GPU, flex_attention a CUDA GPU; sdpa and eager run anywhere."""
-    if model_cfg.attn_implementation in CUDA_ONLY and device.type != "cuda":
+def check_attention(model_cfg: Any, device_type: str) -> None:
+    """model.attn_implementation's package and device (`device_type`: cuda | cpu, epo_cli.training.device).
+    flash_attention_2/3 need their packages and a CUDA GPU, flex_attention a CUDA GPU; sdpa and eager run
+    anywhere."""
+    if model_cfg.attn_implementation in CUDA_ONLY and device_type != "cuda":
         raise UserError(f"model.attn_implementation={model_cfg.attn_implementation} cannot be used here: epo runs "
                         "it on CUDA GPUs only (on the CPU, torch's compiler fails on its kernels after minutes) and "
                         "this run is on the CPU. Use model.attn_implementation=sdpa (the default).")
@@ -41,7 +34,7 @@ def check_attention(model_cfg: Any, device: Any) -> None:
     problems = []
     if importlib.util.find_spec(module) is None:
         problems.append(f"the {package} package is not installed")
-    if device.type != "cuda":
+    if device_type != "cuda":
         problems.append("it runs on CUDA GPUs only and this run is on the CPU")
     if problems:
         raise UserError(f"model.attn_implementation={model_cfg.attn_implementation} cannot be used here: "

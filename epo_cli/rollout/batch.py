@@ -17,7 +17,7 @@ same [B, R] response layout, so loss terms never see the difference.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 from torch import Tensor
@@ -66,38 +66,17 @@ class TurnBatch:
         return self.turn_index == self.num_turns - 1
 
     def select(self, index: list[int] | Tensor) -> TurnBatch:
-        """A new TurnBatch with the samples at `index` (in that order)."""
+        """A new TurnBatch with the samples at `index` (in that order): every field, tensors indexed, lists
+        picked row by row (an empty list, a field not filled in, stays empty; None stays None)."""
         idx = torch.as_tensor(index, dtype=torch.long)
         pick = idx.tolist()
 
-        def rows(x: list) -> list:
-            return [x[i] for i in pick] if x else []
+        def rows(value: Tensor | list | None) -> Tensor | list | None:
+            if value is None or isinstance(value, Tensor):
+                return None if value is None else value[idx]
+            return [value[i] for i in pick] if value else []
 
-        def opt(t: Tensor | None) -> Tensor | None:
-            return None if t is None else t[idx]
-
-        return TurnBatch(
-            prompt_ids=rows(self.prompt_ids),
-            response_ids=rows(self.response_ids),
-            traj_id=self.traj_id[idx],
-            group_id=self.group_id[idx],
-            turn_index=self.turn_index[idx],
-            num_turns=self.num_turns[idx],
-            reward=self.reward[idx],
-            outcome=self.outcome[idx],
-            valid=self.valid[idx],
-            won=self.won[idx],
-            task_type=rows(self.task_type),
-            anchor_obs=rows(self.anchor_obs),
-            admissible=rows(self.admissible),
-            intrinsic=opt(self.intrinsic),
-            old_logprobs=rows(self.old_logprobs),
-            entropy=rows(self.entropy),
-            ref_logprobs=rows(self.ref_logprobs),
-            old_values=opt(self.old_values),
-            advantages=opt(self.advantages),
-            returns=opt(self.returns),
-        )
+        return TurnBatch(**{f.name: rows(getattr(self, f.name)) for f in fields(self)})
 
 
 @dataclass

@@ -64,6 +64,14 @@ class ModelPolicy:
         self.generated_tokens += sum(len(r) for r in out)
         return out
 
+    @classmethod
+    def from_rollout(cls, model: torch.nn.Module, tokenizer: Any, rollout: Any, temperature: float,
+                     vocab_limit: int | None) -> ModelPolicy:
+        """`model` sampling with the rollout.* settings at `temperature`: the one construction used by the
+        training rollouts, the training-time evaluation and `epo eval`."""
+        params = SamplingConfig(rollout.max_new_tokens, temperature, rollout.top_p, rollout.top_k, rollout.stop)
+        return cls(model, tokenizer, params, vocab_limit, rollout.generation_batch_size, rollout.shared_prefill)
+
 
 @dataclass
 class ExpertPolicy:

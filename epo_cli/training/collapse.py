@@ -1,6 +1,6 @@
 """The collapse/* metrics of one RL iteration and the `collapse` alert (settings: algo.diagnostics).
 
-    watch = CollapseWatch(cfg, dist, models, run_or_None, warn)          # the Trainer's part
+    watch = CollapseWatch(CollapseSettings.from_config(cfg), dist, models, run_or_None, warn)
     metrics.update(watch.metrics(batch, episodes, history, step, subgoal_coef, turns))   # step 6
     alert, signals = watch.alert(metrics, step + 1, signals)                            # end of step 8
 
@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 from torch import Tensor, nn
 
 from epo_cli.algos.diagnostics import (
@@ -49,6 +50,7 @@ from epo_cli.algos.diagnostics import (
 )
 from epo_cli.algos.entropy import EntropyHistory
 from epo_cli.algos.group_filter import trajectory_returns
+from epo_cli.config import DiagnosticsConfig
 from epo_cli.rollout.batch import TurnBatch
 from epo_cli.rollout.episodes import Episode, episodes_to_batch
 from epo_cli.run_dir import record_alert
@@ -59,6 +61,29 @@ from epo_cli.training.models import Models
 
 AllReduce = Callable[[Tensor], Tensor]
 AllGather = Callable[[Any], list[Any]]
+
+
+@dataclass(frozen=True)
+class CollapseSettings:
+    """What the collapse diagnostics read, fixed for the run (`from_config`)."""
+
+    diagnostics: DiagnosticsConfig  # algo.diagnostics: enabled, MI's cadence and subsample, alert thresholds
+    reward_scale: float  # algo.reward_scale and algo.invalid_action_penalty: the played episodes' returns,
+    invalid_action_penalty: float  # as the rollout's batch computes them
+    max_turns: int  # env.max_turns: the corridor's turn slots (at least; a curriculum may allow more)
+    kappa_low: float  # EPO's band [kappa_low, kappa_high] x Href (algo.entropy_smoothing)
+    kappa_high: float
+    seed: int  # the run's seed: MI's subsample
+    temperature: float  # rollout.temperature: MI scores at the sampling temperature
+    micro_batch_size: int  # MI's scoring passes
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> CollapseSettings:
+        algo = cfg.algo
+        return cls(diagnostics=OmegaConf.to_object(algo.diagnostics), reward_scale=algo.reward_scale,
+                   invalid_action_penalty=algo.invalid_action_penalty, max_turns=cfg.env.max_turns,
+                   kappa_low=algo.entropy_smoothing.kappa_low, kappa_high=algo.entropy_smoothing.kappa_high,
+                   seed=cfg.seed, temperature=cfg.rollout.temperature, micro_batch_size=algo.micro_batch_size)
 
 
 @dataclass(frozen=True)
@@ -125,25 +150,24 @@ def mutual_information(scorer: PairScorer, batch: TurnBatch, step: int, seed: in
     return cross_prompt_mi(logp, lengths)
 
 
-def collapse_metrics(batch: TurnBatch, episodes: list[Episode], history: EntropyHistory, cfg: Any, step: int,
+def collapse_metrics(batch: TurnBatch, episodes: list[Episode], history: EntropyHistory, settings: CollapseSettings,
+                     step: int,
                      subgoal_coef: float, max_turns: int, scorer: PairScorer, all_reduce_sum: AllReduce,
                      all_gather: AllGather, rank: int = 0, world: int = 1) -> dict[str, float]:
     """The collapse/* metrics of one iteration (see the module docstring); {} when algo.diagnostics.enabled is
     false. Call after the update (every sample's entropy is known) and before the entropy history records this
     step; `scorer` scores MI's pairs. Collectives: every rank calls it."""
-    settings, algo = cfg.algo.diagnostics, cfg.algo
-    if not settings.enabled:
+    if not settings.diagnostics.enabled:
         return {}
     t0 = time.perf_counter()
-    played = episodes_to_batch(episodes, algo.reward_scale, algo.invalid_action_penalty, subgoal_coef)
+    played = episodes_to_batch(episodes, settings.reward_scale, settings.invalid_action_penalty, subgoal_coef)
     std_sum, groups, zero = group_return_std(trajectory_returns(played).values())
     signal, samples = advantage_signal(batch.advantages) if batch.advantages is not None else (0, len(batch))
     div_sum, states = state_diversity((ep.group_id, (turn.observation, tuple(turn.admissible)), turn.action)
                                       for ep in episodes for turn in ep.turns)
-    turns = max(cfg.env.max_turns, max_turns)
-    band = algo.entropy_smoothing
+    turns = max(settings.max_turns, max_turns)
     corridor = corridor_counts(batch.entropy, batch.turn_index, history.reference(batch.turn_index),
-                               band.kappa_low, band.kappa_high, turns)  # [T, 3]
+                               settings.kappa_low, settings.kappa_high, turns)  # [T, 3]
     sums = torch.cat([torch.tensor([std_sum, groups, zero, signal, samples, div_sum, states], dtype=torch.float64),
                       corridor.flatten()])
     sums = all_reduce_sum(sums.to(scorer.device)).cpu().tolist()
@@ -164,10 +188,10 @@ def collapse_metrics(batch: TurnBatch, episodes: list[Episode], history: Entropy
             n = float(corridor[t, 0])
             out[f"collapse/corridor_above_turn/{t}"] = float(corridor[t, 1]) / n
             out[f"collapse/corridor_below_turn/{t}"] = float(corridor[t, 2]) / n
-    if mi_due(settings, step):
+    if mi_due(settings.diagnostics, step):
         t_mi = time.perf_counter()
-        mi = mutual_information(scorer, batch, step, cfg.seed, settings.mi_samples, all_reduce_sum, all_gather,
-                                rank, world)
+        mi = mutual_information(scorer, batch, step, settings.seed, settings.diagnostics.mi_samples,
+                                all_reduce_sum, all_gather, rank, world)
         if mi is not None:
             out["collapse/mi"] = mi
         out["perf/mi_s"] = time.perf_counter() - t_mi  # the MI part of perf/diagnostics_s
@@ -175,12 +199,12 @@ def collapse_metrics(batch: TurnBatch, episodes: list[Episode], history: Entropy
     return out
 
 
-def mi_due(settings: Any, step: int) -> bool:
+def mi_due(settings: DiagnosticsConfig, step: int) -> bool:
     """Whether step `step` measures collapse/mi (every algo.diagnostics.mi_every steps; 0: never)."""
     return settings.enabled and settings.mi_every > 0 and step % settings.mi_every == 0
 
 
-def collapse_alert(metrics: dict[str, float], settings: Any, step: int, beyond_before: list[str],
+def collapse_alert(metrics: dict[str, float], settings: DiagnosticsConfig, step: int, beyond_before: list[str],
                    warn: Callable[[str], None], run: Path | None) -> tuple[dict[str, float], list[str]]:
     """({collapse/alert: 1 while a signal is beyond its threshold, else 0}, the signals beyond after this step)
     for this step's metrics and the signals beyond before it. When a signal crosses into its threshold: one
@@ -203,24 +227,24 @@ class CollapseWatch:
     the collapse alert at the end of step 8. `run`: rank 0's run directory (None on other ranks), where the
     alert is noted in status.json; `warn`: the console."""
 
-    def __init__(self, cfg: Any, dist: DistInfo, models: Models, run: Path | None,
+    def __init__(self, settings: CollapseSettings, dist: DistInfo, models: Models, run: Path | None,
                  warn: Callable[[str], None]) -> None:
-        self.cfg, self.dist, self.models, self.run, self.warn = cfg, dist, models, run, warn
+        self.settings, self.dist, self.models, self.run, self.warn = settings, dist, models, run, warn
 
     def metrics(self, batch: TurnBatch, episodes: list[Episode], history: EntropyHistory, step: int,
                 subgoal_coef: float, max_turns: int) -> dict[str, float]:
         """collapse_metrics of this iteration (after the update, before the entropy history records it).
         MI scores with the updated weights: under ZeRO 0-2 `policy.module` is the engine's module, which has
         them; under ZeRO-3 its copy takes them here (a collective, in the steps that measure MI only)."""
-        models, cfg = self.models, self.cfg
-        if mi_due(cfg.algo.diagnostics, step):
+        models, settings = self.models, self.settings
+        if mi_due(settings.diagnostics, step):
             models.policy.refresh()
         scorer = PairScorer(models.policy.module, models.tokenizer.pad_token_id, self.dist.device,
-                            cfg.rollout.temperature, models.vocab_limit, models.packing, cfg.algo.micro_batch_size)
-        return collapse_metrics(batch, episodes, history, cfg, step, subgoal_coef, max_turns, scorer,
+                            settings.temperature, models.vocab_limit, models.packing, settings.micro_batch_size)
+        return collapse_metrics(batch, episodes, history, settings, step, subgoal_coef, max_turns, scorer,
                                 all_reduce_sum, all_gather_objects, self.dist.rank, self.dist.world_size)
 
     def alert(self, metrics: dict[str, float], step: int, beyond_before: list[str]) -> tuple[dict[str, float],
                                                                                              list[str]]:
         """collapse_alert of this step (`step`: the number of steps done, as logged)."""
-        return collapse_alert(metrics, self.cfg.algo.diagnostics, step, beyond_before, self.warn, self.run)
+        return collapse_alert(metrics, self.settings.diagnostics, step, beyond_before, self.warn, self.run)

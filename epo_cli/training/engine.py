@@ -21,6 +21,7 @@ from torch import nn
 
 from epo_cli.errors import UserError
 from epo_cli.training.deepspeed_config import PORT_ATTEMPTS, deepspeed_config, free_port, port_taken
+from epo_cli.training.device import device_type
 
 
 @dataclass
@@ -36,8 +37,8 @@ class DistInfo:
 
 
 def pick_device(cfg: Any, local_rank: int) -> torch.device:
-    want = cfg.trainer.device
-    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+    """This rank's device under trainer.device (training/device.py's rule): its local GPU, or the CPU."""
+    if device_type(cfg.trainer.device) == "cuda":
         if not torch.cuda.is_available():
             raise UserError("trainer.device=cuda but no CUDA GPU is visible; use trainer.device=cpu.")
         torch.cuda.set_device(local_rank)
@@ -181,17 +182,33 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
             target.config.use_cache = False
 
 
-def build_engine(model: nn.Module, cfg: Any, dist: DistInfo, lr: float, weight_decay: float = 0.0):
+@dataclass(frozen=True)
+class EngineSettings:
+    """What build_engine reads, fixed for the run (`from_config`)."""
+
+    deepspeed: dict[str, Any]  # DeepSpeed's JSON config (deepspeed_config.py), without the model's bucket sizes
+    zero_stage: int
+    activation_checkpointing: bool  # deepspeed.activation_checkpointing (as HF gradient checkpointing)
+    grad_clip: float  # algo.grad_clip: GuardedAdamW clips under ZeRO-0 (DeepSpeed itself under ZeRO 1-3)
+
+    @classmethod
+    def from_config(cls, cfg: Any, dist: DistInfo) -> EngineSettings:
+        """The settings of run config `cfg` on this process's world (ConfigError: batch sizes vs world size)."""
+        return cls(deepspeed_config(cfg, dist.world_size, dist.device.type), cfg.deepspeed.zero_stage,
+                   cfg.deepspeed.activation_checkpointing, cfg.algo.grad_clip)
+
+
+def build_engine(model: nn.Module, settings: EngineSettings, lr: float, weight_decay: float = 0.0):
     """Wrap `model` in a DeepSpeed engine with GuardedAdamW (the loop sets the learning rate per step)."""
     import deepspeed
 
-    config = deepspeed_config(cfg, dist.world_size, dist.device.type)
-    config["zero_optimization"].update(zero_bucket_sizes(model, cfg.deepspeed.zero_stage))
-    if cfg.deepspeed.activation_checkpointing:
+    config = copy.deepcopy(settings.deepspeed)  # the settings stay as built; DeepSpeed may keep this dict
+    config["zero_optimization"].update(zero_bucket_sizes(model, settings.zero_stage))
+    if settings.activation_checkpointing:
         enable_gradient_checkpointing(model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = GuardedAdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999),
-                             clip_norm=cfg.algo.grad_clip if cfg.deepspeed.zero_stage == 0 else None)
+                             clip_norm=settings.grad_clip if settings.zero_stage == 0 else None)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
                                            dist_init_required=False)
     return engine

@@ -1,7 +1,8 @@
 """The entropy state an RL run carries from step to step: the per-turn entropy history whose references
 centre EPO's smoothing band, the fluctuation monitor, and the entropy coefficient's schedule (the adaptive
 one observes each step's entropy). rl_step reads it for the coefficients (step 4) and after the update
-(step 6), and updates it in step 7; a checkpoint saves it (`state_dict`).
+(step 6), and updates it in step 7; a checkpoint saves it (`state_dict`). It is built from its parts (the
+Trainer: `EntropyControl.from_config(cfg)`), so a test hands it a history, monitor and schedule directly.
 
     metrics = control.reference_metrics()                   # policy/entropy_ref, before this step's entropies
     lam = control.schedule(step, total)                     # lambda
@@ -19,7 +20,7 @@ from typing import Any
 from torch import Tensor
 
 from epo_cli.algos.entropy import EntropyHistory, FluctuationMonitor
-from epo_cli.algos.schedules import build_entropy_schedule
+from epo_cli.algos.schedules import Schedule, build_entropy_schedule
 from epo_cli.rollout.batch import TurnBatch
 from epo_cli.training.step_metrics import entropy_statistics
 
@@ -36,11 +37,18 @@ class EntropyStats:
 
 
 class EntropyControl:
-    def __init__(self, cfg: Any) -> None:
-        self.history = EntropyHistory(cfg.algo.entropy_smoothing, max_turns=cfg.env.max_turns)
-        self.monitor = FluctuationMonitor(cfg.algo.monitor)
-        self.schedule = build_entropy_schedule(cfg.entropy)
-        self.clamps = cfg.algo.monitor.action == "clamp"
+    def __init__(self, history: EntropyHistory, monitor: FluctuationMonitor, schedule: Schedule,
+                 clamps: bool) -> None:
+        """`clamps`: the monitor's alert clamps this step's entropy terms (algo.monitor.action=clamp)."""
+        self.history, self.monitor, self.schedule, self.clamps = history, monitor, schedule, clamps
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> EntropyControl:
+        """Its parts as run config `cfg` sets them: algo.entropy_smoothing's history (env.max_turns slots),
+        algo.monitor, the `entropy` group's schedule."""
+        return cls(EntropyHistory(cfg.algo.entropy_smoothing, max_turns=cfg.env.max_turns),
+                   FluctuationMonitor(cfg.algo.monitor), build_entropy_schedule(cfg.entropy),
+                   clamps=cfg.algo.monitor.action == "clamp")
 
     def reference_metrics(self) -> dict[str, float]:
         """policy/entropy_ref: the smoothing band's centre (global reference) for this update, once known."""

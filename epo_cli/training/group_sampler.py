@@ -1,6 +1,7 @@
 """Step 1 of an RL iteration: the step's tasks, played as whole groups by the current policy.
 
-    sampler = GroupSampler(cfg, rank, world_size, suite, pool, curriculum, builder, tokenizer)
+    sampler = GroupSampler(GroupSamplerSettings.from_config(cfg), rank, world_size, suite, pool, curriculum,
+                           builder, tokenizer)
     rollout = sampler.sample(policy, step, total)   # Rollout: episodes, batch (one sample per turn), stats
 
 One round draws algo.tasks_per_step tasks from the curriculum (the same draw on every rank) and plays
@@ -17,9 +18,12 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from epo_cli.algos.dynamic_sampling import choose_groups, concat_batches, rows_of_groups
 from epo_cli.algos.group_filter import group_stats, passing_groups
 from epo_cli.algos.intrinsic import intrinsic_rewards
+from epo_cli.config import IntrinsicConfig
 from epo_cli.curriculum import Curriculum
 from epo_cli.envs.base import EnvSuite
 from epo_cli.errors import UserError
@@ -51,35 +55,65 @@ class Rollout:
     metrics: dict[str, float] = field(default_factory=dict)  # dynamic sampling's counters (rollout/...)
 
 
+@dataclass(frozen=True)
+class GroupSamplerSettings:
+    """What step 1 reads, fixed for the run (`from_config`)."""
+
+    seed: int  # the run's seed: task draws and sampling seeds
+    tasks_per_step: int  # groups per round (all ranks together)
+    group_size: int  # episodes per group (one task)
+    reward_scale: float  # the batch's rewards: the episode's outcome times this,
+    invalid_action_penalty: float  # minus this per invalid action
+    intrinsic: IntrinsicConfig  # algo.intrinsic: the novelty bonus (kind none: off)
+    overlap: bool  # rollout.overlap: generation overlaps the env steps
+    dynamic_sampling: bool  # DAPO: replace the groups group_filter drops with fresh rounds
+    max_rounds: int  # algo.dynamic_sampling_max_rounds: extra rounds at most
+    group_filter: str  # which groups pass (algo.group_filter)
+    group_filter_keep: float
+    # the algo section group_filter=signal hands the advantage estimator (a group's signal is its advantages)
+    estimator_settings: Any
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> GroupSamplerSettings:
+        algo = cfg.algo
+        return cls(seed=cfg.seed, tasks_per_step=algo.tasks_per_step, group_size=algo.group_size,
+                   reward_scale=algo.reward_scale, invalid_action_penalty=algo.invalid_action_penalty,
+                   intrinsic=OmegaConf.to_object(algo.intrinsic), overlap=cfg.rollout.overlap,
+                   dynamic_sampling=algo.dynamic_sampling, max_rounds=algo.dynamic_sampling_max_rounds,
+                   group_filter=algo.group_filter, group_filter_keep=algo.group_filter_keep,
+                   estimator_settings=algo)
+
+
 class GroupSampler:
-    def __init__(self, cfg: Any, rank: int, world_size: int, suite: EnvSuite, pool: Any, curriculum: Curriculum,
-                 builder: PromptBuilder, tokenizer: Any) -> None:
-        self.algo, self.seed, self.overlap = cfg.algo, cfg.seed, cfg.rollout.overlap
+    def __init__(self, settings: GroupSamplerSettings, rank: int, world_size: int, suite: EnvSuite, pool: Any,
+                 curriculum: Curriculum, builder: PromptBuilder, tokenizer: Any) -> None:
+        self.settings = settings
         self.rank, self.world_size = rank, world_size
         self.suite, self.pool, self.curriculum = suite, pool, curriculum
         self.builder, self.tokenizer = builder, tokenizer
 
     def sample(self, policy: Policy, step: int, total: int) -> Rollout:
         """This rank's whole groups of step `step`, played by `policy` into one sample per turn."""
-        algo, groups = self.algo, self.algo.tasks_per_step
+        settings, groups = self.settings, self.settings.tasks_per_step
         if groups % self.world_size:
             raise UserError(f"algo.tasks_per_step={groups} must be divisible by the number of ranks "
                             f"({self.world_size}) so every GRPO group stays on one rank.")
-        if not algo.dynamic_sampling:
+        if not settings.dynamic_sampling:
             return self.play_round(policy, step, total, 0)
         episodes, batches, stats = [], [], RolloutStats()
         played: list[tuple[int, bool]] = []  # (global group id, passes algo.group_filter), in play order
         rounds = 0
-        for r in range(1 + algo.dynamic_sampling_max_rounds):
+        for r in range(1 + settings.max_rounds):
             round_ = self.play_round(policy, step, total, r)
             rounds += 1
             episodes += round_.episodes
             batches.append(round_.batch)
             for name in _ADDED_UP:
                 setattr(stats, name, getattr(stats, name) + getattr(round_.stats, name))
-            gathered = all_gather_objects(group_stats(round_.batch, algo))  # every rank's groups, by group id
+            # every rank's groups, by group id
+            gathered = all_gather_objects(group_stats(round_.batch, settings.estimator_settings))
             round_stats = sorted(s for rank_stats in gathered for s in rank_stats)
-            played += passing_groups(round_stats, algo.group_filter, algo.group_filter_keep)
+            played += passing_groups(round_stats, settings.group_filter, settings.group_filter_keep)
             if sum(ok for _, ok in played) >= groups:
                 break
         chosen, topped_up = choose_groups(played, groups)
@@ -94,21 +128,21 @@ class GroupSampler:
 
     def play_round(self, policy: Policy, step: int, total: int, round_index: int) -> Rollout:
         """One round of tasks_per_step groups; this rank plays its share of whole groups."""
-        algo, groups = self.algo, self.algo.tasks_per_step
+        settings, groups = self.settings, self.settings.tasks_per_step
         # tasks: identical draw on every rank; this rank plays whole groups
-        rng = random.Random(derive_seed(self.seed, "tasks", step, round_index))
+        rng = random.Random(derive_seed(settings.seed, "tasks", step, round_index))
         tasks = self.curriculum.sample_tasks(self.suite, groups, rng, step, total)
         first = round_index * groups  # global id of this round's first group
         mine = range(self.rank * groups // self.world_size, (self.rank + 1) * groups // self.world_size)
-        slots = [EpisodeSlot(tasks[g], traj_id=(first + g) * algo.group_size + k, group_id=first + g)
-                 for g in mine for k in range(algo.group_size)]
+        slots = [EpisodeSlot(tasks[g], traj_id=(first + g) * settings.group_size + k, group_id=first + g)
+                 for g in mine for k in range(settings.group_size)]
         # play them: one sample per turn
-        settings = PlayConfig(self.builder, self.tokenizer, self.curriculum.max_turns(step, total), seed=self.seed,
-                                step=step, overlap=self.overlap)
-        episodes, stats = run_episodes(policy, self.pool, slots, settings)
-        batch = episodes_to_batch(episodes, algo.reward_scale, algo.invalid_action_penalty,
+        play = PlayConfig(self.builder, self.tokenizer, self.curriculum.max_turns(step, total), seed=settings.seed,
+                          step=step, overlap=settings.overlap)
+        episodes, stats = run_episodes(policy, self.pool, slots, play)
+        batch = episodes_to_batch(episodes, settings.reward_scale, settings.invalid_action_penalty,
                                   self.curriculum.subgoal_coef(step, total))
-        if algo.intrinsic.kind != "none":  # novelty bonus per turn, counted per group (algos/intrinsic.py)
-            batch.intrinsic = intrinsic_rewards(episodes, algo.intrinsic, step)
+        if settings.intrinsic.kind != "none":  # novelty bonus per turn, counted per group (algos/intrinsic.py)
+            batch.intrinsic = intrinsic_rewards(episodes, settings.intrinsic, step)
             batch.reward = batch.reward + batch.intrinsic
         return Rollout(episodes, batch, stats)

@@ -25,8 +25,7 @@ from epo_cli.models.loading import (
     resolve_dtype,
 )
 from epo_cli.rollout.episodes import ModelPolicy
-from epo_cli.rollout.generation import SamplingConfig
-from epo_cli.training.engine import DistInfo, RolloutModule, build_engine, inference_copy
+from epo_cli.training.engine import DistInfo, EngineSettings, RolloutModule, build_engine, inference_copy
 from epo_cli.training.packing import enable_packing
 
 
@@ -51,36 +50,57 @@ class Models:
         """The policy that plays episodes: `policy.module` sampling with the rollout.* settings, at `temperature`
         (default: rollout.temperature, the training rollouts')."""
         temperature = rollout.temperature if temperature is None else temperature
-        params = SamplingConfig(rollout.max_new_tokens, temperature, rollout.top_p, rollout.top_k, rollout.stop)
-        return ModelPolicy(self.policy.module, self.tokenizer, params, self.vocab_limit,
-                           rollout.generation_batch_size, rollout.shared_prefill)
+        return ModelPolicy.from_rollout(self.policy.module, self.tokenizer, rollout, temperature, self.vocab_limit)
 
 
-def build_models(cfg: Any, dist: DistInfo, suite: EnvSuite) -> Models:
+@dataclass(frozen=True)
+class ModelSettings:
+    """What build_models reads, fixed for the run (`from_config`)."""
+
+    model: Any  # the model section: source (path or tiny), dtype, attention, LoRA (epo_cli/models/loading.py)
+    rollout: Any  # the rollout section: a prompt and its response must fit the model's positions (check_context)
+    seed: int  # model=tiny builds its weights from it
+    pack_tokens: int | None  # algo.pack_tokens: packed micro-batches (null: where the attention allows; 0: off)
+    reference: bool  # a frozen reference copy (the `kl` loss term needs it)
+    critic: bool  # a critic (estimator gae)
+    lr: float  # the policy's optimizer (the lr schedule sets it per step)
+    weight_decay: float  # the policy's (the critic's is 0)
+    critic_lr: float  # algo.value.lr, else algo.lr
+    engine: EngineSettings  # DeepSpeed (ZeRO stage, batch sizes, precision)
+
+    @classmethod
+    def from_config(cls, cfg: Any, dist: DistInfo) -> ModelSettings:
+        algo = cfg.algo
+        return cls(model=cfg.model, rollout=cfg.rollout, seed=cfg.seed, pack_tokens=algo.pack_tokens,
+                   reference="kl" in algo.loss_terms, critic=algo.estimator == "gae", lr=algo.lr,
+                   weight_decay=algo.weight_decay, critic_lr=algo.value.lr or algo.lr,
+                   engine=EngineSettings.from_config(cfg, dist))
+
+
+def build_models(settings: ModelSettings, dist: DistInfo, suite: EnvSuite) -> Models:
     """Load (or, for model=tiny, build) the policy and wrap it and its companions in DeepSpeed engines."""
-    algo = cfg.algo
-    source = model_source(cfg.model, suite, cfg.seed)
-    tokenizer = load_tokenizer(source, cfg.model)
-    dtype = resolve_dtype(cfg.model, dist.device)
-    policy = load_causal_lm(source, cfg.model, dtype).to(dist.device)
-    check_context(policy, cfg.rollout, source)  # a prompt and its response fit the model's positions
+    model_cfg, stage = settings.model, settings.engine.zero_stage
+    source = model_source(model_cfg, suite, settings.seed)
+    tokenizer = load_tokenizer(source, model_cfg)
+    dtype = resolve_dtype(model_cfg, dist.device)
+    policy = load_causal_lm(source, model_cfg, dtype).to(dist.device)
+    check_context(policy, settings.rollout, source)  # a prompt and its response fit the model's positions
     # packed micro-batches for scoring and update (before the copies below, which inherit the attention)
-    packing = enable_packing(policy, algo.pack_tokens)
-    ref_model = frozen_copy(policy) if "kl" in algo.loss_terms else None
-    policy = apply_lora(policy, cfg.model.lora)
-    critic = ValueModel(frozen_copy(policy if cfg.model.lora.rank <= 0 else policy.get_base_model())) \
-        if algo.estimator == "gae" else None
+    packing = enable_packing(policy, settings.pack_tokens)
+    ref_model = frozen_copy(policy) if settings.reference else None
+    policy = apply_lora(policy, model_cfg.lora)
+    critic = ValueModel(frozen_copy(policy if model_cfg.lora.rank <= 0 else policy.get_base_model())) \
+        if settings.critic else None
     if critic is not None:
         for p in critic.parameters():
             p.requires_grad_(True)
-    template = inference_copy(policy, cfg.deepspeed.zero_stage)  # ZeRO-3: before DeepSpeed partitions
-    engine = build_engine(policy, cfg, dist, lr=algo.lr, weight_decay=algo.weight_decay)
-    models = Models(tokenizer, len(tokenizer), packing, engine,
-                    RolloutModule(engine, template, cfg.deepspeed.zero_stage), ref_model)
+    template = inference_copy(policy, stage)  # ZeRO-3: before DeepSpeed partitions
+    engine = build_engine(policy, settings.engine, lr=settings.lr, weight_decay=settings.weight_decay)
+    models = Models(tokenizer, len(tokenizer), packing, engine, RolloutModule(engine, template, stage), ref_model)
     if critic is not None:
-        critic_template = inference_copy(critic, cfg.deepspeed.zero_stage)
-        models.critic_engine = build_engine(critic, cfg, dist, lr=algo.value.lr or algo.lr)
-        models.critic = RolloutModule(models.critic_engine, critic_template, cfg.deepspeed.zero_stage)
+        critic_template = inference_copy(critic, stage)
+        models.critic_engine = build_engine(critic, settings.engine, lr=settings.critic_lr)
+        models.critic = RolloutModule(models.critic_engine, critic_template, stage)
         models.critic.refresh()  # ZeRO-3 copies take rank 0's weights, which DeepSpeed broadcast
     models.policy.refresh()
     return models

@@ -1,6 +1,6 @@
 """Behaviour cloning (algo=sft): demonstrations through the same update as RL, with the nll loss term.
 
-    data = demonstrations(cfg, suite, pool, builder, tokenizer, save_to, log)   # expert episodes or JSONL
+    data = demonstrations(DemoSettings.from_config(cfg), suite, pool, builder, tokenizer, save_to, log)
     each step: result = sft_step(update, data, coefs, step)   # update: training/update.py, as RL's
 
 A step's mini-batch is a function of (seed, step): each epoch is a fresh permutation of the
@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,19 +28,37 @@ from epo_cli.seeding import derive_seed
 from epo_cli.training.update import PolicyUpdate, UpdateResult
 
 
-def demonstrations(cfg: Any, suite: EnvSuite, pool: Any, builder: PromptBuilder, tokenizer: Any,
+@dataclass(frozen=True)
+class DemoSettings:
+    """Where the demonstrations come from, fixed for the run (`from_config`)."""
+
+    demos: str  # algo.demos: expert (played now), or a JSONL file of demonstrations
+    episodes: int  # algo.demo_episodes the expert plays
+    slip: float  # algo.demo_slip: the expert's chance per turn to take another admissible action
+    level: str | None  # algo.demo_level: the tasks' level (None: any)
+    split: str  # env.train_split: where the tasks come from
+    max_turns: int  # env.max_turns
+    seed: int  # the run's seed: the tasks and the slips
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> DemoSettings:
+        algo = cfg.algo
+        return cls(demos=algo.demos, episodes=algo.demo_episodes, slip=algo.demo_slip, level=algo.demo_level,
+                   split=cfg.env.train_split, max_turns=cfg.env.max_turns, seed=cfg.seed)
+
+
+def demonstrations(settings: DemoSettings, suite: EnvSuite, pool: Any, builder: PromptBuilder, tokenizer: Any,
                    save_to: Path | None, log: Callable[[str], None]) -> TurnBatch:
-    """The turn samples to clone: algo.demos=expert plays algo.demo_episodes episodes with the env's expert
-    (slipping with chance algo.demo_slip per turn; the solved episodes are kept, slips included, and written
-    to `save_to` as JSONL), else algo.demos names a JSONL file."""
-    algo = cfg.algo
-    if algo.demos != "expert":
-        return records_to_batch(read_jsonl(algo.demos), builder, tokenizer)
-    rng = random.Random(derive_seed(cfg.seed, "demos"))
-    tasks = suite.sample_tasks(cfg.env.train_split, algo.demo_episodes, rng, level=algo.demo_level)
-    settings = PlayConfig(builder, tokenizer, cfg.env.max_turns, seed=derive_seed(cfg.seed, "demo_slips"))
-    episodes, _ = run_episodes(ExpertPolicy(tokenizer, slip=algo.demo_slip), pool,
-                               episode_slots(tasks, list(range(len(tasks)))), settings)
+    """The turn samples to clone: demos=expert plays `episodes` episodes with the env's expert (slipping with
+    chance `slip` per turn; the solved episodes are kept, slips included, and written to `save_to` as
+    JSONL), else `demos` names a JSONL file."""
+    if settings.demos != "expert":
+        return records_to_batch(read_jsonl(settings.demos), builder, tokenizer)
+    rng = random.Random(derive_seed(settings.seed, "demos"))
+    tasks = suite.sample_tasks(settings.split, settings.episodes, rng, level=settings.level)
+    play = PlayConfig(builder, tokenizer, settings.max_turns, seed=derive_seed(settings.seed, "demo_slips"))
+    episodes, _ = run_episodes(ExpertPolicy(tokenizer, slip=settings.slip), pool,
+                               episode_slots(tasks, list(range(len(tasks)))), play)
     solved = [ep for ep in episodes if ep.won]
     records = episodes_to_records(solved)
     if save_to is not None:
@@ -47,16 +66,16 @@ def demonstrations(cfg: Any, suite: EnvSuite, pool: Any, builder: PromptBuilder,
     log(f"expert solved {len(solved)}/{len(episodes)} demo episodes "
         f"({sum(len(e.turns) for e in solved)} turn samples) -> {save_to}")
     if not solved:
-        raise UserError(no_demos_message(cfg, len(episodes)))
+        raise UserError(no_demos_message(settings, len(episodes)))
     return records_to_batch(records, builder, tokenizer)
 
 
-def no_demos_message(cfg: Any, played: int) -> str:
+def no_demos_message(settings: DemoSettings, played: int) -> str:
     """Why no demonstration episode was solved, naming the setting most likely at fault."""
-    algo, turns = cfg.algo, cfg.env.max_turns
-    if algo.demo_slip > 0:
+    slip, turns = settings.slip, settings.max_turns
+    if slip > 0:
         return (f"The expert solved none of the {played} demonstration episodes: with algo.demo_slip="
-                f"{algo.demo_slip:g} it takes another command than its own on {algo.demo_slip:.0%} of its turns, "
+                f"{slip:g} it takes another command than its own on {slip:.0%} of its turns, "
                 f"and no episode reached the goal within env.max_turns={turns}. Lower algo.demo_slip (the demo's "
                 "noisy teacher slips on 40% of its turns), or raise env.max_turns.")
     return (f"The expert solved none of the {played} demonstration episodes within env.max_turns={turns}; raise "
@@ -77,8 +96,8 @@ def step_rows(n: int, step: int, mini_batch_size: int, seed: int, rank: int,
 def sft_step(update: PolicyUpdate, data: TurnBatch, coefs: dict[str, float], step: int) -> UpdateResult:
     """One optimizer step on this rank's rows of the step's mini-batch; perf/* and sft/epoch join the
     update's metrics."""
-    mine, epochs = step_rows(len(data), step, update.algo.mini_batch_size, update.seed, update.dist.rank,
-                             update.dist.world_size)
+    mine, epochs = step_rows(len(data), step, update.settings.mini_batch_size, update.settings.seed,
+                             update.dist.rank, update.dist.world_size)
     t0 = time.perf_counter()
     result = update.run(data.select(mine), coefs, step)
     update_s = time.perf_counter() - t0

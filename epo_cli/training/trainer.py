@@ -58,15 +58,15 @@ from epo_cli.rollout.prompts import PromptBuilder, chat_encoder
 from epo_cli.saved_state import refusing_damaged
 from epo_cli.seeding import derive_seed
 from epo_cli.training import checkpoint
-from epo_cli.training.collapse import CollapseWatch
+from epo_cli.training.collapse import CollapseSettings, CollapseWatch
 from epo_cli.training.engine import all_reduce_max, all_reduce_sum, barrier, init_distributed
 from epo_cli.training.entropy_control import EntropyControl
-from epo_cli.training.evaluate import TrainingEval
+from epo_cli.training.evaluate import TrainingEval, TrainingEvalSettings
 from epo_cli.training.export import export_policy
 from epo_cli.training.finite import check_finite_weights
-from epo_cli.training.group_sampler import GroupSampler, Rollout
-from epo_cli.training.models import build_models
-from epo_cli.training.sft import demonstrations, sft_step
+from epo_cli.training.group_sampler import GroupSampler, GroupSamplerSettings, Rollout
+from epo_cli.training.models import ModelSettings, build_models
+from epo_cli.training.sft import DemoSettings, demonstrations, sft_step
 from epo_cli.training.step_metrics import (
     batch_metrics,
     level_results,
@@ -76,7 +76,7 @@ from epo_cli.training.step_metrics import (
     rollout_sums,
 )
 from epo_cli.training.stop import STOP, signal_name
-from epo_cli.training.update import PolicyUpdate, UpdateResult, skip_streak
+from epo_cli.training.update import PolicyUpdate, PolicyUpdateSettings, UpdateResult, skip_streak
 
 
 @dataclass
@@ -113,11 +113,12 @@ class Trainer:
         self.suite = suite or make_suite(cfg.env)
         self.suite.check()
         self.curriculum = build_curriculum(cfg, self.suite)
-        self.models = build_models(cfg, self.dist, self.suite)
+        self.models = build_models(ModelSettings.from_config(cfg, self.dist), self.dist, self.suite)
         self.loss_stack = LossStack(build_loss_terms(algo))
         value_term = build_value_term(algo) if self.models.critic_engine is not None else None
-        self.policy_update = PolicyUpdate(cfg, self.dist, self.models, self.loss_stack, value_term)
-        self.entropy = EntropyControl(cfg)  # history, fluctuation monitor, lambda's schedule
+        self.policy_update = PolicyUpdate(PolicyUpdateSettings.from_config(cfg), self.dist, self.models,
+                                          self.loss_stack, value_term)
+        self.entropy = EntropyControl.from_config(cfg)  # history, fluctuation monitor, lambda's schedule
         self.phase_schedule, self.kl_schedule = build_phase_schedule(algo.phase), build_kl_schedule(algo)
         self.lr_schedule = build_lr_schedule(algo)
         self.builder = PromptBuilder(cfg.env.prompt_template, cfg.env.history_length,
@@ -125,10 +126,12 @@ class Trainer:
         self.state = TrainState()
         self.stop_signal: int | None = None  # a stop signal all ranks agreed on (epo_cli.training.stop)
         self._resume_and_open_outputs()
-        self.sampler = GroupSampler(cfg, self.dist.rank, self.dist.world_size, self.suite, self.pool,
-                                    self.curriculum, self.builder, self.models.tokenizer)
-        self.evaluation = TrainingEval(cfg, self.dist, self.suite, self.pool, self.builder, self.models.tokenizer)
-        self.collapse = CollapseWatch(cfg, self.dist, self.models, run if self.dist.is_main else None, self.logger.warn)
+        self.sampler = GroupSampler(GroupSamplerSettings.from_config(cfg), self.dist.rank, self.dist.world_size,
+                                    self.suite, self.pool, self.curriculum, self.builder, self.models.tokenizer)
+        self.evaluation = TrainingEval(TrainingEvalSettings.from_config(cfg), self.dist, self.suite, self.pool,
+                                       self.builder, self.models.tokenizer)
+        self.collapse = CollapseWatch(CollapseSettings.from_config(cfg), self.dist, self.models,
+                                      run if self.dist.is_main else None, self.logger.warn)
         #: called with every rollout and its step, after step 1 (a benchmark keeps the episodes it plays)
         self.on_rollout: list[Callable[[Rollout, int], None]] = []
 
@@ -176,8 +179,9 @@ class Trainer:
         run's status.json is its lifecycle's (training/lifecycle.py), which calls this."""
         try:
             if is_sft(self.cfg.algo):
-                data = demonstrations(self.cfg, self.suite, self.pool, self.builder, self.models.tokenizer,
-                                      self.run / "demos.jsonl" if self.dist.is_main else None, self.logger.info)
+                data = demonstrations(DemoSettings.from_config(self.cfg), self.suite, self.pool, self.builder,
+                                      self.models.tokenizer, self.run / "demos.jsonl" if self.dist.is_main else None,
+                                      self.logger.info)
                 final = self._loop(lambda step, total: self.sft_step(data, step))
             else:
                 final = self._loop(self.rl_step)

@@ -13,6 +13,9 @@ mini-batch unscored (their old log-probs and entropies are None), because the up
 with the very weights that played the rollout, scores them; `run` fills them in, and its result's batch has
 every row scored. Callers pass the batch along and never see which rows those were.
 
+Its settings (`PolicyUpdateSettings`) are built once from the run config (`from_config`); the part never reads
+the config itself, so a test builds it from its settings, models and loss stack alone.
+
 Every rank runs the same number of micro-batches per optimizer step (empty ones where it has fewer rows),
 and each aggregation mode's denominator is global over the mini-batch, so 1 rank and N ranks compute the
 same update.
@@ -49,6 +52,39 @@ from epo_cli.training.forward import collate, plan_micro_batches, policy_forward
 from epo_cli.training.models import Models
 from epo_cli.training.packing import default_budget, plan_packs
 from epo_cli.training.step_metrics import UpdateTally, critic_metrics
+
+
+@dataclass(frozen=True)
+class PolicyUpdateSettings:
+    """What the update part reads, fixed for the run (`from_config` builds it from the run config)."""
+
+    seed: int  # the run's seed: mini-batch splits and Clip-Cov's draws are derived from it
+    temperature: float  # rollout.temperature: log-probs and entropies at the sampling temperature
+    sft: bool  # behaviour cloning: one epoch, the whole batch as one mini-batch
+    ppo_epochs: int
+    mini_batch_size: int  # samples per optimizer step (global, over all ranks)
+    micro_batch_size: int  # samples per forward/backward pass (padded micro-batches; also packing's default)
+    pack_tokens: int  # token budget of a packed micro-batch (0: micro_batch_size's default budget)
+    lr: float  # the policy's peak learning rate (the lr schedule multiplies it)
+    critic_lr: float  # the critic's (algo.value.lr, else algo.lr)
+    value_coef: float  # the critic's loss weight (algo.value.coef)
+    turn_decay: float  # the turn-decay aggregation: turn t of an episode weighs turn_decay ** t
+    reuse_scoring_forward: bool  # the update's first forward may score the first mini-batch (`reuses_scoring`)
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> PolicyUpdateSettings:
+        """The settings of run config `cfg` (algo.*, seed, rollout.temperature)."""
+        algo = cfg.algo
+        return cls(
+            seed=cfg.seed, temperature=cfg.rollout.temperature, sft=is_sft(algo), ppo_epochs=algo.ppo_epochs,
+            mini_batch_size=algo.mini_batch_size, micro_batch_size=algo.micro_batch_size,
+            pack_tokens=algo.pack_tokens, lr=algo.lr, critic_lr=algo.value.lr or algo.lr,
+            value_coef=algo.value.coef,
+            # the YAML key lives in the entropy term's section (algo.entropy.decay), which also weighs turns
+            turn_decay=algo.entropy.decay,
+            # algo.monitor.action=clamp: this step's coefficients need every entropy before the update
+            reuse_scoring_forward=bool(algo.reuse_scoring_forward) and algo.monitor.action != "clamp",
+        )
 
 
 @dataclass
@@ -91,30 +127,30 @@ class _UpdateInputs:
 class PolicyUpdate:
     """Scores and trains `models` (policy engine, critic engine) with `loss_stack` (+ `value_term`)."""
 
-    def __init__(self, cfg: Any, dist: DistInfo, models: Models, loss_stack: LossStack,
+    def __init__(self, settings: PolicyUpdateSettings, dist: DistInfo, models: Models, loss_stack: LossStack,
                  value_term: Any | None = None) -> None:
-        self.algo, self.seed, self.temperature = cfg.algo, cfg.seed, cfg.rollout.temperature
+        self.settings = settings
         self.dist, self.models, self.loss_stack, self.value_term = dist, models, loss_stack, value_term
 
     # ---- planning -------------------------------------------------------------------------------------
     def plan_micro_batches(self, rows: list[int], lengths: list[int]) -> list[list[int]]:
         """The passes over `rows`: packs up to the token budget (algo.pack_tokens), or padded micro-batches of
         micro_batch_size samples of similar length."""
-        algo = self.algo
+        settings = self.settings
         if not self.models.packing:
-            return plan_micro_batches(rows, lengths, algo.micro_batch_size)
-        budget = algo.pack_tokens or default_budget(lengths, algo.micro_batch_size)
+            return plan_micro_batches(rows, lengths, settings.micro_batch_size)
+        budget = settings.pack_tokens or default_budget(lengths, settings.micro_batch_size)
         return plan_packs(rows, lengths, budget)
 
     def mini_batches(self, batch: TurnBatch, step: int, epoch: int) -> list[list[int]]:
         """This rank's rows of each global mini-batch. The split depends only on (seed, step, epoch) and
         the samples' global ids, so 1 rank and N ranks form the same global mini-batches."""
         # (random key, global id): a tie of keys is broken by the id, never by the rank or row
-        keys = [(derive_seed(self.seed, "minibatch", step, epoch, t, i), t, i)
+        keys = [(derive_seed(self.settings.seed, "minibatch", step, epoch, t, i), t, i)
                 for t, i in zip(batch.traj_id.tolist(), batch.turn_index.tolist())]
         everyone = all_gather_objects(keys)
         ordered = sorted((k, rank, row) for rank, ks in enumerate(everyone) for row, k in enumerate(ks))
-        size = self.algo.mini_batch_size
+        size = self.settings.mini_batch_size
         out: list[list[int]] = [[] for _ in range(max(1, math.ceil(len(ordered) / size)))]
         for pos, (_, rank, row) in enumerate(ordered):
             if rank == self.dist.rank:
@@ -124,12 +160,10 @@ class PolicyUpdate:
     def reuses_scoring(self) -> bool:
         """Whether the update's first forward scores its own samples (see `score`); False when that
         is not provably the rollout's policy or not wanted:
-          - algo.reuse_scoring_forward=false;
-          - dropout anywhere in the policy (a training-mode forward would differ from the rollout's policy);
-          - algo.monitor.action=clamp (this step's coefficients need every entropy before the update)."""
-        algo = self.algo
-        return bool(algo.reuse_scoring_forward) and algo.monitor.action != "clamp" and not has_dropout(
-            self.models.engine.module)
+          - settings.reuse_scoring_forward false (algo.reuse_scoring_forward=false, or algo.monitor.action=clamp:
+            this step's coefficients need every entropy before the update);
+          - dropout anywhere in the policy (a training-mode forward would differ from the rollout's policy)."""
+        return self.settings.reuse_scoring_forward and not has_dropout(self.models.engine.module)
 
     def on_policy_rows(self, batch: TurnBatch, step: int) -> set[int]:
         """This rank's samples whose old log-probs the update's own forward can provide: those of the first
@@ -138,10 +172,10 @@ class PolicyUpdate:
         return set(self.mini_batches(batch, step, 0)[0]) if self.reuses_scoring() else set()
 
     def set_learning_rates(self, multiplier: float) -> None:
-        """algo.lr (policy) and algo.value.lr (critic) times `multiplier` (the lr schedule's, this step)."""
-        set_lr(self.models.engine, self.algo.lr * multiplier)
+        """The policy's and the critic's learning rates times `multiplier` (the lr schedule's, this step)."""
+        set_lr(self.models.engine, self.settings.lr * multiplier)
         if self.models.critic_engine is not None:
-            set_lr(self.models.critic_engine, (self.algo.value.lr or self.algo.lr) * multiplier)
+            set_lr(self.models.critic_engine, self.settings.critic_lr * multiplier)
 
     @property
     def learning_rate(self) -> float:
@@ -169,12 +203,13 @@ class PolicyUpdate:
         passes = [(rows, True) for rows in self.plan_micro_batches(scored, lengths)]
         if models.ref_model is not None or scores.old_values is not None:
             passes += [(rows, False) for rows in self.plan_micro_batches(sorted(skip_policy), lengths)]
+        temperature = self.settings.temperature
         with torch.no_grad():
             for rows, with_policy in passes:
                 mb = collate(batch, rows, models.tokenizer.pad_token_id, device, packed=models.packing)
-                out = policy_forward(models.policy.module, mb, self.temperature, models.vocab_limit) \
+                out = policy_forward(models.policy.module, mb, temperature, models.vocab_limit) \
                     if with_policy else None
-                ref = (policy_forward(models.ref_model, mb, self.temperature, models.vocab_limit, with_entropy=False)
+                ref = (policy_forward(models.ref_model, mb, temperature, models.vocab_limit, with_entropy=False)
                        if models.ref_model is not None else None)
                 for i, r in enumerate(rows):
                     k = len(batch.response_ids[r])
@@ -202,7 +237,7 @@ class PolicyUpdate:
         Rows that `score` left unscored (old log-probs None: the first mini-batch, scoring reuse) get this
         forward's own log-probs and entropies, detached (ratio exactly 1); the returned batch has them, for
         later epochs and the entropy statistics."""
-        algo, sft = self.algo, is_sft(self.algo)
+        settings = self.settings
         on_policy = {r for r, logprobs in enumerate(batch.old_logprobs) if logprobs is None}
         empty = torch.empty(0)  # a row still to score: no old log-probs yet (filled in by its first forward)
         batch = replace(batch, old_logprobs=[empty if x is None else x for x in batch.old_logprobs],
@@ -212,11 +247,11 @@ class PolicyUpdate:
         # process) differs between ranks, which would pair up different modes' sums
         modes = sorted(self.aggregation_modes())
         shared = _UpdateInputs(batch, coefs, history, on_policy, lengths, modes,
-                               row_denominators(batch, modes, algo.entropy.decay))
+                               row_denominators(batch, modes, settings.turn_decay))
         tally = UpdateTally()
         self.models.engine.train()
-        for epoch in range(1 if sft else algo.ppo_epochs):
-            minis = [list(range(len(batch)))] if sft else self.mini_batches(batch, step, epoch)
+        for epoch in range(1 if settings.sft else settings.ppo_epochs):
+            minis = [list(range(len(batch)))] if settings.sft else self.mini_batches(batch, step, epoch)
             if epoch == 0 and not on_policy <= set(minis[0]):
                 raise ValueError("rows without old log-probs outside the first mini-batch: score the batch with "
                                  "PolicyUpdate.score(batch, step) of the same step")
@@ -232,7 +267,7 @@ class PolicyUpdate:
         """One optimizer step on this rank's `rows` of a global mini-batch: every rank runs as many
         micro-batches (empty ones where it has fewer), then engine.step(); the term metrics of the step are
         summed over ranks into `tally`. `position` is (step, epoch, mini-batch index)."""
-        algo, device, engine = self.algo, self.dist.device, self.models.engine
+        device, engine = self.dist.device, self.models.engine
         micro = self.plan_micro_batches(rows, shared.lengths)
         n_micro = int(all_reduce_max(torch.tensor(len(micro))).item())
         micro += [[] for _ in range(n_micro - len(micro))]
@@ -241,13 +276,14 @@ class PolicyUpdate:
                                     .clamp(min=1e-12)) for mode in shared.modes}
         chosen = self.token_selection(shared, micro, position, tally)  # Clip-Cov / KL-Cov (else None)
         step_metrics: dict[str, float] = {}
+        decay = self.settings.turn_decay
         for m in micro:
             mb = collate(shared.batch, m, self.models.tokenizer.pad_token_id, device, num_rows=max(len(m), 1),
                          packed=self.models.packing)
             mb.token_select = None if chosen is None else selection_mask(chosen, m, mb.response_mask)
             for mode in shared.modes:
                 mb.weights[mode] = normalized_weights(mode, mb.response_mask, mb.turn_index, mb.num_turns,
-                                                      algo.entropy.decay, denominator=denominators[mode]).to(device)
+                                                      decay, denominator=denominators[mode]).to(device)
             if shared.history is not None and "entropy_smoothing" in self.loss_stack.terms:
                 mb.entropy_ref = shared.history.reference(mb.turn_index.cpu()).to(device)
             # the very first forward of the update is the old policy's: it scores its on-policy samples
@@ -281,7 +317,7 @@ class PolicyUpdate:
         batch = shared.batch
         return mini_batch_selection(selector, (self._current_logprobs(shared, m, tally) for m in micro if m),
                                     lambda r: (int(batch.traj_id[r]), int(batch.turn_index[r])),
-                                    derive_seed(self.seed, "cov_select", *position), all_reduce_sum,
+                                    derive_seed(self.settings.seed, "cov_select", *position), all_reduce_sum,
                                     all_gather_objects)
 
     def _current_logprobs(self, shared: _UpdateInputs, rows: list[int],
@@ -292,7 +328,7 @@ class PolicyUpdate:
         models = self.models
         mb = collate(shared.batch, rows, models.tokenizer.pad_token_id, self.dist.device, packed=models.packing)
         with torch.no_grad():
-            logprobs = policy_forward(models.engine, mb, self.temperature, models.vocab_limit,
+            logprobs = policy_forward(models.engine, mb, self.settings.temperature, models.vocab_limit,
                                       with_entropy=False).logprobs
         if rows[0] in shared.on_policy and tally.optimizer_steps == 0:
             mb.old_logprobs = logprobs
@@ -303,7 +339,7 @@ class PolicyUpdate:
         """Forward, loss stack and backward of one micro-batch (policy, then critic); its term metrics.
         With `reuse`, this forward's log-probs and entropies become the rows' old ones (in `batch` too)."""
         engine, world = self.models.engine, self.dist.world_size
-        out = policy_forward(engine, mb, self.temperature, self.models.vocab_limit,
+        out = policy_forward(engine, mb, self.settings.temperature, self.models.vocab_limit,
                              with_entropy=self.needs_entropy() or reuse)
         if reuse:  # this forward is the old policy's: score these samples with it
             mb.old_logprobs = out.logprobs.detach()
@@ -327,7 +363,7 @@ class PolicyUpdate:
         """The value loss's forward and backward on the critic engine; its metrics."""
         values = value_forward(self.models.critic_engine, mb)
         vloss, vmetrics = self.value_term(mb, PolicyOutputs(logprobs=None, entropy=None, values=values))
-        self.models.critic_engine.backward(self.algo.value.coef * vloss * world, scale_wrt_gas=False)
+        self.models.critic_engine.backward(self.settings.value_coef * vloss * world, scale_wrt_gas=False)
         return vmetrics
 
 

@@ -57,7 +57,8 @@ def main() -> None:
         algo = copy.deepcopy(cfg.algo)
         OmegaConf.set_readonly(algo, False)
         algo.policy_loss = name
-        updates[name] = PolicyUpdate(cfg, trainer.dist, trainer.models, LossStack(build_loss_terms(algo)))
+        updates[name] = PolicyUpdate(trainer.policy_update.settings, trainer.dist, trainer.models,
+                                     LossStack(build_loss_terms(algo)))
     initial = copy.deepcopy(trainer.engine.module.state_dict())
     cpu: dict[str, list[float]] = {name: [] for name in LOSSES}
     for r in range(args.repeats):

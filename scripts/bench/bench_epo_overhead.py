@@ -54,7 +54,7 @@ def main() -> None:
     grpo = LossStack(torch.nn.ModuleDict({name: term for name, term in terms.items()
                                           if name not in ("entropy", "entropy_smoothing")}))
     updates = {"epo": trainer.policy_update,
-               "grpo": PolicyUpdate(cfg, trainer.dist, trainer.models, grpo)}
+               "grpo": PolicyUpdate(trainer.policy_update.settings, trainer.dist, trainer.models, grpo)}
     times: dict[str, list[float]] = {"epo": [], "grpo": []}
     for rep in range(args.repeats + 1):
         for name in ("grpo", "epo") if rep % 2 else ("epo", "grpo"):

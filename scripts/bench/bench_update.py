@@ -24,6 +24,7 @@ import json
 import os
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from common import scratch_trainer
@@ -52,7 +53,10 @@ def _measure(trainer, batch, variant: str) -> dict[str, float]:
     """Score and update `batch` with the trainer's own steps (2-5 of rl_step); seconds and padding efficiency."""
     packed, reuse = VARIANTS[variant]
     trainer.models.packing = packed
-    trainer.cfg.algo.reuse_scoring_forward = reuse  # the update part reads cfg.algo
+    # the update part's settings are frozen: this variant's copy, scoring reuse on or off (a clamp keeps it off)
+    update = trainer.policy_update
+    clamps = trainer.cfg.algo.monitor.action == "clamp"
+    update.settings = replace(update.settings, reuse_scoring_forward=reuse and not clamps)
     total = trainer.cfg.trainer.total_steps
     t0, c0 = time.perf_counter(), time.process_time()
     b = trainer.score(batch, 0)

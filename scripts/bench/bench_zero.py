@@ -146,7 +146,7 @@ def child(args: argparse.Namespace) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from epo_cli.compose import compose
-    from epo_cli.training.engine import build_engine, init_distributed
+    from epo_cli.training.engine import EngineSettings, build_engine, init_distributed
 
     torch.set_num_threads(1)
     results: dict[str, Any] = {}
@@ -160,7 +160,7 @@ def child(args: argparse.Namespace) -> None:
             num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=args.seq * 2, tie_word_embeddings=True))
         n_params = sum(p.numel() for p in model.parameters())
-        engine = build_engine(model, cfg, dist, lr=1e-4)
+        engine = build_engine(model, EngineSettings.from_config(cfg, dist), lr=1e-4)
         gen = torch.Generator().manual_seed(1)
         per_rank = args.mini_batch // dist.world_size
         data = torch.randint(0, args.vocab, (args.mini_batch, args.seq), generator=gen)

@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from epo_cli.analysis.sweep_summary import mean_pm_std
+
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
@@ -67,10 +69,8 @@ def fluctuation(rows: list[dict]) -> dict[str, float]:
 
 
 def mean_std(xs: list[float]) -> str:
-    """`mean ± std` over seeds (sample std), the value alone for one seed, `-` for none."""
-    if not xs:
-        return "-"
-    return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
+    """`mean ± std` over seeds (sample std), the value alone for one seed, `-` for none (3 decimals)."""
+    return mean_pm_std(xs, ".3f", ".3f")
 
 
 def study_parser(doc: str, out: str, arms: dict, warm_start_help: str, jobs_help: str) -> argparse.ArgumentParser:

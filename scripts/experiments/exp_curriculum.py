@@ -37,6 +37,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from epo_cli.analysis.sweep_summary import mean_pm_std
+
 HOUSEHOLD_LEVELS = ["tiny_open_pick_place", "small_pick_and_light", "medium_with_transforms",
                     "large_all_tasks", "alfworld_size_all_tasks"]
 #: the shipped warm start (as `make demo` and the test suite's fixture train it)
@@ -168,9 +170,8 @@ def smoothed(values: list[float | None], k: int) -> list[float | None]:
 
 
 def mean_sd(xs: list[float]) -> str:
-    if not xs:
-        return "-"
-    return f"{statistics.fmean(xs):.3f} ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
+    """`mean ± std` over seeds, 3 decimals (the one format: epo_cli.analysis.sweep_summary.mean_pm_std)."""
+    return mean_pm_std(xs, ".3f", ".3f")
 
 
 def summary_rows(results: list[RunResult], threshold: float, smooth: int, steps: int) -> list[list[str]]:

@@ -1,0 +1,13 @@
+"""The one rule for which device a run uses: trainer.device=cuda, or auto with a CUDA GPU visible, is the GPU;
+anything else the CPU. Torch-free to import (torch loads when the rule is applied): `launcher=local` checks
+the attention implementation against the planned device before the Trainer imports torch, and the console
+names DeepSpeed's accelerator before `import deepspeed` (tests/test_imports.py)."""
+
+from __future__ import annotations
+
+
+def device_type(trainer_device: str = "auto") -> str:
+    """'cuda' or 'cpu' for trainer.device=`trainer_device` (auto | cuda | cpu) on this machine."""
+    import torch  # not at the top: see the module docstring
+
+    return "cuda" if trainer_device == "cuda" or (trainer_device == "auto" and torch.cuda.is_available()) else "cpu"
