@@ -57,6 +57,7 @@ from omegaconf import OmegaConf
 from epo_cli.config import CurriculumConfig, check_field_rules
 from epo_cli.envs import make_suite
 from epo_cli.envs.base import EnvSuite, Task
+from epo_cli.envs.household import LEVEL_BY_NAME, resolve_task_types
 from epo_cli.errors import ConfigError, UserError
 from epo_cli.registry import Registry
 
@@ -104,8 +105,6 @@ def check_levels_fit(cfg: Any) -> None:
     algo.demo_level and the curriculum's levels (curriculum=staged|adaptive)."""
     if cfg.env.name != "household":
         return
-    from epo_cli.envs.household import LEVEL_BY_NAME, resolve_task_types
-
     named = [("env.level", cfg.env.level)]
     if cfg.algo.demo_level:
         named.append(("algo.demo_level", cfg.algo.demo_level))

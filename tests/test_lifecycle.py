@@ -132,5 +132,6 @@ def test_checkpoint_save_calls_the_fault_injection_hooks_first(tmp_path: Path,
 
     monkeypatch.setattr(checkpoint, "SAVE_HOOKS", [full_disk])
     with pytest.raises(OSError, match="No space left"):
-        checkpoint.save(tmp_path, 3, engine=None, critic_engine=None, payload={}, rank=0, keep=1, best_step=None)
+        checkpoint.save(tmp_path, 3, engine=None, critic_engine=None, payload={}, rank=0, keep=1, best_step=None,
+                        algo="grpo")
     assert not (tmp_path / "checkpoints").exists()  # the hook runs before anything is written
