@@ -147,3 +147,26 @@ def test_presets_compose() -> None:
     assert warm.algo.name == "sft" and warm.algo.demo_slip > 0 and warm.env.challenge == "coin_collector"
     assert rl.env.challenge == "coin_collector" and rl.env.max_turns >= 30
     assert rl.env.challenge_level == 130 and warm.env.challenge_level <= rl.env.challenge_level
+
+
+def test_policy_text_is_made_safe_for_the_game() -> None:
+    from epo_cli.envs.textworld_games import MAX_COMMAND_CHARS, game_command
+
+    assert game_command("  go   east\n") == "go east"
+    assert game_command("go\teast\x00\u00e9") == "go east"  # control and non-ASCII characters become spaces
+    assert len(game_command("take coin " * 50)) == MAX_COMMAND_CHARS
+
+
+@pytest.mark.realenv
+def test_garbage_actions_get_an_answer_not_a_crash(tmp_path: Path) -> None:
+    # frotz crashed the process (SIGSEGV) on a long sampled action before game_command
+    suite = coin_suite(tmp_path, 3, num_games=1)
+    suite.check()
+    env = suite.make_env()
+    try:
+        env.reset(suite.sample_tasks("train", 1, random.Random(0))[0])
+        for action in ("<think>" + "go east " * 200, "\u00e9\u00e9\n\n\x00>>", ""):
+            result = env.step(action)
+            assert isinstance(result.observation, str) and not result.info["won"]
+    finally:
+        env.close()

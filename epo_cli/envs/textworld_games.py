@@ -284,6 +284,18 @@ class TextWorldSuite(EnvSuite):
             return {}
 
 
+#: the longest command sent to the game: Jericho's Z-machine (frotz) reads its input into a fixed buffer and
+#: crashes the whole process (SIGSEGV in os_read_line) on long or odd text, which a sampling policy can write
+MAX_COMMAND_CHARS = 80
+
+
+def game_command(action: str) -> str:
+    """The policy's action as the game reads it safely: printable ASCII, one line, at most MAX_COMMAND_CHARS
+    (a command the game does not know still gets its answer, e.g. "I don't understand that")."""
+    text = "".join(c if " " <= c <= "~" else " " for c in action)
+    return " ".join(text.split())[:MAX_COMMAND_CHARS]
+
+
 @contextlib.contextmanager
 def _generation_progress(title: str, total: int) -> Any:
     """A rich progress bar (on stderr) over `total` games; yields the function that advances it."""
@@ -367,7 +379,7 @@ class TextWorldGame(Env):
     def step(self, action: str) -> StepResult:
         if self._task is None:
             raise RuntimeError("step() before reset()")
-        state, _, done = self._tw.step(action.strip())
+        state, _, done = self._tw.step(game_command(action))
         self._turn += 1
         won = bool(state["won"])
         truncated = not done and self._turn >= self.max_turns

@@ -83,8 +83,10 @@ ARMS = {
 }
 QUICK_ARMS = "grpo,epo_count"
 QUICK_OVERRIDES = ["algo.tasks_per_step=2", "algo.group_size=2", "env.max_turns=4", "rollout.max_new_tokens=16",
-                   "env.challenge_level=103", "env.num_games=2"]
+                   "env.challenge_level=103", "env.num_games=2", "env.num_eval_games=2"]
 ROOM = re.compile(r"-= (.+?) =-")
+#: overrides that say where the games are: the evaluations need them too (read from the command line only)
+GAME_KEYS = ("env.cache_dir=", "env.games_dir=")
 _summary_lock = threading.Lock()
 
 
@@ -154,9 +156,11 @@ def response_entropies(model, tokenizer, turns: list[tuple[list[int], list[int]]
     return out
 
 
-def eval_one(run: Path, split: str, level: int, episodes: int, max_turns: int, entropy_episodes: int) -> dict:
-    """Play `episodes` fixed games of `split` at challenge level `level` with run's final policy (T=1.0,
-    seed 0) and measure them (module docstring)."""
+def eval_one(run: Path, split: str, levels: tuple[int, int], episodes: int, max_turns: int, entropy_episodes: int,
+             overrides: list[str]) -> dict:
+    """Play `episodes` fixed games of `split` with run's final policy (T=1.0, seed 0) and measure them (module
+    docstring). levels = (target, longer chains): eval_in_distribution plays the first, eval_out_of_distribution
+    the second. `overrides`: where the games are (env.cache_dir is read from the command line only)."""
     import torch
 
     from epo_cli.envs import make_suite
@@ -168,8 +172,9 @@ def eval_one(run: Path, split: str, level: int, episodes: int, max_turns: int, e
     torch.set_num_threads(1)
     opts = EvalCommandConfig(run=run, split=split, episodes=episodes, temperature=1.0)
     # the warm start's own config names its shorter chains and few eval games: every policy plays the same
-    cfg = eval_config(opts, ["seed=0", f"env.challenge_level={level}", f"env.num_eval_games={episodes}",
-                             f"env.max_turns={max_turns}", "env.num_workers=0"])
+    cfg = eval_config(opts, ["seed=0", f"env.challenge_level={levels[0]}", f"env.challenge_ood_level={levels[1]}",
+                             f"env.num_eval_games={episodes}", f"env.max_turns={max_turns}", "env.num_workers=0",
+                             *overrides])
     suite = make_suite(cfg.env)
     suite.check()
     policy, tokenizer, _ = build_policy(opts, cfg, suite, 1.0, torch.device("cpu"))
@@ -194,6 +199,7 @@ def eval_one(run: Path, split: str, level: int, episodes: int, max_turns: int, e
         entropies = response_entropies(policy.model, tokenizer, [pair for _, pair in scored])
     per_turn = [(t, h) for (t, _), h in zip(scored, entropies) if not math.isnan(h)]
     mean = lambda key: statistics.fmean(e[key] for e in per_episode)  # noqa: E731
+    level = levels[0] if split == TARGET_SPLIT else levels[1]
     return {"run": str(run), "split": split, "level": level, "episodes": len(per_episode), "max_turns": max_turns,
             "success": mean("won"), "episode_len": mean("turns"), "revisits": mean("revisits"),
             "dead_end_visits": mean("dead_end_visits"), "moves": mean("moves"),
@@ -207,8 +213,9 @@ def evaluate(run: Path, split: str, level: int, a: argparse.Namespace) -> dict:
     path = run / "long_horizon" / f"{split}-L{level}-n{a.episodes}-T{a.eval_turns}.json"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        args = ["--eval-one", str(run), "--split", split, "--level", str(level), "--episodes", str(a.episodes),
-                "--max-turns", str(a.eval_turns), "--entropy-episodes", str(a.entropy_episodes), "--json", str(path)]
+        args = ["--eval-one", str(run), "--split", split, "--levels", *map(str, a.levels), "--episodes",
+                str(a.episodes), "--max-turns", str(a.eval_turns), "--entropy-episodes", str(a.entropy_episodes),
+                "--json", str(path), *(f"--override={o}" for o in a.overrides if o.startswith(GAME_KEYS))]
         import subprocess
 
         print(f"$ eval {run.name} {split} level {level}", flush=True)
@@ -493,11 +500,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     if argv is None and "--eval-one" in sys.argv:  # a worker: one evaluation, written as JSON
         w = argparse.ArgumentParser()
-        for name, kind in (("--eval-one", Path), ("--split", str), ("--level", int), ("--episodes", int),
-                           ("--max-turns", int), ("--entropy-episodes", int), ("--json", Path)):
+        for name, kind in (("--eval-one", Path), ("--split", str), ("--episodes", int), ("--max-turns", int),
+                           ("--entropy-episodes", int), ("--json", Path)):
             w.add_argument(name, type=kind, required=True)
+        w.add_argument("--levels", type=int, nargs=2, required=True)
+        w.add_argument("--override", action="append", default=[])
         e = w.parse_args()
-        result = eval_one(e.eval_one, e.split, e.level, e.episodes, e.max_turns, e.entropy_episodes)
+        result = eval_one(e.eval_one, e.split, tuple(e.levels), e.episodes, e.max_turns, e.entropy_episodes,
+                          e.override)
         e.json.write_text(json.dumps(result, indent=1))
         return
     a = parse_args(argv)
