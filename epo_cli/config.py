@@ -319,7 +319,7 @@ class AlgoConfig:
     #: flash_attention_2/3), with a budget of micro_batch_size x the longest sample; 0 = off (padded)
     pack_tokens: int | None = num(None, ge=0)
     #: the update's first forward (first mini-batch, first epoch: the rollout's weights) provides its samples'
-    #: old log-probs and entropies instead of a separate scoring pass over them (see Trainer.on_policy_rows)
+    #: old log-probs and entropies instead of a separate scoring pass over them (see PolicyUpdate.score)
     reuse_scoring_forward: bool = True
     # rollout batch
     tasks_per_step: int = num(4, ge=1)

@@ -51,3 +51,23 @@ def test_an_alert_is_warned_and_the_state_round_trips() -> None:
     restored.load_state_dict(control.state_dict())
     assert restored.state_dict() == control.state_dict()
     assert set(control.state_dict()) == {"entropy_history", "monitor", "entropy_schedule"}  # checkpoint keys
+
+
+def test_the_clamp_verdict_in_advance_is_the_one_the_statistics_record() -> None:
+    """algo.monitor.action=clamp: the coefficients need the monitor's verdict on this step's entropies before
+    the update; `clamps_now` gives it without changing the monitor, and `statistics` after the update records
+    the same verdict. Without a clamp there is no verdict in advance (and no collective)."""
+    cfg = compose(["algo=epo", "env.max_turns=4", "algo.monitor.threshold=0.01", "algo.monitor.action=clamp"])
+    control, warnings = EntropyControl(cfg), []
+    verdicts = []
+    for step, value in enumerate([1.0, 3.0, 0.5]):
+        batch = _batch([[value]], [0])
+        before = control.monitor.state_dict()
+        verdicts.append(control.clamps_now(batch, 4))
+        assert control.monitor.state_dict() == before
+        stats = control.statistics(batch, step, 4, warnings.append)
+        assert stats.alert == verdicts[-1]
+        control.observe(stats)
+    assert verdicts == [False, True, True]  # |3 - 2| / 2 = 0.5 of the mean after the first swing
+    unclamped = EntropyControl(compose(["algo=epo", "env.max_turns=4", "algo.monitor.threshold=0.01"]))
+    assert not unclamped.clamps_now(_batch([[3.0]], [0]), 4)

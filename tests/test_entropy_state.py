@@ -123,6 +123,8 @@ def test_fluctuation_monitor_by_hand():
     expected = [(0.0, 0.0, 0.0), (0.25, 1.0, 0.0), (0.375, 0.5, 1.0)]
     restored = None
     for i, (h, (sigma, swing, alert)) in enumerate(zip([1.0, 2.0, 1.0], expected)):
+        before = mon.state_dict()
+        assert mon.would_alert(h) == bool(alert) and mon.state_dict() == before  # the verdict in advance
         m = mon.update(h)
         assert m["policy/entropy_fluctuation"] == pytest.approx(sigma)
         assert m["policy/entropy_swing"] == pytest.approx(swing)

@@ -277,9 +277,9 @@ def test_a_full_disk_during_a_run_leaves_status_failed(tmp_path: Path, epo_cache
 
     full = {"on": False}
 
-    def fill_up(*args, **kwargs):
+    def fill_up(run: Path, step: int) -> None:
         full["on"] = True
-        raise OSError(errno.ENOSPC, "No space left on device", str(args[0] / "checkpoints"))
+        raise OSError(errno.ENOSPC, "No space left on device", str(run / "checkpoints"))
 
     real_write = Path.write_text
 
@@ -288,7 +288,7 @@ def test_a_full_disk_during_a_run_leaves_status_failed(tmp_path: Path, epo_cache
             raise OSError(errno.ENOSPC, "No space left on device", str(self))
         return real_write(self, *args, **kwargs)
 
-    monkeypatch.setattr(checkpoint, "save", fill_up)
+    monkeypatch.setattr(checkpoint, "SAVE_HOOKS", [fill_up])  # the fault-injection seam
     monkeypatch.setattr(Path, "write_text", write_text)
     run = tmp_path / "run"
     proc = run_epo(["train", *SmallConfig().sft("trainer.save_every=1"), f"run_dir={run}"], cwd=tmp_path,
@@ -309,15 +309,14 @@ def test_a_sigterm_during_a_checkpoint_save_stops_right_after_it(tmp_path: Path,
 
     from epo_cli.training import checkpoint
 
-    original, sent = checkpoint.save, []
+    sent = []
 
-    def save_and_get_signalled(run: Path, step: int, *args, **kwargs):
+    def get_signalled(run: Path, step: int) -> None:
         if step == 1 and not sent:
             sent.append(step)
             os.kill(os.getpid(), signal.SIGTERM)  # epo's handler (installed by `epo train`) records it
-        return original(run, step, *args, **kwargs)
 
-    monkeypatch.setattr(checkpoint, "save", save_and_get_signalled)
+    monkeypatch.setattr(checkpoint, "SAVE_HOOKS", [get_signalled])  # the fault-injection seam
     saved = signal.getsignal(signal.SIGTERM)
     run = tmp_path / "run"
     try:

@@ -7,7 +7,7 @@ import torch
 from epo_cli.envs.base import Task
 from epo_cli.rollout.actions import parse_action
 from epo_cli.rollout.episodes import Episode, Turn, episodes_to_batch
-from epo_cli.rollout.generation import SamplingConfig, generate, sample_next
+from epo_cli.rollout.generation import SamplingConfig, generate
 from epo_cli.rollout.prompts import EpisodeMemory, PromptBuilder, format_response
 
 
@@ -86,18 +86,6 @@ def test_rewards_outcome_penalty_and_subgoals() -> None:
     assert batch.turn_index.tolist() == [0, 1, 2, 0] and batch.num_turns.tolist() == [3, 3, 3, 1]
     assert batch.valid.tolist() == [True, False, True, False]
     assert batch.is_last_turn.tolist() == [False, False, True, True]
-
-
-def test_sample_next_greedy_topk_and_seeded() -> None:
-    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 0.0]])
-    assert sample_next(logits, SamplingConfig(temperature=0), None).tolist() == [1, 0]
-    assert sample_next(logits, SamplingConfig(temperature=1.0, top_k=1), None).tolist() == [1, 0]
-    gens = lambda: [torch.Generator().manual_seed(s) for s in (1, 2)]  # noqa: E731
-    a = sample_next(logits, SamplingConfig(temperature=1.0), gens())
-    b = sample_next(logits, SamplingConfig(temperature=1.0), gens())
-    assert a.tolist() == b.tolist()
-    # top_p keeps the smallest set whose mass reaches p: with p=0.5 only the argmax survives here
-    assert sample_next(logits, SamplingConfig(temperature=1.0, top_p=0.5), gens()).tolist() == [1, 0]
 
 
 def test_generation_rows_do_not_depend_on_batch_company(tiny_folder) -> None:

@@ -99,13 +99,13 @@ def _coefs(update: PolicyUpdate) -> dict[str, float]:
 
 def test_scoring_returns_the_scores_and_leaves_the_batch_alone() -> None:
     update, batch = _update(), _batch()
-    scores = update.score(batch, skip_policy={1, 3})
+    scores = update.forward_scores(batch, skip_policy={1, 3})
     assert batch.old_logprobs == [] and batch.ref_logprobs == [] and batch.old_values is None  # untouched
     for r in range(len(batch)):
         alone = policy_forward(update.models.engine.module, collate(batch, [r], 0, CPU.device), 1.0, VOCAB)
         k = len(batch.response_ids[r])
         if r in (1, 3):  # the update's own first forward scores these
-            assert scores.old_logprobs[r].numel() == 0
+            assert scores.old_logprobs[r] is None and scores.entropy[r] is None
         else:
             assert torch.allclose(scores.old_logprobs[r], alone.logprobs[0, :k], atol=1e-6)
             assert torch.allclose(scores.entropy[r], alone.entropy[0, :k], atol=1e-6)
@@ -118,7 +118,7 @@ def test_one_optimizer_step_over_micro_batches_is_a_step_on_the_whole_mini_batch
     """Three micro-batches of 2 (weights over the mini-batch's global denominator) give the SGD step of
     the loss computed on all six rows at once: p - lr * grad(L_whole)."""
     update = _update("algo.mini_batch_size=8", "algo.micro_batch_size=2")
-    batch = update.score(_batch()).apply(_batch())
+    batch = update.forward_scores(_batch()).apply(_batch())
     expected = copy.deepcopy(update.models.engine.module)
     mb = collate(batch, list(range(len(batch))), 0, CPU.device)
     for mode in sorted(update.aggregation_modes()):  # no denominator given: this micro-batch's own sum
@@ -139,7 +139,7 @@ def test_one_optimizer_step_over_micro_batches_is_a_step_on_the_whole_mini_batch
 
 def test_epochs_and_mini_batches_cover_every_row_once_per_epoch() -> None:
     update = _update("algo.mini_batch_size=2", "algo.micro_batch_size=2", "algo.ppo_epochs=2")
-    batch = update.score(_batch()).apply(_batch())
+    batch = update.forward_scores(_batch()).apply(_batch())
     for epoch in (0, 1):
         minis = update.mini_batches(batch, step=3, epoch=epoch)
         assert len(minis) == 3 and sorted(r for m in minis for r in m) == list(range(6))
@@ -158,13 +158,14 @@ def test_the_update_s_first_forward_scores_the_on_policy_rows() -> None:
     assert update.reuses_scoring()
     on_policy = update.on_policy_rows(batch, step=0)
     assert on_policy == set(update.mini_batches(batch, 0, 0)[0]) and len(on_policy) == 4
-    separate = update.score(batch)  # every row, before any update
-    scored = update.score(batch, skip_policy=on_policy).apply(batch)
-    result = update.run(scored, _coefs(update), step=0, on_policy=on_policy)
+    separate = update.forward_scores(batch)  # every row, before any update
+    scored = update.score(batch, step=0)
+    result = update.run(scored, _coefs(update), step=0)
     for r in range(len(batch)):
         assert torch.allclose(result.batch.old_logprobs[r], separate.old_logprobs[r], atol=1e-6)
         assert torch.allclose(result.batch.entropy[r], separate.entropy[r], atol=1e-6)
-    assert all(scored.old_logprobs[r].numel() == 0 for r in on_policy)  # the input batch is not written
+    assert all(scored.old_logprobs[r] is None for r in on_policy)  # the input batch is not written
+    assert result.scored_rows == 4
     assert result.optimizer_steps == 4  # 2 epochs x 2 mini-batches (4 + 2 rows)
 
 
@@ -192,8 +193,7 @@ def _chosen_tokens(loss: str, micro_batch_size: int, reuse: bool) -> set[tuple[i
     of the whole batch as one mini-batch (micro_batch_backward sees them as mb.token_select)."""
     update = _update("algo.mini_batch_size=6", f"algo.micro_batch_size={micro_batch_size}", *COV_LOSSES[loss])
     batch = _batch()
-    on_policy = update.on_policy_rows(batch, 0) if reuse else set()
-    scored = update.score(batch, skip_policy=on_policy).apply(batch)
+    scored = update.score(batch, step=0) if reuse else update.forward_scores(batch).apply(batch)
     chosen: set[tuple[int, int]] = set()
     backward = update.micro_batch_backward
 
@@ -204,7 +204,7 @@ def _chosen_tokens(loss: str, micro_batch_size: int, reuse: bool) -> set[tuple[i
         return backward(mb, rows, batch, coefs, reuse)
 
     update.micro_batch_backward = spy
-    update.run(scored, _coefs(update), step=0, on_policy=on_policy)
+    update.run(scored, _coefs(update), step=0)
     return chosen
 
 

@@ -151,14 +151,23 @@ class FluctuationMonitor:
         self.prev: float | None = None
         self.alert = False
 
+    def _after(self, h: float) -> tuple[float, float, bool]:
+        """(mean of the recent entropies, sigma, alert) once `h` is observed; the monitor is not changed."""
+        recent = [*self.recent, float(h)][-(self.recent.maxlen or 1):]
+        mean = sum(recent) / len(recent)
+        sigma = self.decay * self.sigma + (1.0 - self.decay) * abs(h - mean)
+        return mean, sigma, mean > 0 and sigma / mean > self.threshold
+
+    def would_alert(self, h: float) -> bool:
+        """The alert `update(h)` will raise, without observing `h` (a clamp decides before the update)."""
+        return self._after(h)[2]
+
     def update(self, h: float) -> dict[str, float]:
+        _, self.sigma, self.alert = self._after(h)
         self.recent.append(float(h))
-        mean = sum(self.recent) / len(self.recent)
-        self.sigma = self.decay * self.sigma + (1.0 - self.decay) * abs(h - mean)
         # a previous entropy of exactly 0 makes the relative swing undefined: report 0
         swing = abs(h - self.prev) / self.prev if self.prev else 0.0
         self.prev = float(h)
-        self.alert = mean > 0 and self.sigma / mean > self.threshold
         return {
             "policy/entropy_fluctuation": self.sigma,
             "policy/entropy_swing": swing,

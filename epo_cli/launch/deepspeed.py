@@ -36,10 +36,11 @@ from epo_cli import trust
 from epo_cli.checkpoint_paths import latest_tag
 from epo_cli.errors import Stopped, UserError
 from epo_cli.launch.layout import Layout, check_resume, check_world, clear_rank_records, layout_for
-from epo_cli.launch.setup import prepare_run_dir, stopped_message
-from epo_cli.run_dir import read_status, write_status
+from epo_cli.launch.setup import prepare_run_dir
+from epo_cli.run_dir import read_status
 from epo_cli.training.deepspeed_config import PORT_ATTEMPTS, free_port
-from epo_cli.training.stop import STOP, Interrupted, exit_code, signal_name, write_relay
+from epo_cli.training.lifecycle import latest_step, record_status, record_stopped, stopped_message
+from epo_cli.training.stop import STOP, Interrupted, exit_code, write_relay
 
 #: launcher.master_port=0 picks a free port on a single node; multi-node jobs need a fixed one
 DEFAULT_MASTER_PORT = 29500
@@ -101,7 +102,7 @@ def launch_ranks(cfg: DictConfig, overrides: list[str]) -> None:
     ports: list[int] = []
     while True:
         clear_rank_records(run)
-        write_status(run, "running")  # not an earlier attempt's `stopped`/`failed`, whatever happens next
+        record_status(run, "running")  # not an earlier attempt's `stopped`/`failed`, whatever happens next
         ports.append(master_port(cfg, layout))
         code = _run_ranks(deepspeed_command(cfg, run, layout, ports[-1]), layout, run)
         taken = code != 0 and master_port_was_taken(run) and latest_tag(run) == checkpoint_before
@@ -113,7 +114,7 @@ def launch_ranks(cfg: DictConfig, overrides: list[str]) -> None:
               f"{PORT_ATTEMPTS})", file=sys.stderr, flush=True)
     if taken:
         message = port_taken_message(cfg, layout, ports)
-        write_status(run, "failed", error=message, exit_code=1)  # what `epo train` exits with (the ranks: killed)
+        record_status(run, "failed", error=message, exit_code=1)  # what `epo train` exits with (the ranks: killed)
         raise UserError(message)
     status = read_status(run)
     if status.get("status") == "stopped" and status.get("signal"):  # every rank stopped after one step
@@ -121,7 +122,7 @@ def launch_ranks(cfg: DictConfig, overrides: list[str]) -> None:
         raise Stopped(stopped_message(run, signum, int(status.get("step") or 0)), exit_code(signum))
     if code != 0:
         message = failure_message(run, code, layout.world_size)
-        write_status(run, "failed", error=message, exit_code=code)
+        record_status(run, "failed", error=message, exit_code=code)
         raise UserError(message, exit_code=code if 0 < code < 126 else 1)
 
 
@@ -172,9 +173,7 @@ def _wait_for_ranks(proc: subprocess.Popen, run: Path) -> int:
         kill_now(0)
         proc.wait()
         signum = err.signum if isinstance(err, Interrupted) else int(signal.SIGINT)
-        write_status(run, "stopped", signal=signal_name(signum),
-                     abandoned="a second signal killed the ranks during a step",
-                     checkpoint=latest_tag(run), resume=f"epo train trainer.resume={run}")
+        record_stopped(run, signum, latest_step(run), abandoned="a second signal killed the ranks during a step")
         raise
     finally:
         STOP.uninstall()

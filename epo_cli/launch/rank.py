@@ -14,10 +14,14 @@ then stops the other ranks, and the process that started the job prints that rec
 that cannot listen on the master port (another process holds it) records that (`port_taken`) and prints
 nothing: `epo train` then starts the ranks again on a new port, or says which port to set.
 
+The rank's run lifecycle (stop handler, status.json, exit code) is epo_cli.training.lifecycle's, as under
+launcher=local; failures are reported by the process that started the ranks.
+
 Test hook (documented because it is read here and nowhere else): EPO_TEST_KILL_RANK="<rank>:<step>" makes
 rank <rank> exit abruptly (os._exit(17), no error record, like a crash or an OOM kill) when it starts to
-save the checkpoint of step <step>; "<rank>:<step>:hang" makes it sleep there instead (a hung rank).
-tests/test_distributed.py uses it to check that a dead or hung rank ends the whole job.
+save the checkpoint of step <step>; "<rank>:<step>:hang" makes it sleep there instead (a hung rank). It is a
+hook of checkpoint.save's fault-injection seam (`checkpoint.SAVE_HOOKS`). tests/test_distributed.py uses it
+to check that a dead or hung rank ends the whole job.
 """
 
 from __future__ import annotations
@@ -41,13 +45,13 @@ from rich.markup import escape  # noqa: E402
 
 from epo_cli import trust  # noqa: E402
 from epo_cli.analysis.run_summary import print_summary  # noqa: E402
-from epo_cli.checkpoint_paths import latest_tag  # noqa: E402
 from epo_cli.console import err_console, quiet_libraries  # noqa: E402
 from epo_cli.errors import UserError  # noqa: E402
-from epo_cli.run_dir import load_run_config, write_status  # noqa: E402
+from epo_cli.run_dir import load_run_config  # noqa: E402
 from epo_cli.training import checkpoint  # noqa: E402
 from epo_cli.training.deepspeed_config import port_taken  # noqa: E402
-from epo_cli.training.stop import STOP, Interrupted, exit_code, signal_name  # noqa: E402
+from epo_cli.training.lifecycle import run_training  # noqa: E402
+from epo_cli.training.stop import Interrupted  # noqa: E402
 from epo_cli.training.trainer import Trainer  # noqa: E402
 
 KILL_HOOK_ENV = "EPO_TEST_KILL_RANK"
@@ -125,9 +129,8 @@ def install_test_hook(rank: int) -> None:
     hang = len(parts) > 2 and parts[2] == "hang"
     if rank != target_rank:
         return
-    original = checkpoint.save
 
-    def save(run: Path, step: int, *args: Any, **kwargs: Any) -> Path:
+    def die_or_hang(run: Path, step: int) -> None:
         if step == target_step:
             print(f"[{KILL_HOOK_ENV}] rank {rank} {'hangs' if hang else 'dies'} while saving step {step}",
                   file=sys.stderr, flush=True)
@@ -135,9 +138,8 @@ def install_test_hook(rank: int) -> None:
                 while True:
                     time.sleep(60)
             os._exit(17)
-        return original(run, step, *args, **kwargs)
 
-    checkpoint.save = save  # the trainer calls checkpoint.save through the module
+    checkpoint.SAVE_HOOKS.append(die_or_hang)
 
 
 def run_rank(run: Path, resume_latest: bool = False, command_line: dict[str, Any] | None = None) -> int:
@@ -155,13 +157,10 @@ def run_rank(run: Path, resume_latest: bool = False, command_line: dict[str, Any
             cfg.trainer.resume = "auto"
         timeout_s = float(cfg.launcher.timeout_s)
         install_test_hook(rank)
-        STOP.install()  # every rank: a signal or the launcher's relay stops all ranks after the same step
-        trainer = Trainer(cfg, run)
-        metrics = trainer.train()
+        # every rank: a signal or the launcher's relay stops all ranks after the same step
+        ending = run_training(lambda: run, lambda run: Trainer(cfg, run), is_main=rank == 0, reports_failure=False)
     except BaseException as err:  # noqa: BLE001 - every way out of a rank is recorded
-        if isinstance(err, Interrupted):  # a second signal: the step in progress is abandoned
-            if rank == 0:
-                _record_abandoned(run, err.signum)
+        if isinstance(err, Interrupted):  # a second signal: the step in progress is abandoned (status.json)
             return err.exit_code
         if isinstance(err, (KeyboardInterrupt, SystemExit)):
             raise
@@ -176,21 +175,12 @@ def run_rank(run: Path, resume_latest: bool = False, command_line: dict[str, Any
         return 1
     finally:
         _leave_process_group()
-    if trainer.stop_signal and trainer.state.step < cfg.trainer.total_steps:
-        return exit_code(trainer.stop_signal)  # stopped with a checkpoint; the launching process reports it
+    if ending.stop_signal:
+        return ending.exit_code  # stopped with a checkpoint; the launching process reports it
     if rank == 0:
-        print_summary(cfg, run, metrics)
+        print_summary(cfg, run, ending.metrics)
     sys.stdout.flush()
     return 0
-
-
-def _record_abandoned(run: Path, signum: int) -> None:
-    try:
-        write_status(run, "stopped", signal=signal_name(signum), checkpoint=latest_tag(run),
-                     abandoned="a second signal abandoned the step in progress",
-                     resume=f"epo train trainer.resume={run}")
-    except Exception:  # noqa: BLE001 - best effort while leaving
-        pass
 
 
 def _leave_process_group() -> None:

@@ -20,7 +20,6 @@ from epo_cli.envs import EnvSuite, make_suite
 from epo_cli.errors import ConfigError, UserError
 from epo_cli.run_dir import check_lengths, load_run_config, new_run_dir, override_keys, write_config
 from epo_cli.saved_state import check_resume_step, groups_that_disagree, read_trainer_state
-from epo_cli.training.stop import signal_name
 
 
 def compose_for_train(overrides: list[str]) -> tuple[DictConfig, list[str]]:
@@ -101,10 +100,3 @@ def prepare_run_dir(cfg: DictConfig, overrides: list[str], suite: EnvSuite | Non
                         f"({err.filename or run}). Choose a writable output_dir=DIR (or run_dir=DIR), or free "
                         "disk space.") from None
     return run
-
-
-def stopped_message(run: Path, signum: int, step: int) -> str:
-    tag = latest_tag(run)
-    saved = f"the checkpoint {run / 'checkpoints' / tag}" if tag else "no checkpoint (no step had completed)"
-    return (f"{signal_name(signum)}: stopped after step {step}; status.json says `stopped`, and {saved} holds "
-            f"the run. Continue with: epo train trainer.resume={run}")

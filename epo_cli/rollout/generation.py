@@ -1,9 +1,20 @@
 """Batched sampling with a KV cache: one call generates a turn's response for every active env.
 
-Why not `model.generate`: each row samples from its own seeded torch.Generator, so a trajectory's
-tokens do not depend on which other envs share its batch or rank. A run then gives the same rollouts on
-1 or N ranks and after a resume. Rows that reach the stop string or EOS leave the batch (their KV cache
-rows are dropped), so long-tailed turns do not cost the whole batch.
+Why not `model.generate`: every row samples with its own seeded noise, so a trajectory's tokens do not
+depend on which other envs share its batch or rank. A run then gives the same rollouts on 1 or N ranks and
+after a resume. Each step does the same few tensor operations whatever the batch size; no Python loop over
+rows runs per token:
+
+- Sampling (`sample_next`) is inverse-CDF sampling with counter-based noise: row i's t-th token uses the
+  uniform `counter_uniforms(seed_i, t)`, a hash of (seed, token position) computed for all rows at once in
+  int64 arithmetic. A row's draws are a function of its own seed alone.
+- Stop detection (`StopMatcher`) runs the stop string's matching automaton on token ids: a table, built
+  once per tokenizer, says for every (automaton state, token id) the next state and whether the token
+  completes the stop string. The rare rows it flags are confirmed with the decode-based check
+  (`stop in tokenizer.decode(response[-8:])`), so the stops are exactly the decode-based check's.
+- Finished rows stay in the batch (their samples are ignored) until the live share drops below
+  `compact_below`; only then do they leave it with their KV cache rows. Dropping a row re-indexes every
+  layer's cache; keeping it costs one row of a batched forward.
 
 Shared prefill: rows with identical prompts (a GRPO group's turn 0: same task, same first observation)
 run the prompt through the model once; its KV cache rows are then copied to every row that shares it
@@ -14,10 +25,13 @@ same tokens as prefilling every row, for less compute.
 from __future__ import annotations
 
 import inspect
+import random
+import weakref
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers.cache_utils import DynamicLayer
 
 from epo_cli.errors import UserError
 
@@ -31,6 +45,13 @@ class SamplingConfig:
     stop: str = "</action>"
 
 
+#: the decode-based stop check looks at this many last tokens (`stop in tokenizer.decode(response[-8:])`)
+STOP_WINDOW = 8
+#: finished rows leave the batch (one cache re-index) once fewer than this share of its rows are live
+#: (docs/performance.md measures it)
+COMPACT_BELOW = 0.5
+
+
 def _cache_kwarg(model: nn.Module) -> str:
     """transformers 5.x names the KV cache argument `cache`; 4.x `past_key_values`."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -40,6 +61,16 @@ def _cache_kwarg(model: nn.Module) -> str:
 def _output_cache(out) -> object:
     """The KV cache of a forward output (`cache` in transformers 5.x, `past_key_values` in 4.x)."""
     return out["cache"] if "cache" in out else out["past_key_values"]
+
+
+def _takes_boolean_4d_mask(model: nn.Module) -> bool:
+    """Can decode steps hand the model a ready [B, 1, 1, L] boolean mask (True = attend)? transformers passes
+    a 4-D mask through as is, which skips building one per step; `sdpa` reads booleans that way. Not for
+    other attention kernels (eager adds the mask, flash attention wants 2-D) or sliding-window layers."""
+    config = getattr(model, "config", None)
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+    return (getattr(config, "_attn_implementation", None) == "sdpa"
+            and all(kind == "full_attention" for kind in layer_types))
 
 
 def left_pad(sequences: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,18 +91,59 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def _refuse_nonfinite(ok: torch.Tensor) -> None:
-    """One message instead of torch.multinomial's traceback when the policy's outputs are nan/inf."""
+    """One message instead of a wrong sample when the policy's outputs are nan/inf."""
     if not bool(ok.all()):
         raise UserError("The policy's outputs (logits) hold nan or inf, so no token can be sampled: its weights "
                         "are non-finite (e.g. a model exported by a run that diverged). Use an earlier "
                         "checkpoint or another model.")
 
 
-def sample_next(logits: torch.Tensor, params: SamplingConfig,
-                generators: list[torch.Generator] | None) -> torch.Tensor:
-    """One token per row from logits [B, V] (float32) -> [B] long."""
+# ---- counter-based noise: a uniform per (seed, token position) --------------------------------------------
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x):
+    """A 32-bit integer hash (xorshift-multiply rounds) of values in [0, 2**32): int64 tensors or Python ints.
+
+    The multipliers are odd and below 2**31, so every product stays below 2**63: no int64 overflow."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x5BD1E995) & _MASK32
+    return x ^ (x >> 16)
+
+
+def seed_keys(seeds: list[int], device: torch.device) -> torch.Tensor:
+    """[B] int64 hash keys of the rows' seeds (any int; its low 64 bits count)."""
+    keys = [_mix32(_mix32((s & _MASK32) ^ 0x3C6EF372) ^ ((s >> 32) & _MASK32)) for s in seeds]
+    return torch.tensor(keys, dtype=torch.long, device=device)
+
+
+def counter_uniforms(keys: torch.Tensor, position: int) -> torch.Tensor:
+    """[B] float64 uniforms in (0, 1), one per row: a function of (the row's seed key, `position`) only.
+
+    Two 32-bit hashes of (key, counter) give 53 bits, so the smallest probability that can be drawn is ~1e-16."""
+    counters = torch.tensor([_mix32((2 * position) & _MASK32), _mix32((2 * position + 1) & _MASK32)],
+                            dtype=torch.long, device=keys.device)
+    bits = _mix32(keys[:, None] ^ counters)  # [B, 2]
+    return ((bits[:, 0] << 21) + (bits[:, 1] >> 11)).double().add_(0.5).mul_(2.0 ** -53)
+
+
+# ---- sampling ----------------------------------------------------------------------------------------------
+
+
+def sample_next(logits: torch.Tensor, params: SamplingConfig, uniforms: torch.Tensor | None,
+                check: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row from logits [B, V] (float32) -> [B] long.
+
+    uniforms: [B] float64 in (0, 1), the rows' noise for this token (None: drawn from torch's global RNG).
+    Row i takes the first token whose cumulative probability exceeds uniforms[i] x the total (inverse CDF),
+    after temperature, top-k (keep the logits >= the k-th largest) and top-p (the smallest most-likely set
+    whose mass reaches p). check: [B] bool, the rows whose logits must be finite (default all)."""
     if params.temperature <= 0:
-        _refuse_nonfinite(~torch.isnan(logits))
+        ok = ~torch.isnan(logits.amax(-1))  # max propagates nan
+        _refuse_nonfinite(ok if check is None else ok | ~check)
         return logits.argmax(-1)
     logits = logits / params.temperature
     if params.top_k > 0:
@@ -83,11 +155,179 @@ def sample_next(logits: torch.Tensor, params: SamplingConfig,
         drop_sorted = cumulative - sorted_logits.softmax(-1) > params.top_p  # keep the token that crosses p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    probs = logits.softmax(-1)
-    _refuse_nonfinite(torch.isfinite(probs))  # nan or +inf logits (top-k/top-p's -inf ones give 0)
-    if generators is None:
-        return torch.multinomial(probs, 1).squeeze(-1)
-    return torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(generators)])
+    # unnormalised probabilities in float64 (dividing by their sum would not change the draw)
+    logits = logits.double()
+    weights = (logits - logits.amax(-1, keepdim=True)).exp()
+    cumulative = weights.cumsum(-1)
+    total = cumulative[:, -1]
+    finite = torch.isfinite(total)  # nan or +inf logits make the total nan (top-k/top-p's -inf ones weigh 0)
+    _refuse_nonfinite(finite if check is None else finite | ~check)
+    if uniforms is None:
+        uniforms = torch.rand(weights.shape[0], dtype=torch.float64, device=weights.device)
+    # strictly below the total, so the first cumulative weight above it belongs to a token of weight > 0
+    target = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cumulative, target[:, None], right=True)[:, 0].clamp(max=weights.shape[-1] - 1)
+
+
+# ---- stop detection on token ids ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StopMatcher:
+    """The stop string's matching automaton on token ids.
+
+    State q = how many characters of the stop string the text so far ends with (its longest such prefix,
+    0..len(stop)). Feeding token t from state q: `next_state[q, t]` and `completes[q, t]` (the stop string
+    ends inside t's text). Every decode-based stop is flagged (a superset: the stop string inside the last
+    8 tokens' text means an occurrence that ends in the newest token); the flagged rows are confirmed by
+    the decode-based check itself, which also rejects occurrences spread over more than 8 tokens."""
+
+    next_state: torch.Tensor  # [len(stop) + 1, V] long
+    completes: torch.Tensor  # [len(stop) + 1, V] bool
+
+
+_STOP_MATCHERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: decoding removes the space before these characters when the tokenizer cleans up tokenization spaces
+#: (" ." -> ".", " n't" -> "n't", ...): a stop string holding one could appear there without its tokens
+_CLEANUP_JOINS = frozenset(" .?!,'n")
+
+
+def stop_matcher(tokenizer, stop: str, vocab_size: int, device: torch.device) -> StopMatcher | None:
+    """The matcher of `stop` for token ids < vocab_size, built once per (tokenizer, stop, size, device).
+
+    None where token texts cannot be matched one by one (a non-ASCII stop string, a tokenizer whose decode is
+    not its tokens' texts laid end to end): `generate` then runs the decode-based check on every row."""
+    try:
+        per_tokenizer = _STOP_MATCHERS.setdefault(tokenizer, {})
+    except TypeError:  # not weak-referenceable: build every time
+        per_tokenizer = {}
+    key = (stop, vocab_size, str(device))
+    if key not in per_tokenizer:
+        per_tokenizer[key] = _build_stop_matcher(tokenizer, stop, vocab_size, device)
+    return per_tokenizer[key]
+
+
+def token_texts(tokenizer, vocab_size: int) -> list[str] | None:
+    """Each token id's text as it appears inside a decoded sequence (after an anchor token, so that decoders
+    that drop a leading space at the start keep it); "" beyond the tokenizer. None if no anchor works."""
+    known = min(vocab_size, len(tokenizer))
+    for char in "Z#|q":
+        anchor = tokenizer.encode(char, add_special_tokens=False)
+        if len(anchor) != 1:
+            continue
+        prefix = tokenizer.decode(anchor)
+        texts = tokenizer.batch_decode([[anchor[0], i] for i in range(known)])
+        if all(t.startswith(prefix) for t in texts):
+            return [t[len(prefix):] for t in texts] + [""] * (vocab_size - known)
+    return None
+
+
+def _build_stop_matcher(tokenizer, stop: str, vocab_size: int, device: torch.device) -> StopMatcher | None:
+    if not stop.isascii():
+        return None
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False) and set(stop) & _CLEANUP_JOINS:
+        return None
+    texts = token_texts(tokenizer, vocab_size)
+    if texts is None or not _texts_lay_end_to_end(tokenizer, texts, set(stop)):
+        return None
+    # the automaton on characters (Knuth-Morris-Pratt): class c < len(alphabet) is alphabet[c], the last
+    # class every character the stop string does not hold
+    alphabet = sorted(set(stop))
+    cls = {ch: i for i, ch in enumerate(alphabet)}
+    m, other = len(stop), len(alphabet)
+    border = [0] * (m + 1)  # border[q]: longest proper prefix of stop[:q] that is also its suffix
+    for q in range(2, m + 1):
+        k = border[q - 1]
+        while k and stop[k] != stop[q - 1]:
+            k = border[k]
+        border[q] = k + 1 if stop[k] == stop[q - 1] else 0
+    char_step = [[0] * (other + 1) for _ in range(m + 1)]
+    for q in range(m + 1):
+        for ch, c in cls.items():
+            if q < m and stop[q] == ch:
+                char_step[q][c] = q + 1
+            else:
+                char_step[q][c] = char_step[border[q]][c] if q else 0
+    # run every token's characters from every state at once: [V, longest text] character classes
+    width = max((len(t) for t in texts), default=0)
+    classes = torch.full((vocab_size, max(width, 1)), -1, dtype=torch.long)
+    for token, text in enumerate(texts):
+        if text:
+            classes[token, :len(text)] = torch.tensor([cls.get(ch, other) for ch in text])
+    step_table = torch.tensor(char_step, dtype=torch.long)
+    next_state = torch.empty((m + 1, vocab_size), dtype=torch.long)
+    completes = torch.zeros((m + 1, vocab_size), dtype=torch.bool)
+    for q in range(m + 1):
+        state = torch.full((vocab_size,), q, dtype=torch.long)
+        for j in range(width):
+            c = classes[:, j]
+            real = c >= 0  # past a token's text: padding, no character
+            state = torch.where(real, step_table[state, c.clamp(min=0)], state)
+            completes[q] |= real & (state == m)
+        next_state[q] = state
+    return StopMatcher(next_state.to(device), completes.to(device))
+
+
+def _texts_lay_end_to_end(tokenizer, texts: list[str], stop_chars: set[str], samples: int = 64) -> bool:
+    """Does decoding random token sequences give their token texts laid end to end (as far as the stop
+    string's characters go; runs of other characters count as one separator)? A guard for tokenizers whose
+    decode inserts or merges text between tokens."""
+    def squeeze(text: str) -> str:
+        out: list[str] = []
+        for ch in text:
+            if ch in stop_chars:
+                out.append(ch)
+            elif not out or out[-1] != "\0":
+                out.append("\0")
+        return "".join(out)
+
+    rng = random.Random(0)
+    known = len(tokenizer)
+    for _ in range(samples):
+        ids = [rng.randrange(min(known, len(texts))) for _ in range(STOP_WINDOW)]
+        if squeeze(tokenizer.decode(ids)) not in squeeze("".join(texts[i] for i in ids)):
+            return False
+    return True
+
+
+# ---- a KV cache that does not copy itself at every step ----------------------------------------------------
+
+
+class _ReservedLayer(DynamicLayer):
+    """A DynamicLayer whose keys and values are views of buffers with room for the whole response: a step
+    writes its key and value in place, where DynamicLayer concatenates (a copy of the layer's whole cache per
+    token, its cost growing with the context). Attention reads the same numbers either way."""
+
+    def reserve(self, capacity: int) -> None:
+        length = self.keys.shape[-2]
+        self.key_buffer = self.keys.new_empty((*self.keys.shape[:-2], capacity, self.keys.shape[-1]))
+        self.value_buffer = self.values.new_empty((*self.values.shape[:-2], capacity, self.values.shape[-1]))
+        self.key_buffer[..., :length, :] = self.keys
+        self.value_buffer[..., :length, :] = self.values
+        self.keys, self.values = self.key_buffer[..., :length, :], self.value_buffer[..., :length, :]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        length, new = self.keys.shape[-2], key_states.shape[-2]
+        # batch_select_indices (rows leaving the batch) replaced the views with new tensors: new buffers
+        if self.keys.data_ptr() != self.key_buffer.data_ptr() or length + new > self.key_buffer.shape[-2]:
+            self.reserve(max(self.key_buffer.shape[-2], length + new))
+        self.key_buffer[..., length:length + new, :] = key_states
+        self.value_buffer[..., length:length + new, :] = value_states
+        self.keys = self.key_buffer[..., :length + new, :]
+        self.values = self.value_buffer[..., :length + new, :]
+        return self.keys, self.values
+
+
+def _reserve_cache(cache, capacity: int) -> None:
+    """Give each growing layer of the cache room for `capacity` positions (`_ReservedLayer`). Other layer
+    kinds (sliding windows) keep growing by concatenation."""
+    for layer in getattr(cache, "layers", []):
+        if type(layer) is DynamicLayer and layer.is_initialized:
+            layer.__class__ = _ReservedLayer
+            layer.reserve(capacity)
+
+
+# ---- generation ------------------------------------------------------------------------------------------
 
 
 @torch.no_grad()
@@ -100,19 +340,22 @@ def generate(
     vocab_limit: int | None = None,
     shared_prefill: bool = True,
     logprobs: list[list[float]] | None = None,
+    compact_below: float = COMPACT_BELOW,
 ) -> list[list[int]]:
     """Sample a response for each prompt; returns the response token ids (stop string / EOS included).
 
-    seeds: one per prompt; row i samples with torch.Generator seeded by seeds[i] (None: global RNG).
+    seeds: one per prompt; row i's t-th token uses the uniform counter_uniforms(key(seeds[i]), t)
+    (None: torch's global RNG).
     vocab_limit: sample only among the first `vocab_limit` ids (embedding rows the tokenizer never
     produces); the scoring forward applies the same limit.
     shared_prefill: prefill each distinct prompt once (module docstring).
     logprobs: if given (an empty list), filled with each response token's log-probability under the
     sampling temperature (before top-k/top-p), row by row: a diagnostic; training scores its own.
+    compact_below: finished rows leave the batch once the live share of its rows is below this (1.0: at
+    every finish; 0: never). It changes no token, only the work.
     """
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id
-    eos_ids = {tokenizer.eos_token_id, tokenizer.pad_token_id} - {None}
     cache_kw = _cache_kwarg(model)
 
     distinct, row_of = _distinct_prompts(prompts) if shared_prefill else (prompts, None)
@@ -125,45 +368,72 @@ def generate(
         index = torch.tensor(row_of, device=device)  # [B] -> row in the distinct batch
         cache.batch_select_indices(index)
         mask, position, logits = mask[index], position[index], logits[index]
+    num_rows, prompt_width, vocab = len(prompts), mask.shape[1], logits.shape[-1]
     next_position = position[:, -1] + 1  # [B]
-    generators = None
-    if seeds is not None:
-        generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+    # the attention mask of every step, allocated once: step t attends to prompt_width + t + 1 columns
+    mask = torch.cat([mask, mask.new_ones((num_rows, params.max_new_tokens))], dim=1)
+    if _takes_boolean_4d_mask(model):
+        mask = mask.bool()[:, None, None, :]  # [B, 1, 1, width]
+    keys = seed_keys(seeds, device) if seeds is not None else None
+    _reserve_cache(cache, prompt_width + params.max_new_tokens)
 
-    responses: list[list[int]] = [[] for _ in prompts]
-    rows = list(range(len(prompts)))  # original index of each live batch row
-    if logprobs is not None:
-        logprobs[:] = [[] for _ in prompts]
-    for _ in range(params.max_new_tokens):
+    is_eos = torch.zeros(vocab, dtype=torch.bool, device=device)
+    for token in {tokenizer.eos_token_id, tokenizer.pad_token_id} - {None}:
+        if token < vocab:
+            is_eos[token] = True
+    matcher = stop_matcher(tokenizer, params.stop, vocab, device) if params.stop else None
+    stop_state = torch.zeros(num_rows, dtype=torch.long, device=device)
+
+    generated = torch.zeros((num_rows, params.max_new_tokens), dtype=torch.long, device=device)
+    token_logprobs = torch.zeros((num_rows, params.max_new_tokens), device=device) if logprobs is not None else None
+    lengths = [params.max_new_tokens] * num_rows  # until a row finishes
+    rows = torch.arange(num_rows, device=device)  # original index of each batch row
+    live = torch.ones(num_rows, dtype=torch.bool, device=device)  # batch rows still generating
+    live_count = num_rows
+    for step in range(params.max_new_tokens):
         if vocab_limit is not None:
             logits = logits[:, :vocab_limit]
-        tokens = sample_next(logits, params, generators)
-        if logprobs is not None:
+        uniforms = counter_uniforms(keys, step) if keys is not None else None
+        tokens = sample_next(logits, params, uniforms, check=live)  # finished rows' samples are ignored
+        generated[rows, step] = tokens
+        if token_logprobs is not None:
             scaled = logits / params.temperature if params.temperature > 0 else logits
-            picked = scaled.log_softmax(-1).gather(-1, tokens[:, None])[:, 0].tolist()
-            for row, value in zip(rows, picked):
-                logprobs[row].append(value)
-        keep: list[int] = []
-        for b, (row, token) in enumerate(zip(rows, tokens.tolist())):
-            responses[row].append(token)
-            tail = tokenizer.decode(responses[row][-8:]) if params.stop else ""
-            if token not in eos_ids and not (params.stop and params.stop in tail):
-                keep.append(b)
-        if not keep:
+            token_logprobs[rows, step] = scaled.log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
+
+        flagged = is_eos[tokens]  # EOS ends a row; a flagged stop is confirmed below
+        if matcher is not None:
+            flagged = flagged | matcher.completes[stop_state, tokens]
+            stop_state = matcher.next_state[stop_state, tokens]
+        elif params.stop:  # no matcher for this tokenizer: the decode-based check on every row
+            flagged = torch.ones_like(flagged)
+        for b in (flagged & live).nonzero()[:, 0].tolist():
+            row = int(rows[b])
+            token = int(tokens[b])
+            window = generated[row, max(0, step + 1 - STOP_WINDOW):step + 1].tolist()
+            if bool(is_eos[token]) or params.stop in tokenizer.decode(window):
+                live[b] = False
+                live_count -= 1
+                lengths[row] = step + 1
+        if live_count == 0 or step + 1 == params.max_new_tokens:
             break
-        if len(keep) < len(rows):  # finished rows leave the batch, with their cache rows
-            index = torch.tensor(keep, device=device)
+        if live_count < compact_below * len(rows):  # finished rows leave the batch, with their cache rows
+            index = live.nonzero()[:, 0]
             cache.batch_select_indices(index)
-            mask, tokens, next_position = mask[index], tokens[index], next_position[index]
-            rows = [rows[b] for b in keep]
-            if generators is not None:
-                generators = [generators[b] for b in keep]
-        mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)
-        out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_position[:, None],
-                    use_cache=True, **{cache_kw: cache})
+            mask, tokens, next_position, rows = mask[index], tokens[index], next_position[index], rows[index]
+            stop_state, live = stop_state[index], live[index]
+            if keys is not None:
+                keys = keys[index]
+        out = model(input_ids=tokens[:, None], attention_mask=mask[..., :prompt_width + step + 1],
+                    position_ids=next_position[:, None], use_cache=True, **{cache_kw: cache})
         cache = _output_cache(out)
         next_position = next_position + 1
         logits = out.logits[:, -1].float()
+
+    tokens_of = generated.tolist()
+    responses = [tokens_of[row][:lengths[row]] for row in range(num_rows)]
+    if logprobs is not None:
+        values = token_logprobs.tolist()
+        logprobs[:] = [values[row][:lengths[row]] for row in range(num_rows)]
     return responses
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +30,18 @@ from epo_cli.saved_state import CHECKPOINT_FORMAT, read_trainer_state
 from epo_cli.training import rng_state
 from epo_cli.training.engine import barrier
 
+#: Fault-injection seam: each hook is called with (run, step) as every `save` starts, before anything is
+#: written; a hook may raise (a full disk), signal the process or end it (a rank that dies or hangs while
+#: saving). Empty in a normal run; epo_cli.launch.rank's EPO_TEST_KILL_RANK and tests/test_outside_faults.py
+#: add hooks.
+SAVE_HOOKS: list[Callable[[Path, int], None]] = []
+
 
 def save(run: Path, step: int, engine: Any, critic_engine: Any, payload: dict[str, Any], rank: int,
          keep: int, best_step: int | None) -> Path:
     """Save step `step` (all ranks call this; DeepSpeed saves its shards collectively)."""
+    for hook in SAVE_HOOKS:
+        hook(run, step)
     root = Path(run) / "checkpoints"
     tag = f"step_{step}"
     folder = root / tag

@@ -1,7 +1,7 @@
 """The collapse/* metrics of one RL iteration and the `collapse` alert (settings: algo.diagnostics).
 
     watch = CollapseWatch(cfg, dist, models, run_or_None, warn)          # the Trainer's part
-    metrics.update(watch.metrics(batch, episodes, history, step, subgoal_coef, turns))   # step 6b
+    metrics.update(watch.metrics(batch, episodes, history, step, subgoal_coef, turns))   # step 6
     alert, signals = watch.alert(metrics, step + 1, signals)                            # end of step 8
 
 The math is in epo_cli/algos/diagnostics.py; this module gathers its inputs from the iteration (the played
@@ -199,7 +199,7 @@ def collapse_alert(metrics: dict[str, float], settings: Any, step: int, beyond_b
 
 
 class CollapseWatch:
-    """The Trainer's part for the collapse diagnostics (algo.diagnostics): step 6b's collapse/* metrics and
+    """The Trainer's part for the collapse diagnostics (algo.diagnostics): step 6's collapse/* metrics and
     the collapse alert at the end of step 8. `run`: rank 0's run directory (None on other ranks), where the
     alert is noted in status.json; `warn`: the console."""
 

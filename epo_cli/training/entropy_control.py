@@ -1,11 +1,12 @@
 """The entropy state an RL run carries from step to step: the per-turn entropy history whose references
 centre EPO's smoothing band, the fluctuation monitor, and the entropy coefficient's schedule (the adaptive
-one observes each step's entropy). rl_step reads it in steps 3 and 5 and updates it in step 7; a checkpoint
-saves it (`state_dict`).
+one observes each step's entropy). rl_step reads it for the coefficients (step 4) and after the update
+(step 6), and updates it in step 7; a checkpoint saves it (`state_dict`).
 
     metrics = control.reference_metrics()                   # policy/entropy_ref, before this step's entropies
-    stats = control.statistics(batch, step, width, warn)    # all-reduced per-turn sums, the monitor's verdict
     lam = control.schedule(step, total)                     # lambda
+    clamp = control.clamps_now(batch, width)                # algo.monitor.action=clamp: the verdict, in advance
+    stats = control.statistics(batch, step, width, warn)    # all-reduced per-turn sums, the monitor's verdict
     control.observe(stats)                                  # history <- this step; the schedule observes
 """
 
@@ -44,6 +45,17 @@ class EntropyControl:
     def reference_metrics(self) -> dict[str, float]:
         """policy/entropy_ref: the smoothing band's centre (global reference) for this update, once known."""
         return {"policy/entropy_ref": self.history.global_stream.value()} if self.history.num_steps else {}
+
+    def clamps_now(self, batch: TurnBatch, width: int) -> bool:
+        """Whether this step's entropy terms are clamped: algo.monitor.action=clamp and the monitor will alert
+        on `batch`'s entropies (the coefficients need the verdict before the update; `statistics`, after it,
+        records it). Collectives when clamping (the config says so on every rank): every rank calls it."""
+        if not self.clamps:
+            return False
+        if any(h is None for h in batch.entropy):  # PolicyUpdate.reuses_scoring() is False under a clamp
+            raise ValueError("the clamp's verdict needs every row scored before the update")
+        mean = entropy_statistics(batch.entropy, batch.turn_index, width)[2]
+        return self.monitor.would_alert(mean)
 
     def statistics(self, batch: TurnBatch, step: int, width: int, warn: Callable[[str], None]) -> EntropyStats:
         """This step's entropy statistics (all ranks: collectives) and the monitor's update; an alert is

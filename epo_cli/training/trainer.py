@@ -2,25 +2,31 @@
 
     epo train algo=epo env=household trainer.total_steps=20
 
-One RL iteration (`rl_step`, numbered as there):
-    1 episodes   <- GroupSampler.sample (training/group_sampler.py): curriculum tasks (tasks_per_step x
-                    group_size; this rank plays whole groups) -> one sample per turn (TurnBatch)
-                    (algo.dynamic_sampling: groups that fail algo.group_filter replaced by fresh rounds, DAPO)
-    2 scoring    <- PolicyUpdate.score (training/update.py): old log-probs, entropy (sampling temperature),
-                    reference log-probs, critic values
-    3 entropy    <- per-turn statistics of the rollout's entropies (all-reduced; no extra forward pass),
-                    fluctuation monitor
-    4 advantages <- compute_advantages: the estimator algo.estimator names  gae | grpo | rloo | gigpo
-    5 coefs      <- schedules: lambda (entropy group), beta_k (algo.phase), KL weight
-    6 update     <- PolicyUpdate.run: ppo_epochs x mini-batches x micro-batches:
-                    loss = sum_i coef_i * term_i   (e.g. policy_clip + 0.01*kl - lambda*entropy
-                                                    + lambda*beta_k*entropy_smoothing)
-                    engine.backward(loss); one engine.step() per mini-batch; critic likewise (ppo)
-   6b collapse   <- CollapseWatch.metrics (training/collapse.py): collapse/* diagnostics (algo.diagnostics)
-    7 state      <- entropy history and schedule (EntropyControl), rollout copy of the weights, curriculum
-    8 metrics    <- epo_cli/training/step_metrics.py; the collapse alert (CollapseWatch.alert)
+One RL iteration (`rl_step`, numbered as there). Steps 1-5 are public methods that take and return values
+(nothing writes into an argument), so benchmarks and scripts/gpu_check.py run the trainer's own steps:
+    1 sample       <- GroupSampler.sample (training/group_sampler.py): curriculum tasks (tasks_per_step x
+                      group_size; this rank plays whole groups) -> one sample per turn (TurnBatch)
+                      (algo.dynamic_sampling: groups that fail algo.group_filter replaced by fresh rounds,
+                      DAPO); then the `on_rollout` callbacks see the rollout
+    2 score        <- PolicyUpdate.score (training/update.py): old log-probs, entropy (sampling temperature),
+                      reference log-probs, critic values. With algo.reuse_scoring_forward the update's own
+                      first forward scores the first mini-batch instead: PolicyUpdate's business alone
+    3 advantages   <- compute_advantages: the estimator algo.estimator names  gae | grpo | rloo | gigpo
+    4 coefficients <- schedules: lambda (entropy group), beta_k (algo.phase), KL weight; the entropy terms
+                      scaled by algo.monitor.clamp_scale when the monitor clamps (its verdict in advance)
+    5 update       <- PolicyUpdate.run: ppo_epochs x mini-batches x micro-batches:
+                      loss = sum_i coef_i * term_i   (e.g. policy_clip + 0.01*kl - lambda*entropy
+                                                      + lambda*beta_k*entropy_smoothing)
+                      engine.backward(loss); one engine.step() per mini-batch; critic likewise (ppo);
+                      returns every row scored; then skipped steps and finite weights checked on all ranks
+    6 entropy      <- per-turn statistics of the rollout's entropies (all-reduced; no extra forward pass),
+                      fluctuation monitor (EntropyControl); collapse/* diagnostics (CollapseWatch,
+                      training/collapse.py; algo.diagnostics)
+    7 state        <- entropy history and schedule (EntropyControl), rollout copy of the weights, curriculum
+    8 metrics      <- epo_cli/training/step_metrics.py; the collapse alert (CollapseWatch.alert)
 Around each step (`_loop`): the learning rate from its schedule before; evaluate every eval_every, log,
 checkpoint every save_every after (`_after_step`). SFT (training/sft.py) uses the same loop and update.
+Starting, stopping and the run's status.json belong to the run's lifecycle (training/lifecycle.py).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import math
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,17 +55,16 @@ from epo_cli.loggers.jsonl import truncate_metrics_file
 from epo_cli.loggers.logger import MetricsLogger
 from epo_cli.rollout.batch import TurnBatch
 from epo_cli.rollout.prompts import PromptBuilder, chat_encoder
-from epo_cli.run_dir import write_status
 from epo_cli.saved_state import refusing_damaged
 from epo_cli.seeding import derive_seed
 from epo_cli.training import checkpoint
 from epo_cli.training.collapse import CollapseWatch
 from epo_cli.training.engine import all_reduce_max, all_reduce_sum, barrier, init_distributed
-from epo_cli.training.entropy_control import EntropyControl, EntropyStats
+from epo_cli.training.entropy_control import EntropyControl
 from epo_cli.training.evaluate import TrainingEval
 from epo_cli.training.export import export_policy
 from epo_cli.training.finite import check_finite_weights
-from epo_cli.training.group_sampler import GroupSampler
+from epo_cli.training.group_sampler import GroupSampler, Rollout
 from epo_cli.training.models import build_models
 from epo_cli.training.sft import demonstrations, sft_step
 from epo_cli.training.step_metrics import (
@@ -86,6 +91,19 @@ class TrainState:
     collapse_signals: list[str] = field(default_factory=list)  # beyond their alert thresholds (CollapseWatch)
 
 
+@dataclass(frozen=True)
+class Coefficients:
+    """One step's loss coefficients (rl_step's step 4) and the schedule values behind them."""
+
+    loss: dict[str, float]  # each loss term's coefficient (what LossStack multiplies its terms by)
+    lam: float  # lambda: the entropy group's weight (entropy schedule)
+    beta: float  # beta_k: entropy_smoothing's weight within the group (algo.phase)
+
+    def metrics(self) -> dict[str, float]:
+        """coef/<term>, coef/lambda, coef/beta."""
+        return {**{f"coef/{k}": v for k, v in self.loss.items()}, "coef/lambda": self.lam, "coef/beta": self.beta}
+
+
 class Trainer:
     def __init__(self, cfg: DictConfig, run: Path, suite: EnvSuite | None = None) -> None:
         """`suite`: the run's env suite, if the caller built it already (one per process, handed down)."""
@@ -98,7 +116,7 @@ class Trainer:
         self.models = build_models(cfg, self.dist, self.suite)
         self.loss_stack = LossStack(build_loss_terms(algo))
         value_term = build_value_term(algo) if self.models.critic_engine is not None else None
-        self.update = PolicyUpdate(cfg, self.dist, self.models, self.loss_stack, value_term)
+        self.policy_update = PolicyUpdate(cfg, self.dist, self.models, self.loss_stack, value_term)
         self.entropy = EntropyControl(cfg)  # history, fluctuation monitor, lambda's schedule
         self.phase_schedule, self.kl_schedule = build_phase_schedule(algo.phase), build_kl_schedule(algo)
         self.lr_schedule = build_lr_schedule(algo)
@@ -111,6 +129,8 @@ class Trainer:
                                     self.curriculum, self.builder, self.models.tokenizer)
         self.evaluation = TrainingEval(cfg, self.dist, self.suite, self.pool, self.builder, self.models.tokenizer)
         self.collapse = CollapseWatch(cfg, self.dist, self.models, run if self.dist.is_main else None, self.logger.warn)
+        #: called with every rollout and its step, after step 1 (a benchmark keeps the episodes it plays)
+        self.on_rollout: list[Callable[[Rollout, int], None]] = []
 
     @property
     def engine(self) -> Any:
@@ -152,8 +172,9 @@ class Trainer:
 
     # ---- the loop ------------------------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
+        """Every step from state.step to trainer.total_steps, or until a stop; the last step's metrics. The
+        run's status.json is its lifecycle's (training/lifecycle.py), which calls this."""
         try:
-            write_status(self.run, "running") if self.dist.is_main else None
             if is_sft(self.cfg.algo):
                 data = demonstrations(self.cfg, self.suite, self.pool, self.builder, self.models.tokenizer,
                                       self.run / "demos.jsonl" if self.dist.is_main else None, self.logger.info)
@@ -184,91 +205,111 @@ class Trainer:
 
     def set_learning_rates(self, step: int, total: int) -> None:
         """algo.lr (policy) and algo.value.lr (critic) times the warm-up/decay multiplier of this step."""
-        self.update.set_learning_rates(self.lr_schedule(step, total))
+        self.policy_update.set_learning_rates(self.lr_schedule(step, total))
 
     def rl_step(self, step: int, total: int) -> dict[str, float]:
-        """One RL iteration (the module docstring's steps); returns its metrics."""
-        algo, update = self.cfg.algo, self.update
-        # 1. episodes: this rank's whole groups, one sample per turn
-        rollout = self.sampler.sample(self.models.sampling_policy(self.cfg.rollout), step, total)
+        """One RL iteration (the module docstring's steps); returns its metrics. Each step is a public method
+        that takes and returns values, so a benchmark composes the very same steps."""
+        metrics = self.entropy.reference_metrics()  # policy/entropy_ref: the band's centre before this step
+        # 1. episodes: this rank's whole groups, one sample per turn (then the on_rollout callbacks)
+        rollout = self.sample(step, total)
         max_turns, subgoal_coef = self.curriculum.max_turns(step, total), self.curriculum.subgoal_coef(step, total)
 
-        # 2. scoring forward (no grad): old log-probs, entropy, reference log-probs, values. The samples of
-        #    the first mini-batch skip the policy's part: the update's first forward, made with the very
-        #    weights that played the rollout, scores them (`on_policy`, algo.reuse_scoring_forward)
+        # 2. scoring forward (no grad): old log-probs, entropies, reference log-probs, values; with scoring
+        #    reuse, the first mini-batch is scored by the update's own first forward instead (PolicyUpdate)
         t0 = time.perf_counter()
-        on_policy = update.on_policy_rows(rollout.batch, step)
-        batch = update.score(rollout.batch, skip_policy=on_policy).apply(rollout.batch)
+        batch = self.score(rollout.batch, step)
         score_s = time.perf_counter() - t0
 
-        # 3. entropy statistics of the rollout (all-reduced; no extra forward pass) and the fluctuation
-        #    monitor; after the update when it scores samples itself (only a monitor that clamps needs
-        #    them before). The history is updated after the update: its references use steps 0..k-1 only
-        #    (paper: Href(k)). The choice is made from the config, the same on every rank (collectives).
-        metrics = self.entropy.reference_metrics()
-        width = max(self.cfg.env.max_turns, max_turns)
-        stats = None if update.reuses_scoring() else self._entropy_statistics(batch, step, width, metrics)
+        # 3. advantages (a new batch)
+        batch = self.advantages(batch)
 
-        # 4. advantages
-        if algo.estimator != "none":
-            batch.advantages, batch.returns = compute_advantages(batch, algo, all_reduce_sum)
+        # 4. coefficients from schedules: L = L_RL - lambda * (L_H - beta_k * L_smooth) + kl_weight * KL
+        coefs = self.coefficients(step, total, batch)
+        metrics.update(coefs.metrics())
+        if step == 0:
+            self.logger.info(self.loss_stack.formula(coefs.loss))
 
-        # 5. coefficients from schedules: L = L_RL - lambda * (L_H - beta_k * L_smooth) + kl_weight * KL
-        coefs = self._coefficients(step, total, monitor_alert=bool(stats and stats.alert), metrics=metrics)
-
-        # 6. update (the batch comes back with the on-policy rows scored by the update's first forward)
+        # 5. update; its batch has every row scored (those the update's first forward scored included)
         t0 = time.perf_counter()
-        result = self._tracked(update.run(batch, coefs, step, self.entropy.history, on_policy=on_policy))
+        result = self.update(batch, coefs, step)
+        update_s = time.perf_counter() - t0
         metrics.update(result.metrics)
         batch = result.batch
-        update_s = time.perf_counter() - t0
 
-        # 6b. collapse diagnostics: before step 7, so that EPO's band is the one this step was trained against
+        # 6. entropy statistics of the rollout (all ranks; no extra forward pass), the fluctuation monitor;
+        #    collapse diagnostics, before step 7 so that EPO's band is the one this step was trained against
+        width = self.turn_width(step, total)
+        entropy = self.entropy.statistics(batch, step, width, self.logger.warn)
+        metrics.update(entropy.metrics)
         metrics.update(self.collapse.metrics(batch, rollout.episodes, self.entropy.history, step, subgoal_coef, width))
 
-        # 7. state: entropy history and schedule, the rollout's copy of the weights, the curriculum (true
-        #    task success per level, all ranks)
-        self.entropy.observe(stats or self._entropy_statistics(batch, step, width, metrics))
+        # 7. state: entropy history (its references use steps 0..k-1 only, paper: Href(k)) and schedule, the
+        #    rollout's copy of the weights, the curriculum (true task success per level, all ranks)
+        self.entropy.observe(entropy)
         self.models.refresh()
         reduced = reduce_sums(rollout_sums(rollout.episodes, rollout.stats), self.dist.device)
         self.curriculum.observe(step, level_results(reduced))
 
         # 8. metrics (all ranks; epo_cli/training/step_metrics.py says what each is)
         metrics.update(rollout_metrics(reduced) | self.curriculum.metrics() | rollout.metrics)
-        metrics.update(batch_metrics(batch, len(on_policy), subgoal_coef, max_turns))
-        metrics.update(perf_metrics(rollout.stats, reduced, score_s, update_s, update.learning_rate))
+        metrics.update(batch_metrics(batch, result.scored_rows, subgoal_coef, max_turns))
+        metrics.update(perf_metrics(rollout.stats, reduced, score_s, update_s, self.policy_update.learning_rate))
         alert, self.state.collapse_signals = self.collapse.alert(metrics, step + 1, self.state.collapse_signals)
         metrics.update(alert)  # the collapse alert: a warning when a signal crosses its threshold
         return metrics
 
+    # ---- the steps of rl_step (public: benchmarks and scripts/gpu_check.py compose them) -------------------
+    def sample(self, step: int, total: int) -> Rollout:
+        """Step 1: this rank's episodes of step `step` with the rollout policy (GroupSampler.sample); every
+        `on_rollout` callback then sees the rollout."""
+        rollout = self.sampler.sample(self.models.sampling_policy(self.cfg.rollout), step, total)
+        for callback in self.on_rollout:
+            callback(rollout, step)
+        return rollout
+
+    def score(self, batch: TurnBatch, step: int) -> TurnBatch:
+        """Step 2: `batch` scored without gradient (PolicyUpdate.score; rows left to the update's own first
+        forward under scoring reuse are its business)."""
+        return self.policy_update.score(batch, step)
+
+    def advantages(self, batch: TurnBatch) -> TurnBatch:
+        """Step 3: a new batch with the advantages and returns of the estimator algo.estimator names
+        (unchanged for estimator=none)."""
+        if self.cfg.algo.estimator == "none":
+            return batch
+        advantages, returns = compute_advantages(batch, self.cfg.algo, all_reduce_sum)
+        return replace(batch, advantages=advantages, returns=returns)
+
+    def coefficients(self, step: int, total: int, batch: TurnBatch) -> Coefficients:
+        """Step 4: this step's loss coefficients: lambda, beta_k and the KL weight from their schedules, the
+        entropy terms scaled by algo.monitor.clamp_scale when the monitor clamps on `batch`'s entropies."""
+        algo = self.cfg.algo
+        lam, beta = self.entropy.schedule(step, total), self.phase_schedule(step, total)
+        clamp = algo.monitor.clamp_scale if self.entropy.clamps_now(batch, self.turn_width(step, total)) else 1.0
+        loss = loss_coefficients(algo, lam, beta, self.kl_schedule(step, total), entropy_scale=clamp)
+        return Coefficients(loss, lam, beta)
+
+    def update(self, batch: TurnBatch, coefs: Coefficients, step: int) -> UpdateResult:
+        """Step 5: the policy (and critic) update on `batch` (PolicyUpdate.run), then its checks on every rank."""
+        result = self.policy_update.run(batch, coefs.loss, step, self.entropy.history)
+        return self._check_update_on_all_ranks(result)
+
+    def turn_width(self, step: int, total: int) -> int:
+        """How many turn slots the entropy statistics have: env.max_turns, or the curriculum's longer limit
+        (read before the curriculum observes the step)."""
+        return max(self.cfg.env.max_turns, self.curriculum.max_turns(step, total))
+
     def sft_step(self, data: TurnBatch, step: int) -> dict[str, float]:
         """One behaviour-cloning step on the demonstrations `data` (training/sft.py)."""
         coefs = loss_coefficients(self.cfg.algo, 0.0, 0.0, 0.0)
-        result = self._tracked(sft_step(self.update, data, coefs, step))
+        result = self._check_update_on_all_ranks(sft_step(self.policy_update, data, coefs, step))
         self.models.policy.refresh()
         return result.metrics
 
-    def _coefficients(self, step: int, total: int, monitor_alert: bool, metrics: dict[str, float]) -> dict[str, float]:
-        """This step's loss coefficients (lambda, beta_k, KL weight from their schedules; the entropy terms
-        scaled down when the monitor clamps); coef/* go into `metrics`."""
-        algo = self.cfg.algo
-        lam, beta = self.entropy.schedule(step, total), self.phase_schedule(step, total)
-        clamp = algo.monitor.clamp_scale if monitor_alert and algo.monitor.action == "clamp" else 1.0
-        coefs = loss_coefficients(algo, lam, beta, self.kl_schedule(step, total), entropy_scale=clamp)
-        if step == 0:
-            self.logger.info(self.loss_stack.formula(coefs))
-        metrics.update({f"coef/{k}": v for k, v in coefs.items()})
-        metrics.update({"coef/lambda": lam, "coef/beta": beta})
-        return coefs
-
-    def _entropy_statistics(self, batch: TurnBatch, step: int, width: int, metrics: dict[str, float]) -> EntropyStats:
-        """The rollout's entropy statistics over all ranks (EntropyControl.statistics); their metrics."""
-        stats = self.entropy.statistics(batch, step, width, self.logger.warn)
-        metrics.update(stats.metrics)
-        return stats
-
-    def _tracked(self, result: UpdateResult) -> UpdateResult:
-        """Count skipped updates; too many in a row stop the run (the weights were not changed by them)."""
+    def _check_update_on_all_ranks(self, result: UpdateResult) -> UpdateResult:
+        """Count skipped updates (too many in a row stop the run; the weights were not changed by them) and
+        check the weights are finite on every rank (a max all-reduce: all ranks stop together)."""
         if result.skipped:
             self.logger.warn(f"{result.skipped}/{result.optimizer_steps} updates skipped: non-finite loss or gradient")
         self.state.consecutive_skips = skip_streak(self.state.consecutive_skips, result,
@@ -336,14 +377,6 @@ class Trainer:
         return self.stop_signal is not None or (stop is not None and done_steps >= stop)
 
     def _finish(self) -> None:
-        """Export the final policy (Hugging Face folder) and mark the run finished, or stopped."""
-        if not self.dist.is_main:
-            return
-        if self.state.step >= self.cfg.trainer.total_steps:
+        """Export the final policy (Hugging Face folder) once every step has trained."""
+        if self.dist.is_main and self.state.step >= self.cfg.trainer.total_steps:
             export_policy(self.models.policy.module, self.models.tokenizer, self.run / "final")
-            write_status(self.run, "finished", step=self.state.step)
-        else:
-            extra = {"signal": signal_name(self.stop_signal)} if self.stop_signal else {}
-            latest = checkpoint_paths.latest_tag(self.run)
-            write_status(self.run, "stopped", step=self.state.step, **extra, checkpoint=latest,
-                         resume=f"epo train trainer.resume={self.run}")

@@ -1,13 +1,17 @@
 """The update part, shared by RL and SFT: the scoring forward, then the optimisation of the loss stack.
 
-    on_policy = update.on_policy_rows(batch, step)        # rows the update's own first forward scores
-    batch = update.score(batch, skip_policy=on_policy).apply(batch)   # no grad: old/ref log-probs, values
+    batch = update.score(batch, step)              # no grad: old/ref log-probs, entropies, values
     ... advantages, coefficients ...
-    result = update.run(batch, coefs, step, history, on_policy)
+    result = update.run(batch, coefs, step, history)
         ppo_epochs x mini-batches (`mini_batch_step`, one engine.step() each; Clip-Cov/KL-Cov first choose
         their tokens over the whole mini-batch, `token_selection`) x micro-batches (`micro_batch_backward`:
         forward, loss = sum_i coef_i * term_i, engine.backward; `critic_backward`)
-    result.metrics, result.batch (on-policy rows scored), result.skipped / optimizer_steps (`skip_streak`)
+    result.metrics, result.batch (every row scored), result.skipped / optimizer_steps (`skip_streak`)
+
+Scoring reuse (algo.reuse_scoring_forward) is this part's own business: `score` leaves the rows of the first
+mini-batch unscored (their old log-probs and entropies are None), because the update's first forward, made
+with the very weights that played the rollout, scores them; `run` fills them in, and its result's batch has
+every row scored. Callers pass the batch along and never see which rows those were.
 
 Every rank runs the same number of micro-batches per optimizer step (empty ones where it has fewer rows),
 and each aggregation mode's denominator is global over the mini-batch, so 1 rank and N ranks compute the
@@ -51,8 +55,8 @@ from epo_cli.training.step_metrics import UpdateTally, critic_metrics
 class Scores:
     """What the scoring forward computes for each row of a batch (token lists: N x [len(response)])."""
 
-    old_logprobs: list[Tensor]  # the rollout policy's log-probs (empty tensors for skipped rows)
-    entropy: list[Tensor]  # its token entropies, at the sampling temperature
+    old_logprobs: list[Tensor | None]  # the rollout policy's log-probs (None: rows skipped, see `score`)
+    entropy: list[Tensor | None]  # its token entropies, at the sampling temperature (None likewise)
     ref_logprobs: list[Tensor]  # the frozen reference's log-probs (empty list: no reference)
     old_values: Tensor | None  # [N] critic values (None: no critic)
 
@@ -65,9 +69,10 @@ class Scores:
 @dataclass
 class UpdateResult:
     metrics: dict[str, float]  # loss/<term>, policy/clipfrac, ..., perf/optimizer_steps, critic/*
-    batch: TurnBatch  # the batch trained on, with the on-policy rows' old log-probs and entropies filled in
+    batch: TurnBatch  # the batch trained on, every row scored (those `score` left to the update filled in)
     skipped: int  # optimizer steps skipped for a non-finite loss or gradient
     optimizer_steps: int
+    scored_rows: int = 0  # rows this rank's update scored itself (scoring reuse): perf/scoring_reused
 
 
 @dataclass
@@ -77,7 +82,7 @@ class _UpdateInputs:
     batch: TurnBatch
     coefs: dict[str, float]
     history: EntropyHistory | None  # the entropy references of entropy_smoothing (None: no smoothing term)
-    on_policy: set[int]  # rows the update's first forward scores (see PolicyUpdate.on_policy_rows)
+    on_policy: set[int]  # rows the update's first forward scores (left unscored by PolicyUpdate.score)
     lengths: list[int]  # prompt + response tokens of each row (micro-batch planning)
     modes: list[str]  # the aggregation modes of the loss terms, sorted (the same order on every rank)
     row_denominators: dict[str, Tensor]  # each row's share of each mode's denominator
@@ -117,7 +122,7 @@ class PolicyUpdate:
         return out
 
     def reuses_scoring(self) -> bool:
-        """Whether the update's first forward scores its own samples (see on_policy_rows); False when that
+        """Whether the update's first forward scores its own samples (see `score`); False when that
         is not provably the rollout's policy or not wanted:
           - algo.reuse_scoring_forward=false;
           - dropout anywhere in the policy (a training-mode forward would differ from the rollout's policy);
@@ -129,7 +134,7 @@ class PolicyUpdate:
     def on_policy_rows(self, batch: TurnBatch, step: int) -> set[int]:
         """This rank's samples whose old log-probs the update's own forward can provide: those of the first
         mini-batch of the first epoch, which the update reaches before any optimizer step, with the weights
-        that played the rollout (empty unless reuses_scoring())."""
+        that played the rollout (empty unless reuses_scoring()). Collective when reusing: every rank calls it."""
         return set(self.mini_batches(batch, step, 0)[0]) if self.reuses_scoring() else set()
 
     def set_learning_rates(self, multiplier: float) -> None:
@@ -143,13 +148,20 @@ class PolicyUpdate:
         return self.models.engine.optimizer.param_groups[0]["lr"]
 
     # ---- scoring --------------------------------------------------------------------------------------
-    def score(self, batch: TurnBatch, skip_policy: set[int] | None = None) -> Scores:
+    def score(self, batch: TurnBatch, step: int) -> TurnBatch:
+        """A new batch: `batch` with the scoring forward's outputs (old log-probs and entropies, reference
+        log-probs, critic values; no grad). With scoring reuse, the rows of step `step`'s first mini-batch
+        keep None as old log-probs and entropies: `run`'s first forward scores them (see the module
+        docstring). Collectives: every rank calls it."""
+        return self.forward_scores(batch, skip_policy=self.on_policy_rows(batch, step)).apply(batch)
+
+    def forward_scores(self, batch: TurnBatch, skip_policy: set[int] | None = None) -> Scores:
         """Old-policy log-probs and entropy (+ reference log-probs, critic values), no grad. Rows in
-        `skip_policy` get only the reference and critic passes (the update fills in their old log-probs)."""
+        `skip_policy` get only the reference and critic passes (their old log-probs and entropies: None)."""
         models, device = self.models, self.dist.device
         n = len(batch)
         skip_policy = skip_policy or set()
-        scores = Scores([torch.empty(0)] * n, [torch.empty(0)] * n,
+        scores = Scores([None] * n, [None] * n,
                         [torch.empty(0)] * n if models.ref_model is not None else [],
                         torch.zeros(n) if models.critic is not None else None)
         lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
@@ -182,31 +194,38 @@ class PolicyUpdate:
             modes.add(self.value_term.aggregation)
         return modes
 
-    def run(self, batch: TurnBatch, coefs: dict[str, float], step: int, history: EntropyHistory | None = None,
-            on_policy: set[int] | None = None) -> UpdateResult:
+    def run(self, batch: TurnBatch, coefs: dict[str, float], step: int,
+            history: EntropyHistory | None = None) -> UpdateResult:
         """ppo_epochs x mini-batches x micro-batches; one engine.step() per mini-batch (SFT: one epoch, the
-        whole batch as one mini-batch).
+        whole batch as one mini-batch). `batch` is not changed.
 
-        `on_policy` (see on_policy_rows): rows of the first mini-batch that scoring skipped; their old
-        log-probs and entropies are this forward's own, detached (ratio exactly 1), and are filled in (in the
-        returned batch) for later epochs and the entropy statistics."""
+        Rows that `score` left unscored (old log-probs None: the first mini-batch, scoring reuse) get this
+        forward's own log-probs and entropies, detached (ratio exactly 1); the returned batch has them, for
+        later epochs and the entropy statistics."""
         algo, sft = self.algo, is_sft(self.algo)
-        batch = replace(batch, old_logprobs=list(batch.old_logprobs), entropy=list(batch.entropy))
+        on_policy = {r for r, logprobs in enumerate(batch.old_logprobs) if logprobs is None}
+        empty = torch.empty(0)  # a row still to score: no old log-probs yet (filled in by its first forward)
+        batch = replace(batch, old_logprobs=[empty if x is None else x for x in batch.old_logprobs],
+                        entropy=[empty if x is None else x for x in batch.entropy])
         lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
         # sorted: each mode's denominator is one all-reduce, and a set's order (str hashes are salted per
         # process) differs between ranks, which would pair up different modes' sums
         modes = sorted(self.aggregation_modes())
-        shared = _UpdateInputs(batch, coefs, history, on_policy or set(), lengths, modes,
+        shared = _UpdateInputs(batch, coefs, history, on_policy, lengths, modes,
                                row_denominators(batch, modes, algo.entropy.decay))
         tally = UpdateTally()
         self.models.engine.train()
         for epoch in range(1 if sft else algo.ppo_epochs):
-            for mini, rows in enumerate([list(range(len(batch)))] if sft else self.mini_batches(batch, step, epoch)):
+            minis = [list(range(len(batch)))] if sft else self.mini_batches(batch, step, epoch)
+            if epoch == 0 and not on_policy <= set(minis[0]):
+                raise ValueError("rows without old log-probs outside the first mini-batch: score the batch with "
+                                 "PolicyUpdate.score(batch, step) of the same step")
+            for mini, rows in enumerate(minis):
                 self.mini_batch_step(shared, rows, (step, epoch, mini), tally)
         metrics = tally.metrics()
         if batch.old_values is not None and batch.returns is not None:
             metrics.update(critic_metrics(batch.old_values, batch.returns, self.dist.device))
-        return UpdateResult(metrics, batch, tally.skipped, tally.optimizer_steps)
+        return UpdateResult(metrics, batch, tally.skipped, tally.optimizer_steps, scored_rows=len(on_policy))
 
     def mini_batch_step(self, shared: _UpdateInputs, rows: list[int], position: tuple[int, int, int],
                         tally: UpdateTally) -> None:
@@ -229,7 +248,7 @@ class PolicyUpdate:
             for mode in shared.modes:
                 mb.weights[mode] = normalized_weights(mode, mb.response_mask, mb.turn_index, mb.num_turns,
                                                       algo.entropy.decay, denominator=denominators[mode]).to(device)
-            if shared.history is not None and "entropy_smoothing" in algo.loss_terms:
+            if shared.history is not None and "entropy_smoothing" in self.loss_stack.terms:
                 mb.entropy_ref = shared.history.reference(mb.turn_index.cpu()).to(device)
             # the very first forward of the update is the old policy's: it scores its on-policy samples
             reuse = bool(m) and m[0] in shared.on_policy and tally.optimizer_steps == 0
@@ -301,7 +320,8 @@ class PolicyUpdate:
         return term_metrics
 
     def needs_entropy(self) -> bool:
-        return any(t in self.algo.loss_terms for t in ("entropy", "entropy_smoothing"))
+        """Whether the loss stack reads the token entropies (its entropy or entropy_smoothing term)."""
+        return any(t in self.loss_stack.terms for t in ("entropy", "entropy_smoothing"))
 
     def critic_backward(self, mb: MicroBatch, world: int) -> dict[str, Any]:
         """The value loss's forward and backward on the critic engine; its metrics."""

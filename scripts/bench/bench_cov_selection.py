@@ -18,7 +18,7 @@ import os
 import statistics
 import time
 
-from common import scratch_dir
+from common import scratch_trainer
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -37,10 +37,8 @@ def main() -> None:
     from omegaconf import OmegaConf
     from rich.console import Console
 
-    from epo_cli.algos.advantages import compute_advantages
-    from epo_cli.algos.losses import LossStack, build_loss_terms, loss_coefficients
+    from epo_cli.algos.losses import LossStack, build_loss_terms
     from epo_cli.compose import compose
-    from epo_cli.training.trainer import Trainer
     from epo_cli.training.update import PolicyUpdate
 
     overrides = ["algo=epo", "env.level=small_pick_and_light", "env.prompt_template=compact",
@@ -48,10 +46,9 @@ def main() -> None:
                  "logger.console=false", "logger.tensorboard=false", "trainer.total_steps=100",
                  *([f"model.path={args.model}"] if args.model else []), *args.overrides]
     cfg = compose(overrides)
-    run = scratch_dir("bench_cov_selection_")
-    cfg.run_dir = str(run)
-    trainer = Trainer(cfg, run)
-    batch = trainer.sampler.sample(trainer.models.sampling_policy(cfg.rollout), 0, cfg.trainer.total_steps).batch
+    trainer = scratch_trainer(cfg, "bench_cov_selection_")
+    total = cfg.trainer.total_steps
+    batch = trainer.sample(0, total).batch  # the trainer's own rollout (rl_step's step 1)
     trainer.pool.close()
     tokens = sum(len(r) for r in batch.response_ids)
     print(f"batch: {len(batch)} turn-samples, {tokens} response tokens, mini-batches of {cfg.algo.mini_batch_size}")
@@ -67,13 +64,11 @@ def main() -> None:
         for name in LOSSES:
             trainer.engine.module.load_state_dict(initial)
             update = updates[name]
-            b = batch.select(list(range(len(batch))))
-            on_policy = update.on_policy_rows(b, 0)
-            b = update.score(b, skip_policy=on_policy).apply(b)
-            b.advantages, b.returns = compute_advantages(b, cfg.algo)
-            coefs = loss_coefficients(cfg.algo, 0.001, 2.0, cfg.algo.kl.coef)
+            # rl_step's steps 2-5 with this policy loss's update part
+            b = trainer.advantages(update.score(batch, 0))
+            coefs = trainer.coefficients(0, total, b)
             c0 = time.process_time()
-            update.run(b, coefs, 0, trainer.entropy.history, on_policy=on_policy)
+            update.run(b, coefs.loss, 0, trainer.entropy.history)
             cpu[name].append(time.process_time() - c0)
             print(f"repeat {r} {name}: update {cpu[name][-1]:.3f} CPU s", flush=True)
     base = statistics.median(cpu["clip"])

@@ -26,7 +26,7 @@ import json
 import os
 from pathlib import Path
 
-from common import interleaved_iterations, scratch_dir
+from common import interleaved_iterations, scratch_trainer
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -59,14 +59,11 @@ def print_iteration(it: int, name: str, metrics: dict[str, float]) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     from epo_cli.compose import compose
-    from epo_cli.training.trainer import Trainer
 
     trainers = {}
     for name, extra in VARIANTS.items():
         cfg = compose([*overrides(args), *extra, *args.overrides])
-        folder = scratch_dir(f"bench_diagnostics_{name}_")
-        cfg.run_dir = str(folder)
-        trainers[name] = Trainer(cfg, folder)
+        trainers[name] = scratch_trainer(cfg, f"bench_diagnostics_{name}_")
     try:
         return interleaved_iterations(trainers, args.iterations, KEYS, print_iteration)
     finally:

@@ -15,7 +15,7 @@ import os
 import statistics
 import time
 
-from common import scratch_dir
+from common import scratch_trainer
 
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -31,42 +31,35 @@ def main() -> None:
 
     import torch
 
-    from epo_cli.algos.advantages import compute_advantages
-    from epo_cli.algos.entropy import step_statistics
-    from epo_cli.algos.losses import LossStack, build_loss_terms, loss_coefficients
+    from epo_cli.algos.losses import LossStack, build_loss_terms
     from epo_cli.compose import compose
-    from epo_cli.training.trainer import Trainer
     from epo_cli.training.update import PolicyUpdate
 
     overrides = ["experiment=epo_household", "logger.console=false", "logger.tensorboard=false"]
     if args.model:
         overrides.append(f"model.path={args.model}")
     cfg = compose([*overrides, *args.overrides])
-    run = scratch_dir("bench_epo_")
-    cfg.run_dir = str(run)
-    trainer = Trainer(cfg, run)
-    algo = cfg.algo
+    trainer = scratch_trainer(cfg, "bench_epo_")
+    total = cfg.trainer.total_steps
 
-    rollout = trainer.sampler.sample(trainer.models.sampling_policy(cfg.rollout), 0, cfg.trainer.total_steps)
-    batch = trainer.update.score(rollout.batch).apply(rollout.batch)
-    batch.advantages, batch.returns = compute_advantages(batch, algo)
-    # a non-empty history, so the smoothing term does its full work
-    sums, counts = step_statistics(batch.entropy, batch.turn_index, cfg.env.max_turns)
-    trainer.entropy.history.update(sums, counts)
+    # the trainer's own steps 1-5 give the batch, every row scored (the update's result), and a non-empty
+    # entropy history (step 6), so the smoothing term does its full work
+    batch = trainer.advantages(trainer.score(trainer.sample(0, total).batch, 0))
+    coefs = trainer.coefficients(0, total, batch)
+    batch = trainer.update(batch, coefs, 0).batch
+    trainer.entropy.observe(trainer.entropy.statistics(batch, 0, trainer.turn_width(0, total), print))
 
     # two update parts on the same models: the EPO loss stack, and it without its entropy terms
-    updates = {"epo": (trainer.update, list(algo.loss_terms))}
-    base_terms = [t for t in algo.loss_terms if t not in ("entropy", "entropy_smoothing")]
-    algo.loss_terms = base_terms
-    updates["grpo"] = (PolicyUpdate(cfg, trainer.dist, trainer.models, LossStack(build_loss_terms(algo))), base_terms)
+    terms = build_loss_terms(cfg.algo)
+    grpo = LossStack(torch.nn.ModuleDict({name: term for name, term in terms.items()
+                                          if name not in ("entropy", "entropy_smoothing")}))
+    updates = {"epo": trainer.policy_update,
+               "grpo": PolicyUpdate(cfg, trainer.dist, trainer.models, grpo)}
     times: dict[str, list[float]] = {"epo": [], "grpo": []}
     for rep in range(args.repeats + 1):
         for name in ("grpo", "epo") if rep % 2 else ("epo", "grpo"):
-            update, terms = updates[name]
-            algo.loss_terms = terms  # the update part reads cfg.algo (e.g. whether entropies are needed)
-            coefs = loss_coefficients(algo, 0.001, 1.5, algo.kl.coef)
             t0 = time.perf_counter()
-            update.run(batch, coefs, step=rep, history=trainer.entropy.history)
+            updates[name].run(batch, coefs.loss, step=rep, history=trainer.entropy.history)
             if rep > 0:  # the first round warms up allocator and caches
                 times[name].append(time.perf_counter() - t0)
     epo_s, base_s = statistics.median(times["epo"]), statistics.median(times["grpo"])

@@ -39,7 +39,7 @@ import os
 import time
 from pathlib import Path
 
-from common import interleaved_iterations, scratch_dir
+from common import interleaved_iterations, scratch_dir, scratch_trainer
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -114,7 +114,6 @@ def compare_modes(env: str, args: argparse.Namespace) -> list[tuple[str, dict[st
     from epo_cli.compose import compose
     from epo_cli.envs import make_suite
     from epo_cli.models.loading import model_source
-    from epo_cli.training.trainer import Trainer
 
     overrides = [f"algo={args.algo}", *env_overrides(env, args), f"algo.tasks_per_step={args.tasks}",
                  f"algo.group_size={args.group_size}", "env.eval_splits=[]", "logger.console=false",
@@ -122,13 +121,11 @@ def compare_modes(env: str, args: argparse.Namespace) -> list[tuple[str, dict[st
     if args.model:
         overrides.append(f"model.path={args.model}")
     cfg = compose([*overrides, *args.overrides])
-    run = scratch_dir(f"bench_rollout_{env}_")
-    cfg.run_dir = str(run)
     suite = make_suite(cfg.env)
     if env == "household-sleepy":  # steps that wait without computing: what overlap can hide on a busy CPU
         model_source(cfg.model, suite, cfg.seed)  # the tiny model, built (once) on the plain envs
         suite = SleepySuite(suite, args.sleep_ms / 1000)
-    trainer = Trainer(cfg, run, suite)
+    trainer = scratch_trainer(cfg, f"bench_rollout_{env}_", suite)
     try:
         # start the workers and build every slot's env before timing (a one-off cost of the first rollout)
         import random
@@ -311,23 +308,19 @@ def compare_iterations(env: str, args: argparse.Namespace) -> dict[str, dict]:
             common, alfworld_only, parser_cache_only = ITERATION_VARIANTS[name]
             overrides = [*iteration_overrides(env, args), *common, *(alfworld_only if env == "alfworld" else [])]
             cfg = compose([*overrides, *args.overrides])
-            run = scratch_dir(f"bench_iteration_{env}_{name}_")
-            cfg.run_dir = str(run)
             suite = make_suite(cfg.env)
             if env == "alfworld":  # this variant's own workers, with only its patches
                 model_source(cfg.model, suite, cfg.seed)  # the tiny model, built (once) on the plain envs
                 suite = ProbeSuite(suite, name, parser_cache_only, str(probe_dir))
-            trainer = Trainer(cfg, run, suite)
+            trainer = scratch_trainer(cfg, f"bench_iteration_{env}_{name}_", suite)
             trainers[name] = trainer
 
-            def capture(policy, step: int, total: int, _sample=trainer.sampler.sample, _name: str = name):
-                rollout = _sample(policy, step, total)
+            def capture(rollout, step: int, _name: str = name) -> None:
                 played[_name].append([(ep.traj_id, [(t.response_ids, t.observation) for t in ep.turns])
                                       for ep in rollout.episodes])
                 env_steps[_name] = rollout.stats.env_steps
-                return rollout
 
-            trainer.sampler.sample = capture  # rl_step's own rollout, its episodes kept for the comparison
+            trainer.on_rollout.append(capture)  # rl_step's own rollout, its episodes kept for the comparison
         # start the workers and build every slot's env before timing (a one-off cost of the first rollout);
         # other tasks than the iterations' (a PDDL cache does not start warm)
         n = args.tasks * args.group_size
@@ -466,10 +459,8 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from epo_cli.algos.advantages import compute_advantages
     from epo_cli.compose import compose
     from epo_cli.training.forward import collate, plan_micro_batches
-    from epo_cli.training.trainer import Trainer
 
     overrides = [f"algo={args.algo}", "env.level=small_pick_and_light", "env.prompt_template=compact",
                  "algo.tasks_per_step=4", "algo.group_size=4", "env.max_turns=15", "env.eval_splits=[]",
@@ -477,31 +468,30 @@ def main() -> None:
     if args.model:
         overrides.append(f"model.path={args.model}")
     cfg = compose([*overrides, *args.overrides])
-    run = scratch_dir("bench_rollout_")
-    cfg.run_dir = str(run)
-    trainer = Trainer(cfg, run)
-    algo = cfg.algo
+    trainer = scratch_trainer(cfg, "bench_rollout_")
+    algo, total = cfg.algo, cfg.trainer.total_steps
 
     rollout_ratio, update_ratio, efficiencies = [], [], []
     for it in range(args.iterations):
-        # the training loop's own rollout, scoring and update (rl_step's steps 1, 2, 4, 6)
-        rollout = trainer.sampler.sample(trainer.models.sampling_policy(cfg.rollout), it, cfg.trainer.total_steps)
+        # the trainer's own steps 1-5 (Trainer.rl_step's sample, score, advantages, coefficients, update)
+        trainer.set_learning_rates(it, total)
+        rollout = trainer.sample(it, total)
         stats = rollout.stats
         rollout_ratio.append(stats.rollout_s / (stats.generate_s + stats.env_s))
-        batch = trainer.update.score(rollout.batch).apply(rollout.batch)
-        batch.advantages, batch.returns = compute_advantages(batch, algo)
-        coefs = {name: 1.0 for name in algo.loss_terms}
+        batch = trainer.advantages(trainer.score(rollout.batch, it))
+        coefs = trainer.coefficients(it, total, batch)
 
         t0 = time.perf_counter()
-        metrics = trainer.update.run(batch, coefs, step=it).metrics
+        result = trainer.update(batch, coefs, it)
         update_s = time.perf_counter() - t0
-        efficiencies.append(metrics["perf/padding_efficiency"])
+        efficiencies.append(result.metrics["perf/padding_efficiency"])
+        batch = result.batch  # every row scored
 
         # baseline: plain forward+backward+step of the causal LM over the same micro-batches
         engine, pad = trainer.engine, trainer.models.tokenizer.pad_token_id
         lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
         t0 = time.perf_counter()
-        for rows in trainer.update.mini_batches(batch, it, 0):
+        for rows in trainer.policy_update.mini_batches(batch, it, 0):
             for micro in plan_micro_batches(rows, lengths, algo.micro_batch_size):
                 mb = collate(batch, micro, pad, trainer.dist.device)
                 labels = mb.input_ids.masked_fill(mb.attention_mask == 0, -100)

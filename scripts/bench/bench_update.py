@@ -26,7 +26,7 @@ import statistics
 import time
 from pathlib import Path
 
-from common import scratch_dir
+from common import scratch_trainer
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -44,34 +44,27 @@ LARGE = ["model.hidden_size=128", "model.intermediate_size=512", "model.num_hidd
 
 def _trainer(overrides: list[str]):
     from epo_cli.compose import compose
-    from epo_cli.training.trainer import Trainer
 
-    cfg = compose(overrides)
-    run = scratch_dir("bench_update_")
-    cfg.run_dir = str(run)
-    return Trainer(cfg, run)
+    return scratch_trainer(compose(overrides), "bench_update_")
 
 
 def _measure(trainer, batch, variant: str) -> dict[str, float]:
-    """Score and update a fresh copy of `batch` as rl_step does; seconds and padding efficiency."""
-    from epo_cli.algos.advantages import compute_advantages
-    from epo_cli.algos.losses import loss_coefficients
-
+    """Score and update `batch` with the trainer's own steps (2-5 of rl_step); seconds and padding efficiency."""
     packed, reuse = VARIANTS[variant]
     trainer.models.packing = packed
     trainer.cfg.algo.reuse_scoring_forward = reuse  # the update part reads cfg.algo
-    algo, update = trainer.cfg.algo, trainer.update
+    total = trainer.cfg.trainer.total_steps
     t0, c0 = time.perf_counter(), time.process_time()
-    on_policy = update.on_policy_rows(batch, 0)
-    b = update.score(batch, skip_policy=on_policy).apply(batch)
+    b = trainer.score(batch, 0)
     score_s, score_cpu = time.perf_counter() - t0, time.process_time() - c0
-    b.advantages, b.returns = compute_advantages(b, algo)
-    coefs = loss_coefficients(algo, 0.001, 2.0, algo.kl.coef)
+    b = trainer.advantages(b)
+    coefs = trainer.coefficients(0, total, b)
     t0, c0 = time.perf_counter(), time.process_time()
-    metrics = update.run(b, coefs, 0, on_policy=on_policy).metrics
+    result = trainer.update(b, coefs, 0)
     update_s, update_cpu = time.perf_counter() - t0, time.process_time() - c0
     return {"score_s": score_s, "update_s": update_s, "score_cpu_s": score_cpu, "update_cpu_s": update_cpu,
-            "padding_efficiency": metrics["perf/padding_efficiency"], "reused_share": len(on_policy) / len(b)}
+            "padding_efficiency": result.metrics["perf/padding_efficiency"],
+            "reused_share": result.scored_rows / len(b)}
 
 
 def bench_model(name: str, overrides: list[str], batch, repeats: int) -> dict[str, dict[str, float]]:
@@ -123,8 +116,7 @@ def main() -> None:
             "logger.console=false", "logger.tensorboard=false", "trainer.total_steps=100", *args.overrides]
     tiny = [*base, f"model.path={args.model}"] if args.model else base
     roller = _trainer(tiny)
-    policy = roller.models.sampling_policy(roller.cfg.rollout)
-    batch = roller.sampler.sample(policy, 0, roller.cfg.trainer.total_steps).batch  # the training loop's own rollout
+    batch = roller.sample(0, roller.cfg.trainer.total_steps).batch  # the training loop's own rollout
     roller.pool.close()
     lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
     print(f"batch: {len(batch)} turn-samples, {sum(lengths)} tokens, lengths {min(lengths)}-{max(lengths)}")

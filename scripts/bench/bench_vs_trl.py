@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import scratch_dir
+from common import scratch_dir, scratch_trainer
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -65,25 +65,19 @@ def run_epo(args: argparse.Namespace, out: Path) -> None:
 
     from epo_cli.compose import compose
     from epo_cli.models.loading import model_source
-    from epo_cli.training.trainer import Trainer
 
     torch.set_num_threads(1)
     cfg = compose(epo_overrides(args))
-    run = scratch_dir("bench_vs_trl_epo_")
-    cfg.run_dir = str(run)
-    trainer = Trainer(cfg, run)
+    trainer = scratch_trainer(cfg, "bench_vs_trl_epo_")
     seconds, tokens, samples = [], [], []
-    sample = trainer.sampler.sample
 
-    def recording_sample(policy, step: int, total: int):  # the trainer's own rollout, prompts kept for TRL
-        rollout = sample(policy, step, total)
+    def record(rollout, step: int) -> None:  # the trainer's own rollout, prompts kept for TRL
         for ep in rollout.episodes:
             samples.append({"prompt": trainer.models.tokenizer.decode(ep.turns[0].prompt_ids),
                             "task": dataclasses.asdict(ep.task)})
         tokens.append(rollout.stats.generated_tokens)
-        return rollout
 
-    trainer.sampler.sample = recording_sample
+    trainer.on_rollout.append(record)
     for step in range(args.iterations + 1):
         t0 = time.perf_counter()
         trainer.rl_step(step, cfg.trainer.total_steps)

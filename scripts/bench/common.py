@@ -1,4 +1,5 @@
-"""What the benchmark scripts share: scratch folders that leave nothing behind, and whole RL iterations of
+"""What the benchmark scripts share: scratch folders that leave nothing behind, Trainers in them (whose public
+RL steps the scripts run: Trainer.sample, score, advantages, coefficients, update), and whole RL iterations of
 several Trainers, interleaved and timed.
 
 A script imports it as `common` (`python scripts/bench/bench_x.py` puts scripts/bench first on sys.path).
@@ -22,6 +23,16 @@ def scratch_dir(prefix: str) -> Path:
     path = Path(tempfile.mkdtemp(prefix=prefix))
     atexit.register(shutil.rmtree, path, True)
     return path
+
+
+def scratch_trainer(cfg: Any, prefix: str, suite: Any = None) -> Any:
+    """The Trainer `epo train` builds for the composed config `cfg` (and the env suite `suite`, if given), in a
+    scratch run directory (`scratch_dir`)."""
+    from epo_cli.training.trainer import Trainer
+
+    run = scratch_dir(prefix)
+    cfg.run_dir = str(run)
+    return Trainer(cfg, run, suite)
 
 
 def interleaved_iterations(trainers: dict[str, Any], iterations: int, keys: Iterable[str],
