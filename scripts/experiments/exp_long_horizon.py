@@ -20,8 +20,9 @@ so a partial study always has its tables.
 Written: OUT/summary.md and .json (tables, definitions), OUT/long_horizon.png (training success and policy
 entropy per iteration: mean over seeds, min-max band), OUT/entropy_by_turn.png (eval entropy per turn index).
 
-Definitions (the training-curve statistics are exp_explore.py's, imported: moving average, success collapse,
-entropy event, "to W + 0.2", diversity early/late; see its docstring):
+Definitions:
+- training curves: exp_explore.py's statistics, imported (moving average, success collapse, entropy event,
+  "to W + 0.2", entropy swing, diversity early/late; see its docstring), on the runs' metrics.jsonl.
 - eval success: share of the fixed eval games won within the turn limit (mean ± std over seeds).
 - episode length: turns per eval episode (a win ends it; otherwise the limit).
 - revisits: moves per eval episode into a room already visited in that episode (rooms told apart by the
