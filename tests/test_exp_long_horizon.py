@@ -116,3 +116,10 @@ def test_quick_mode_writes_a_summary_and_redoes_nothing(tmp_path: Path) -> None:
     assert (out / "long_horizon.png").stat().st_size > 5000 and (out / "entropy_by_turn.png").stat().st_size > 3000
     again = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert again.returncode == 0 and "$ epo train" not in again.stdout and "$ eval" not in again.stdout
+
+
+def test_training_entropy_by_turn_reads_the_last_iterations() -> None:
+    rows = [{"policy/entropy_turn/0": 9.0}] + [{"policy/entropy_turn/0": 1.0, "policy/entropy_turn/10": 0.5,
+                                                 "policy/entropy": 0.9}] * 4 + [{"policy/entropy_turn/0": 3.0}]
+    assert lh.train_entropy_by_turn(rows, last=5) == [{"turns": "1-10", "mean": 1.4, "n": 5},
+                                                      {"turns": "11-20", "mean": 0.5, "n": 4}]

@@ -28,6 +28,8 @@ Definitions:
 - revisits: moves per eval episode into a room already visited in that episode (rooms told apart by the
   "-= Name =-" header TextWorld prints on entering; a move is a turn whose answer names another room).
 - dead-end visits: moves per eval episode into a room with a single exit and no coin (the distractors).
+- training entropy per turn index: policy/entropy_turn/<t> (the trainer's token-mean entropy of turn t's
+  responses in the iteration's rollouts), mean over the first and over the last 5 iterations, 10-turn bins.
 - entropy per turn index: mean token entropy (nats/token, the full next-token distribution at T=1.0) of the
   policy's responses at turns 1-10, 11-20, ... of its eval episodes, over the first --entropy-episodes of them:
   does the policy's entropy collapse late in long episodes?
@@ -119,6 +121,14 @@ def walk(first_observation: str, turns: list[tuple[str, list[str]]]) -> dict[str
             admissible = turns[i + 1][1]
             dead_ends += exits(admissible) == 1 and "take coin" not in admissible
     return {"moves": moves, "revisits": revisits, "dead_end_visits": dead_ends, "rooms": len(visited)}
+
+
+def train_entropy_by_turn(rows: list[dict], last: int = 5) -> list[dict]:
+    """Training entropy per turn index: policy/entropy_turn/<t> (t from 0) of the last `last` iterations, in
+    TURN_BIN-turn bins (each iteration's turn value counted once)."""
+    per_turn = [(int(k.rsplit("/", 1)[1]) + 1, v) for r in rows[-last:] for k, v in r.items()
+                if k.startswith("policy/entropy_turn/")]
+    return by_turn_bins(per_turn)
 
 
 def by_turn_bins(per_turn: list[tuple[int, float]], width: int = TURN_BIN) -> list[dict]:
@@ -279,6 +289,8 @@ def collect(out: Path, arms: list[str], a: argparse.Namespace) -> list[dict]:
             stats = run_stats(rows, (float(band.kappa_low), float(band.kappa_high)))
             record = {"arm": key, "seed": seed, "run": str(run), **stats,
                       "train_episode_len": [r.get("rollout/episode_len") for r in rows],
+                      "train_entropy_by_turn": {"first": train_entropy_by_turn(rows[:5]),
+                                                "last": train_entropy_by_turn(rows)},
                       "iteration_s": statistics.fmean(r.get("perf/rollout_s", 0) + r.get("perf/score_s", 0)
                                                       + r.get("perf/update_s", 0) for r in rows)}
             for name, split, level in (("target", TARGET_SPLIT, a.levels[0]), ("longer", LONGER_SPLIT, a.levels[1])):
@@ -415,9 +427,15 @@ def summarize(a: argparse.Namespace, out: Path, warm: Path) -> dict:
     by_turn = "\n".join(f"| {label} | " + " | ".join(f"{t}: {h:.3f}" for t, h in entropy_curve(ev)) + " |"
                         for label, ev in ([("warm start", [warm_evals["target"]])] if "target" in warm_evals else [])
                         + [(ARMS[k].label, v) for k, v in evals.items() if v])
+    train_turns = "\n".join(
+        f"| {ARMS[k].label} | {when} | " + " | ".join(f"{t}: {h:.3f}" for t, h in entropy_curve(
+            [r["train_entropy_by_turn"][when] for r in runs if r["arm"] == k])) + " |"
+        for k in summary for when in ("first", "last"))
     definitions = __doc__.split("Definitions", 1)[1].split("\n", 1)[1].strip()
     md = (f"{settings}\n\n{table(summary, warm_evals, threshold)}\n\nEntropy per turn index (eval, target level, "
           f"mean over seeds):\n\n| policy | turns: nats/token |\n|---|---|\n{by_turn}\n\n"
+          "Training entropy per turn index (policy/entropy_turn/<t>, first and last 5 iterations, mean over seeds):"
+          f"\n\n| arm | iterations | turns: nats/token |\n|---|---|---|\n{train_turns}\n\n"
           f"Definitions:\n\n{definitions}\n\n"
           "![success and entropy](long_horizon.png)\n![entropy per turn index](entropy_by_turn.png)\n")
     (out / "summary.md").write_text(md)
