@@ -330,6 +330,8 @@ def arm_summary(rs: list[dict], threshold: float) -> dict:
 def entropy_curve(evals: list[dict]) -> list[tuple[str, float]]:
     """Mean over seeds of each turn bin's entropy (bins present in every seed)."""
     bins = [e["entropy_by_turn"] for e in evals]
+    if not bins:
+        return []
     common = [b["turns"] for b in bins[0] if all(any(x["turns"] == b["turns"] for x in other) for other in bins)]
     return [(t, statistics.fmean(next(x["mean"] for x in other if x["turns"] == t) for other in bins)) for t in common]
 
@@ -429,7 +431,7 @@ def summarize(a: argparse.Namespace, out: Path, warm: Path) -> dict:
                         + [(ARMS[k].label, v) for k, v in evals.items() if v])
     train_turns = "\n".join(
         f"| {ARMS[k].label} | {when} | " + " | ".join(f"{t}: {h:.3f}" for t, h in entropy_curve(
-            [r["train_entropy_by_turn"][when] for r in runs if r["arm"] == k])) + " |"
+            [{"entropy_by_turn": r["train_entropy_by_turn"][when]} for r in runs if r["arm"] == k])) + " |"
         for k in summary for when in ("first", "last"))
     definitions = __doc__.split("Definitions", 1)[1].split("\n", 1)[1].strip()
     md = (f"{settings}\n\n{table(summary, warm_evals, threshold)}\n\nEntropy per turn index (eval, target level, "
