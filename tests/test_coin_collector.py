@@ -137,13 +137,17 @@ def test_treasure_hunter_generates_and_its_expert_wins(tmp_path: Path) -> None:
     assert won and turns <= 30 and goal  # its goal names the object to find: kept
 
 
-def test_presets_compose() -> None:
-    from epo_cli.compose import compose
+def test_presets_compose_without_warnings() -> None:
+    import warnings
 
-    cfg = compose(["env=coin_collector"])
+    from epo_cli.launch.setup import compose_for_train
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no setting of the presets goes unread
+        cfg = compose_for_train(["env=coin_collector"])[0]
+        warm = compose_for_train(["experiment=coin_warm_start"])[0]
+        rl = compose_for_train(["experiment=coin_long_horizon", "model.path=/nonexistent"])[0]
     assert cfg.env.challenge == "coin_collector" and cfg.env.challenge_level == 130
-    warm = compose(["experiment=coin_warm_start"])
-    rl = compose(["experiment=coin_long_horizon", "model.path=/nonexistent"])
     assert warm.algo.name == "sft" and warm.algo.demo_slip > 0 and warm.env.challenge == "coin_collector"
     assert rl.env.challenge == "coin_collector" and rl.env.max_turns >= 30
     assert rl.env.challenge_level == 130 and warm.env.challenge_level <= rl.env.challenge_level
