@@ -174,3 +174,16 @@ def test_garbage_actions_get_an_answer_not_a_crash(tmp_path: Path) -> None:
             assert isinstance(result.observation, str) and not result.info["won"]
     finally:
         env.close()
+
+
+def test_tw_make_cache_folders_are_unchanged_by_the_challenges(tmp_path: Path) -> None:
+    # the key of tw-make's games as it was computed before env.challenge existed (same fields, same hash)
+    import hashlib
+    import json
+    from importlib.metadata import version
+
+    suite = TextWorldSuite(TextWorldConfig(cache_dir=str(tmp_path)))
+    old = {"world_size": 5, "nb_objects": 10, "quest_length": 5, "count": None, "first_seed": 1234,
+           "textworld": version("textworld")}
+    digest = hashlib.sha1(json.dumps(old, sort_keys=True).encode()).hexdigest()[:10]
+    assert suite.split_folder("train") == tmp_path / f"r5-o10-q5-{digest}"

@@ -20,8 +20,8 @@ quests are twice as long), or one of TextWorld's challenges (`challenge`, textwo
 
 TextWorld writes the coin collector's walkthrough into its objective ("First step, move south. And then,
 ...") and its welcome text: kept, the game would be instruction following, not exploration. Its goal is
-therefore "Find the coin and take it." and the welcome text is cut from the first observation, as in the
-Coin Collector of Yuan et al. (the agent is not told the way).
+therefore "Find the coin and take it." and the welcome text is cut from the first observation: the agent
+is not told the way.
 
 With `games_dir`, a subfolder named after a split (games_dir/train, ...) holds that split; without one,
 every split plays all the games in the folder. Games are Z-machine files (.z8 and friends) with the .json
@@ -169,8 +169,10 @@ class TextWorldSuite(EnvSuite):
 
         base = Path(self.cfg.cache_dir or "~/.cache/epo/textworld").expanduser()
         # the count stays out of the key: asking for more games later extends the same folder
-        key = json.dumps({**asdict(options), "count": None, "textworld": version("textworld")},
-                         sort_keys=True)
+        fields = asdict(options)
+        if not options.challenge:  # tw-make's key as it was before the challenges: its caches stay valid
+            del fields["challenge"], fields["level"]
+        key = json.dumps({**fields, "count": None, "textworld": version("textworld")}, sort_keys=True)
         tag = (f"{options.challenge}-{options.level}" if options.challenge else
                f"r{options.world_size}-o{options.nb_objects}-q{options.quest_length}")
         return base / f"{tag}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
