@@ -123,3 +123,11 @@ def test_training_entropy_by_turn_reads_the_last_iterations() -> None:
                                                  "policy/entropy": 0.9}] * 4 + [{"policy/entropy_turn/0": 3.0}]
     assert lh.train_entropy_by_turn(rows, last=5) == [{"turns": "1-10", "mean": 1.4, "n": 5},
                                                       {"turns": "11-20", "mean": 0.5, "n": 4}]
+
+
+def test_action_kinds() -> None:
+    here = ["go east", "go north", "look", "inventory"]
+    turns = [("go east", here), ("go south", here), ("go west", ["go west", "go south"]), ("look", here),
+             ("go east", here), ("take coin", ["take coin"]), ("go east", here)]
+    # east: on; south: no such exit; west: back (reverses east); look; east: back (reverses west); take; east: on
+    assert lh.action_kinds(turns) == {"no such exit": 1, "back": 2, "on": 2, "look/inventory": 1, "other": 1}

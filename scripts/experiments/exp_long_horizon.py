@@ -28,6 +28,8 @@ Definitions:
 - revisits: moves per eval episode into a room already visited in that episode (rooms told apart by the
   "-= Name =-" header TextWorld prints on entering; a move is a turn whose answer names another room).
 - dead-end visits: moves per eval episode into a room with a single exit and no coin (the distractors).
+- action shares: eval actions by kind: `go` a direction the room does not have, back (the reverse of the
+  last move made), on (another exit), look/inventory, other.
 - training entropy per turn index: policy/entropy_turn/<t> (the trainer's token-mean entropy of turn t's
   responses in the iteration's rollouts), mean over the first and over the last 5 iterations, 10-turn bins.
 - entropy per turn index: mean token entropy (nats/token, the full next-token distribution at T=1.0) of the
@@ -131,6 +133,30 @@ def train_entropy_by_turn(rows: list[dict], last: int = 5) -> list[dict]:
     return by_turn_bins(per_turn)
 
 
+REVERSE = {"go east": "go west", "go west": "go east", "go north": "go south", "go south": "go north"}
+ACTION_KINDS = ("no such exit", "back", "on", "look/inventory", "other")
+
+
+def action_kinds(turns: list[tuple[str, list[str]]]) -> dict[str, int]:
+    """Counts of an episode's actions by kind; turns[i] = (action i, the admissible commands before it).
+    no such exit: `go` a direction the room does not have; back: the reverse of the last move made; on:
+    another exit; look/inventory; other (take coin, examine, anything else)."""
+    counts = dict.fromkeys(ACTION_KINDS, 0)
+    last_move = None
+    for action, admissible in turns:
+        if action in ("look", "inventory"):
+            kind = "look/inventory"
+        elif action.startswith("go ") and action not in admissible:
+            kind = "no such exit"
+        elif action.startswith("go "):
+            kind = "back" if last_move and REVERSE.get(last_move) == action else "on"
+            last_move = action
+        else:
+            kind = "other"
+        counts[kind] += 1
+    return counts
+
+
 def by_turn_bins(per_turn: list[tuple[int, float]], width: int = TURN_BIN) -> list[dict]:
     """[(turn index from 1, value)] -> [{turns: 'a-b', mean, n}] per bin of `width` turns, in order."""
     bins: dict[int, list[float]] = {}
@@ -203,19 +229,25 @@ def eval_one(run: Path, split: str, levels: tuple[int, int], episodes: int, max_
     per_episode = []
     for ep in played:
         walked = walk(ep.turns[0].observation if ep.turns else "", [(t.result, t.admissible) for t in ep.turns])
-        per_episode.append({"task_id": ep.task.task_id, "won": ep.won, "turns": len(ep.turns), **walked})
+        kinds = action_kinds([(t.action, t.admissible) for t in ep.turns])
+        per_episode.append({"task_id": ep.task.task_id, "won": ep.won, "turns": len(ep.turns), **walked,
+                            "actions": kinds})
     scored = [(t + 1, (turn.prompt_ids, turn.response_ids)) for ep in played[:entropy_episodes]
               for t, turn in enumerate(ep.turns)]
     with torch.no_grad():
         entropies = response_entropies(policy.model, tokenizer, [pair for _, pair in scored])
     per_turn = [(t, h) for (t, _), h in zip(scored, entropies) if not math.isnan(h)]
     mean = lambda key: statistics.fmean(e[key] for e in per_episode)  # noqa: E731
+    turns_played = max(1, sum(e["turns"] for e in per_episode))
     level = levels[0] if split == TARGET_SPLIT else levels[1]
     return {"run": str(run), "split": split, "level": level, "episodes": len(per_episode), "max_turns": max_turns,
             "success": mean("won"), "episode_len": mean("turns"), "revisits": mean("revisits"),
             "dead_end_visits": mean("dead_end_visits"), "moves": mean("moves"),
             "entropy": statistics.fmean(h for _, h in per_turn) if per_turn else None,
             "entropy_by_turn": by_turn_bins(per_turn), "per_episode": per_episode,
+            # share of all eval actions of each kind (action_kinds)
+            "action_shares": {k: sum(e["actions"][k] for e in per_episode) / turns_played
+                              for k in ACTION_KINDS},
             "play_s": time.perf_counter() - started}
 
 
