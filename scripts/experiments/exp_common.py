@@ -89,3 +89,27 @@ def check_arms(p: argparse.ArgumentParser, chosen: str, arms: dict) -> None:
     unknown = [k for k in chosen.split(",") if k not in arms]
     if unknown:
         p.error(f"unknown arm(s) {', '.join(unknown)}; choose from {', '.join(arms)}")
+
+
+def train_once(folder: Path, args: list[str], label: str) -> None:
+    """`epo train ARGS output_dir=folder` with its console in folder.log, unless folder holds a finished run
+    (a final policy and metrics); an unfinished one is deleted and started again, so a study that was
+    interrupted continues where it stopped. Exits with the log's path on failure."""
+    import shutil
+    import time
+
+    done = [p for p in folder.glob("*/*") if (p / "final").is_dir() and (p / "metrics.jsonl").exists()]
+    if done:
+        return
+    if folder.exists():  # interrupted: its half-written run would be mistaken for a result
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    args = ["train", *args, f"output_dir={folder}"]
+    print(f"$ epo {' '.join(args)}", flush=True)
+    t0 = time.perf_counter()
+    log = folder.parent / f"{folder.name}.log"
+    with log.open("w") as f:
+        proc = subprocess.run([sys.executable, "-m", "epo_cli", *args], cwd=folder, stdout=f, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        sys.exit(f"{label} failed with exit code {proc.returncode}; see {log}")
+    print(f"done: {label} ({time.perf_counter() - t0:.0f} s)", flush=True)
