@@ -256,6 +256,16 @@ def run_epo(args: list[str], cwd: Path, expect: int | None = 0) -> CliResult:
     return proc
 
 
+def one_error(proc: CliResult | subprocess.CompletedProcess, *texts: str) -> str:
+    """The command's single `error:` line, which the output must accompany with each of `texts`; no
+    traceback anywhere (the contract for every refusal of bad input)."""
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    for text in texts:
+        assert text in proc.stderr, (text, proc.stderr[-3000:])
+    return errors[0]
+
+
 def only_run_dir(root: Path) -> Path:
     runs = [p for p in root.glob("*/*") if (p / "config.yaml").exists()]
     assert len(runs) == 1, f"expected one run under {root}, found {runs}"

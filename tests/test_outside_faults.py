@@ -25,16 +25,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import SmallConfig, run_epo
-
-
-def one_error(proc, *texts: str) -> str:
-    """The command's single error line, which must hold `texts`; no traceback anywhere."""
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    for text in texts:
-        assert text in proc.stderr, (text, proc.stderr[-3000:])
-    return errors[0]
+from conftest import SmallConfig, one_error, run_epo
 
 
 def fake_run(path: Path) -> Path:

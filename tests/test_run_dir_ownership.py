@@ -20,15 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, SmallConfig, run_epo, terminal_signal_dispositions
-
-
-def one_error(proc, *texts: str) -> str:
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    for text in texts:
-        assert text in proc.stderr, (text, proc.stderr[-3000:])
-    return errors[0]
+from conftest import REPO, SmallConfig, one_error, run_epo, terminal_signal_dispositions
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
