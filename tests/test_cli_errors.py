@@ -11,7 +11,7 @@ from conftest import run_cli
 # (argv, expected exit code, text the message must contain)
 BAD_ARGUMENTS = [
     (["train", "bogus.key=1"], 2, "Unknown config key 'bogus'"),
-    (["train", "--bogus"], 2, "Invalid override"),
+    (["train", "--bogus"], 2, "is not an override"),
     (["train", "trainer.total_steps=abc"], 2, "trainer.total_steps"),
     (["eval", "episodes=abc"], 2, "episodes must be a number"),
     (["eval", "temperature=-1"], 2, "greedy=true"),

@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from epo_cli.config import EnvConfig, num, one_of
+from epo_cli.console import err_console
 from epo_cli.envs.base import Env, EnvSuite, StepResult, Task
 from epo_cli.errors import ConfigError, UserError
 
@@ -309,8 +310,6 @@ def _generation_progress(title: str, total: int) -> Any:
         TimeElapsedColumn,
         TimeRemainingColumn,
     )
-
-    from epo_cli.console import err_console
 
     columns = (TextColumn(f"[bold]{title}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("left"), TimeRemainingColumn())
