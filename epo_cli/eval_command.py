@@ -165,7 +165,8 @@ def parse_eval_args(args: list[str]) -> tuple[EvalCommandConfig, list[str]]:
     if opts.checkpoint is not None and opts.run is None:
         raise ConfigError("checkpoint= needs run=<run dir> (with model.path=DIR the folder is the model).")
     path = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == "model.path"), None)
-    if opts.run is not None and path not in (None, "null", "None"):
+    # a scripted policy (expert|look|random) reads only a tokenizer, which model.path may name beside run=
+    if opts.policy == "model" and opts.run is not None and path not in (None, "null", "None"):
         raise ConfigError(f"run= and model.path= both name the weights to evaluate (run={opts.run}, model.path="
                           f"{path}); run= evaluates the run's own. Pass one: run=<run dir> [checkpoint=...], or "
                           "model.path=<HF folder> with the run's settings as overrides.")
