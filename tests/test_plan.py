@@ -175,6 +175,12 @@ def test_iteration_cost_from_a_gpu_check_file(tmp_path: Path) -> None:
     # the reference, 2 x 4800 / 3 forward-only tokens, at 1000 tokens/s
     assert plan.time["generation_s"] == pytest.approx(8.0 + 4000 / 3 / 1000)
     assert plan.time["update_and_scoring_s"] == pytest.approx((4800 + 2 * 4800 / 3) / 1000)
+    # a file measured on the CPU, for a GPU plan (and a CUDA one for a CPU plan): said in a note
+    for measured, device, warned in (("cpu", "gpu", True), ("cuda:0", "gpu", False), ("cuda", "cpu", True)):
+        result.write_text(json.dumps({"rollout_tokens_per_s": 100.0, "update_tokens_per_s": 1000.0,
+                                      "model": "qwen2.5-0.5b-random", "device": measured}))
+        notes = make_plan(cfg, gpus=1, device=device, throughput_file=str(result)).notes
+        assert any("measured on" in note for note in notes) == warned, (measured, device, notes)
     # without a file: 120 effective TFLOP/s over 6 FLOPs per parameter and token, per GPU; 2 GPUs halve the time
     default = make_plan(cfg, gpus=1)
     assert default.time["update_tokens_per_s_per_gpu"] == pytest.approx(120e12 / (6 * default.params))

@@ -439,6 +439,17 @@ def read_throughput(path: str | None, arch_params: int) -> tuple[dict[str, float
     return measured, source
 
 
+def throughput_device(path: str | None) -> str | None:
+    """The device type (cuda | cpu) a gpu_check result file was measured on; None without a readable one."""
+    if path is None:
+        return None
+    try:
+        device = json.loads(Path(path).expanduser().read_text()).get("device")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return str(device).split(":")[0] if device else None
+
+
 def iteration_cost(planner: Planner, s: Setup, throughput: dict[str, float], rows_per_rank: int) -> tuple[dict, dict]:
     """Tokens of one iteration (every episode at max_turns) and the time they take on s.gpus GPUs."""
     cfg, algo = planner.cfg, planner.cfg.algo
@@ -499,6 +510,11 @@ def make_plan(cfg: DictConfig, gpus: int | None = None, gpu_mem_gib: float | Non
                               "of each GPU. Use GPUs with more memory, or a run without the KL reference "
                               "(no `kl` in algo.loss_terms).")
     throughput, source = read_throughput(throughput_file, planner.params)
+    measured_on = throughput_device(throughput_file)
+    if measured_on is not None and (measured_on == "cuda") != (device == "gpu"):
+        plan.notes.append(f"the throughput file was measured on {measured_on} and this plan is for {device} "
+                          "ranks: its time estimate carries that device's speed (run scripts/gpu_check.py on the "
+                          "machine you plan for).")
     rows = cfg.rollout.generation_batch_size or math.ceil(cfg.algo.tasks_per_step * cfg.algo.group_size / gpus)
     plan.tokens, plan.time = iteration_cost(planner, setup, throughput, rows)
     plan.time["throughput_source"] = source
@@ -569,7 +585,7 @@ def render(plan: Plan) -> None:
     cost.add_row("prefill / generated tokens", f"{t['prefill_tokens']:,} / {t['generated_tokens']:,}")
     cost.add_row("update tokens (x ppo_epochs)", f"{t['update_tokens']:,}")
     cost.add_row("tokens/s per GPU: rollout / update",
-                 f"{tm['rollout_tokens_per_s_per_gpu']:,.0f} / {tm['update_tokens_per_s_per_gpu']:,.0f}")
+                 f"{tm['rollout_tokens_per_s_per_gpu']:,.3g} / {tm['update_tokens_per_s_per_gpu']:,.3g}")
     cost.add_row("generation + update = iteration (s)",
                  f"{tm['generation_s']:,.0f} + {tm['update_and_scoring_s']:,.0f} = {tm['iteration_s']:,.0f}")
     cost.add_row("trainer.total_steps iterations (h), env time not included", f"{tm['run_hours']:,.1f}")
