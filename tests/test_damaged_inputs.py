@@ -131,12 +131,22 @@ def test_disk_errors_are_recognised() -> None:
 
 
 @pytest.mark.slow
-def test_full_disk_while_checkpointing_fails_cleanly(warm_start_short: Path, tmp_path: Path) -> None:
-    """A real ENOSPC: the checkpoint of step 2 writes into /dev/full (root ignores chmod, not a full disk)."""
+def test_full_disk_while_checkpointing_fails_cleanly(warm_start_short: Path, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real ENOSPC: the checkpoint of step 2 writes into /dev/full (root ignores chmod, not a full disk). The
+    file is planted by the save seam as step 2's save starts (a run directory that already holds checkpoints
+    is never reused for a new run), so the write that fails is the checkpoint's own."""
     run = tmp_path / "run"
-    doomed = run / "checkpoints" / "step_2"
-    doomed.mkdir(parents=True)
-    os.symlink("/dev/full", doomed / "rng_rank0.pt")
+
+    def plant_full_disk(run_dir: Path, step: int) -> None:
+        if step == 2:
+            doomed = Path(run_dir) / "checkpoints" / "step_2"
+            doomed.mkdir(parents=True)
+            os.symlink("/dev/full", doomed / "rng_rank0.pt")
+
+    from epo_cli.training import checkpoint as saving  # torch: imported by the test that needs it
+
+    monkeypatch.setattr(saving, "SAVE_HOOKS", [plant_full_disk])
     proc = run_epo(["train", "algo=grpo", f"model.path={warm_start_short / 'final'}",
                     *SmallConfig().run("env.max_turns=6"), "algo.tasks_per_step=2", "algo.group_size=2",
                     "trainer.save_every=1", "trainer.total_steps=3", f"run_dir={run}"], cwd=tmp_path, expect=1)
@@ -148,7 +158,7 @@ def test_full_disk_while_checkpointing_fails_cleanly(warm_start_short: Path, tmp
     assert status["status"] == "failed" and "Could not write" in status["error"]
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_1"
     assert (run / "checkpoints" / "step_1" / checkpoint.COMPLETE).exists()
-    assert not (doomed / checkpoint.COMPLETE).exists()
+    assert not (run / "checkpoints" / "step_2" / checkpoint.COMPLETE).exists()
     assert [p.name for p in checkpoint.complete_checkpoints(run)] == ["step_1"]
 
 
