@@ -30,7 +30,7 @@ from epo_cli.launch.slurm import submit_slurm
 from epo_cli.launch.sweep import run_sweep
 from epo_cli.run_dir import check_resume_run_dir, claim_run_dir, release_folders
 from epo_cli.saved_state import check_model_path
-from epo_cli.training.stop import Interrupted
+from epo_cli.training.stop import Interrupted, leave_at_once_on_stop_signals
 
 # Composing a config and starting ranks need neither torch nor DeepSpeed (tests/test_imports.py checks it);
 # what trains or plays in this process (epo_cli.launch.local, epo_cli.eval_command) and the plots
@@ -176,6 +176,7 @@ def main() -> None:
             output.flush()  # here, not at exit: an output that cannot be written is one message too
         except OSError as err:
             code = output_failed(err)
+        leave_at_once_on_stop_signals(0 if code is None else code if isinstance(code, int) else 1)
     finally:
         sys.stdout = output.stream
         release_folders()  # the run and sweep directories this command owned (epo_cli/run_dir.py)

@@ -61,4 +61,6 @@ def test_signal_tests_pass_when_started_in_the_background_under_nohup(warm_start
     output = proc.stdout[-4000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, output
     passed = re.search(r"(\d+) passed", proc.stdout)
-    assert passed and int(passed.group(1)) == 6 and "skipped" not in proc.stdout, output
+    # exit 0 means none failed; every collected test also ran (none skipped, none deselected)
+    assert passed and int(passed.group(1)) >= len(GUARDED_TESTS), output
+    assert "skipped" not in proc.stdout and "deselected" not in proc.stdout, output

@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -57,24 +58,42 @@ def start_train(args: list[str], cwd: Path) -> subprocess.Popen:
 
 def signal_after_first_step(proc: subprocess.Popen, run: Path, signals: list[signal.Signals],
                             timeout: float = 600) -> tuple[int, str]:
-    """Send `signals` (back to back) once metrics.jsonl has its first row; returns (exit code, stderr)."""
+    """Send `signals` once metrics.jsonl has its first row; returns (exit code, stderr).
+
+    Each signal but the last is sent only after the process has said it received the one before
+    ("SIGINT received: ..."): two signals sent back to back can reach a process as one (a signal that lands
+    on a thread other than the main one while the main thread waits in a system call is run once, however
+    often it was sent), and a late one can arrive after the run has already stopped."""
+    err_chunks: list[str] = []
+    readers = [threading.Thread(target=lambda: err_chunks.extend(iter(proc.stderr.readline, "")), daemon=True),
+               threading.Thread(target=lambda: proc.stdout.read(), daemon=True)]
+    for reader in readers:
+        reader.start()
     metrics = run / "metrics.jsonl"
     deadline = time.monotonic() + timeout
     while not (metrics.exists() and metrics.read_text().strip()):
         if proc.poll() is not None or time.monotonic() > deadline:
-            out, err = proc.communicate(timeout=60) if proc.poll() is not None else ("", "")
             proc.kill()
-            raise AssertionError(f"no first metrics row (exit {proc.poll()})\n{out[-3000:]}\n{err[-3000:]}")
+            proc.wait(timeout=60)
+            raise AssertionError(f"no first metrics row (exit {proc.poll()})\n{''.join(err_chunks)[-3000:]}")
         time.sleep(0.1)
-    for sig in signals:
+    for i, sig in enumerate(signals):
         proc.send_signal(sig)
-        time.sleep(0.02)
+        if i < len(signals) - 1:
+            acknowledged = time.monotonic() + 120
+            while f"{sig.name} received" not in "".join(err_chunks):
+                if proc.poll() is not None or time.monotonic() > acknowledged:
+                    proc.kill()
+                    raise AssertionError(f"{sig.name} was not acknowledged\n{''.join(err_chunks)[-3000:]}")
+                time.sleep(0.01)
     try:
-        _, err = proc.communicate(timeout=300)
+        proc.wait(timeout=300)
     except subprocess.TimeoutExpired:
         proc.kill()
         raise AssertionError("the process did not exit after the signal") from None
-    return proc.returncode, err
+    for reader in readers:
+        reader.join(timeout=60)
+    return proc.returncode, "".join(err_chunks)
 
 
 @pytest.fixture(scope="module")

@@ -61,3 +61,37 @@ def test_the_launchers_relay_reaches_every_rank(tmp_path: Path) -> None:
     assert stop.requested(tmp_path) == signal.SIGINT
     (tmp_path / "ranks" / "stop.json").write_text("{half")  # torn write: still a request to stop
     assert stop.requested(tmp_path) == signal.SIGTERM
+
+
+#: a process that has ended its command and then gets `signal` while a finalizer runs at exit
+_TEARDOWN = """
+import atexit, os, signal, sys, time
+from epo_cli.training.stop import leave_at_once_on_stop_signals
+if {ignore_sigint}:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+def slow_finalizer():
+    os.kill(os.getpid(), signal.{signal})
+    time.sleep(2)
+    print("finalizer ended", flush=True)
+atexit.register(slow_finalizer)
+leave_at_once_on_stop_signals({code})
+sys.exit({code})
+"""
+
+
+@pytest.mark.parametrize("sig, code, ignore_sigint, expected", [
+    ("SIGINT", 0, False, 130),     # a succeeded command stopped in its teardown: 128 + SIGINT
+    ("SIGINT", 130, False, 130),   # a second Ctrl-C while a stopped run exits: its own code, no traceback
+    ("SIGTERM", 3, False, 3),      # the command's failure code is kept
+    ("SIGINT", 0, True, 0),        # SIGINT ignored since the start stays ignored: the teardown finishes
+])
+def test_a_signal_during_teardown_leaves_at_once_without_a_traceback(sig: str, code: int, ignore_sigint: bool,
+                                                                      expected: int) -> None:
+    import subprocess
+    import sys
+    script = _TEARDOWN.format(signal=sig, code=code, ignore_sigint=ignore_sigint)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert proc.returncode == expected, proc.stderr
+    assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr
+    assert ("finalizer ended" in proc.stdout) == ignore_sigint

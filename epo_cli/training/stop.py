@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -117,3 +118,22 @@ def _say(text: str) -> None:
 
 #: the one record of this process (signal handlers are per process)
 STOP = StopRequest()
+
+
+def leave_at_once_on_stop_signals(exit_code_now: int) -> None:
+    """After a command has ended (its outcome written): a stop signal during the interpreter's teardown
+    (Ctrl-C pressed again while torch's finalizers run) leaves at once with the command's exit code -- or
+    128 + the signal's number where the command succeeded -- instead of a KeyboardInterrupt traceback from
+    whichever finalizer was running. A signal ignored since the start stays ignored."""
+
+    def leave(signum: int, frame: Any) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(exit_code_now or exit_code(signum))
+
+    for sig in STOP_SIGNALS:
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, leave)
