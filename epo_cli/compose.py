@@ -1,18 +1,18 @@
 """Composition and validation of a run's config: Hydra over conf/, merged into the schemas of config.py.
 
-`compose(overrides)` runs Hydra's compose API over conf/, then `validate` merges the result into the
-dataclass schemas (the env section into the schema of env.name). Any unknown key, unknown group option or
-wrong type fails here, before any work starts, with one `ConfigError` that names the key and the valid
-choices. Then, in order:
+`compose(overrides)` runs Hydra's compose API over conf/ (the overrides are read, and Hydra's errors
+explained, by epo_cli/overrides.py), then `validate` merges the result into the dataclass schemas (the env
+section into the schema of env.name). Any unknown key, unknown group option or wrong type fails here, before
+any work starts, with one `ConfigError` that names the key and the valid choices. Then, in order:
     check_field_rules       each field's declared range and valid values (registry fields: the names the
                             registries hold)
     _check_sections         the rules that span the keys of a section (batch sizes, model shape, ZeRO, the
                             curriculum's: epo_cli.curriculum.check_curriculum)
-    _check_components       each component the config names: its registry entry's `check`; the coefficient
-                            schedules; algo.components.<name> against the component's settings dataclass
-    _warn_unused_settings   one line per reason when a changed setting is read by nothing this run uses: the
-                            keys each component reads come from its registry entry (Entry.reads, its
-                            coefficient's schedule), the rest from `_switches`
+    _check_components       each component the config names: its registry entry's `check`; the schedules of
+                            the loss's weights; algo.components.<name> against the component's settings dataclass
+    warn_unused_settings    one line per reason when a changed setting is read by nothing this run uses
+                            (epo_cli/unused_settings.py: registry entries, the weights' schedules, and the
+                            schema sections' `switches`)
 No table here names a component: a new estimator, loss term or schedule is seen through its registry entry.
 
 This module sits above config.py, the component packages (algos, envs, curriculum) and their registries,
@@ -23,40 +23,43 @@ curriculum. Nothing it imports loads torch.
 from __future__ import annotations
 
 import difflib
-import re
 import warnings
-from dataclasses import MISSING, dataclass, fields, is_dataclass
+from dataclasses import fields
 from typing import Any
 
 from omegaconf import BooleanNode, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from epo_cli.algos import REGISTRIES
-from epo_cli.algos.registries import ESTIMATORS, LOSS_TERMS, coef_factors
-from epo_cli.algos.schedules import (
-    KL_SCHEDULES,
-    build_schedule,
-    coefficient_schedule,
-    parameter_keys,
-    usable_schedules,
-)
+from epo_cli.algos.registries import ESTIMATORS, LOSS_TERMS
+from epo_cli.algos.schedules import WEIGHTS, Weight, build_schedule, schedule_parameters, section_keys
 from epo_cli.config import (
-    GROUPS,
     TINY_SIZE_KEYS,
     ModelConfig,
     RunConfig,
     check_field_rules,
     check_number_sizes,
     config_dir,
-    group_options,
     is_sft,
+    schema_at,
+    section_schema,
 )
 from epo_cli.curriculum import CURRICULA, check_curriculum, check_levels_fit
 from epo_cli.envs import env_config_class
 from epo_cli.errors import ConfigError
 from epo_cli.memory import check_memory
+from epo_cli.overrides import (
+    blame_preset,
+    check_override_forms,
+    check_required,
+    hydra_overrides,
+    preset_settings,
+    translate_hydra_error,
+    unknown_key_message,
+)
 from epo_cli.registry import Registry
 from epo_cli.rollout.prompts import get_template
+from epo_cli.unused_settings import warn_unused_settings
 
 #: every registry a `one_of(registry=...)` field may name
 _REGISTRIES: dict[str, Registry] = {**REGISTRIES, "curricula": CURRICULA}
@@ -68,123 +71,6 @@ def _schema_for(cfg: DictConfig) -> DictConfig:
     env_name = OmegaConf.select(cfg, "env.name", default="household")
     schema.env = OmegaConf.structured(env_config_class(env_name))
     return schema
-
-
-def _dataclass_at(key_path: str, env_name: str) -> type | None:
-    """The schema dataclass that owns the node at `key_path` (e.g. 'trainer' or 'algo.kl')."""
-    node: Any = RunConfig
-    for part in [p for p in key_path.split(".") if p]:
-        if not is_dataclass(node):
-            return None
-        if node is RunConfig and part == "env":
-            node = env_config_class(env_name)
-            continue
-        match = {f.name: f for f in fields(node)}.get(part)
-        if match is None:
-            return None
-        node = match.default_factory() if match.default_factory is not MISSING else None  # type: ignore[misc]
-        node = type(node) if is_dataclass(node) else None
-    return node
-
-
-def _unknown_key_message(full_key: str, env_name: str) -> str:
-    parent, _, leaf = full_key.rpartition(".")
-    owner = _dataclass_at(parent, env_name)
-    valid = [f.name for f in fields(owner)] if owner is not None else []
-    where = f"'{parent}'" if parent else "the top level"
-    msg = f"Unknown config key '{full_key}'."
-    close = difflib.get_close_matches(leaf, valid, n=1)
-    if close:
-        msg += f" Did you mean '{(parent + '.') if parent else ''}{close[0]}'?"
-    if valid:
-        msg += f"\nValid keys in {where}: {', '.join(valid)}."
-    if parent in GROUPS or parent == "":
-        msg += "\nFix the override, or run `epo config show` to see every key and its value."
-    return msg
-
-
-def _translate_hydra_error(err: Exception) -> ConfigError:
-    # hydra_overrides turned key=value into Hydra's ++key=value: show the user's own override, not that
-    text = re.sub(r"(?<![\w+])\+\+(?=[\w/])", "", str(err))
-    m = re.search(r"Could not find '([\w\-/.]+)/([\w\-.]+)'", text)
-    if m:
-        folder, option = m.group(1), m.group(2)
-        group, _, sub = folder.partition("/")  # a preset in a subfolder: experiment=paper/<name>
-        prefix = f"{sub}/" if sub else ""
-        options = [prefix + o for o in group_options(folder)] if (config_dir() / folder).is_dir() else []
-        close = difflib.get_close_matches(prefix + option, options, n=1)
-        hint = f" Did you mean '{group}={close[0]}'?" if close else ""
-        return ConfigError(
-            f"Unknown option '{prefix}{option}' for config group '{group}'.{hint}\n"
-            f"Valid options{f' in {folder}/' if sub else f' for {group}'}: {', '.join(options)}."
-        )
-    m = re.search(r"Could not override '([\w.\-]+)'", text)
-    if m:
-        return ConfigError(_unknown_key_message(m.group(1), "household"))
-    m = re.search(r"config group '([\w.\-]+)' does not exist", text)
-    if m and m.group(1) not in GROUPS:
-        return ConfigError(f"'{m.group(1)}' is a setting, not a config group: write {m.group(1)}=<value> (the "
-                           f"`@package` form is for config groups only: {', '.join(GROUPS)}).")
-    m = re.search(r"Could not append to config\. An item is already at '([\w.\-]+)'", text)
-    if m:
-        return ConfigError(f"'{m.group(1)}' already exists: override it without the leading '+'.")
-    first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
-    quote = re.search(r"(?:LexerNoViableAltException|token recognition error)[^\n]*?([\w.+/~\-]+)=(.*)", text)
-    if quote and re.search(r"[^\x21-\x7e]", quote.group(2)):
-        key, value = quote.group(1).lstrip("+"), quote.group(2).strip()
-        return ConfigError(f"The value of '{key}' holds a space or a non-ASCII character, which an override must "
-                           f"quote. Quote it twice, once for the shell and once for the override: "
-                           f"'{key}=\"{value}\"' (a path with a space given unquoted is split into two arguments "
-                           "by the shell).")
-    return ConfigError(
-        f"Invalid override: {first}\nOverrides look like `group=option` or `section.key=value`, "
-        "e.g. `algo=epo trainer.total_steps=20`."
-    )
-
-
-def hydra_overrides(overrides: list[str] | tuple[str, ...]) -> list[str]:
-    """Value overrides become `++key=value` so that every key of the typed schemas can be set, also when
-    the selected yaml does not spell it out (e.g. algo.entropy_smoothing.alpha under algo=grpo); unknown
-    keys are then reported by the schema merge, with the valid keys. Group selections stay as they are."""
-    out = []
-    for o in overrides:
-        key = o.split("=", 1)[0]
-        is_group = key in GROUPS or "/" in key or key.startswith("hydra")
-        out.append(o if ("=" not in o or o.startswith(("+", "~")) or is_group) else f"++{o}")
-    return out
-
-
-def check_override_forms(overrides: list[str] | tuple[str, ...]) -> None:
-    """What Hydra would accept but drop or change without a word: a config group given twice with different
-    options (the last one wins, so `model=nosuch model=tiny` never reports `nosuch`), and `~key` / `~group`
-    (a deleted group or key comes back from the schema's defaults: `~algo` would train SFT). A `key=value`
-    given twice keeps the last, as in Hydra (scripts append their own overrides to a shared list)."""
-    seen: dict[str, str] = {}
-    for i, o in enumerate(overrides):
-        key = o.split("=", 1)[0]
-        if "=" not in o and not key.startswith("~"):
-            before = overrides[i - 1] if i else ""
-            hint = (f" If it is the rest of a value with a space ({before} {o}), quote the value: "
-                    f"'{before.split('=', 1)[0]}=\"{before.split('=', 1)[1]} {o}\"'." if "=" in before else "")
-            raise ConfigError(f"'{o}' is not an override: overrides look like group=option or "
-                              f"section.key=value.{hint}")
-        if key.startswith("~"):
-            what = key[1:]
-            fix = (f"choose one of its options ({what}=<option>)" if what in GROUPS else
-                   f"set it ({what}=<value>, or {what}=null where null is allowed)")
-            raise ConfigError(f"'{o}' would delete {what}, which every run has: its defaults would come back "
-                              f"without a word. To change it, {fix}.")
-        plain = key.lstrip("+")
-        is_group = plain in GROUPS or "/" in plain
-        value = o.split("=", 1)[1].strip() if "=" in o else ""
-        if is_group and value.startswith("[") and not plain.startswith("hydra"):
-            raise ConfigError(f"'{o}' selects several options of the config group '{plain}'; a run takes one (Hydra "
-                              f"would merge them into one config without a word). Choose one ({plain}=<option>); "
-                              f"to run each, use a sweep: epo sweep {plain}={value.strip('[]')}.")
-        if is_group and plain in seen and "=" in o and seen[plain].split("=", 1)[1] != o.split("=", 1)[1]:
-            raise ConfigError(f"The config group '{plain}' is given twice ({seen[plain]} and {o}); only the last "
-                              "would count. Choose one option.")
-        seen[plain] = o
 
 
 def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
@@ -201,10 +87,10 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
         with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
             raw = hydra_compose(config_name="config", overrides=overrides)
     except OmegaConfBaseException as err:  # e.g. interpolation errors while composing
-        raise _translate_hydra_error(err) from None
+        raise translate_hydra_error(err) from None
     except Exception as err:  # hydra's own exceptions (missing option, bad override grammar)
         if type(err).__module__.startswith("hydra"):
-            raise _translate_hydra_error(err) from None
+            raise translate_hydra_error(err) from None
         raise
     finally:
         GlobalHydra.instance().clear()
@@ -221,42 +107,6 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
     return cfg
 
 
-def preset_settings(overrides: list[str] | tuple[str, ...]) -> dict[str, str]:
-    """{dotted key: "experiment=<name>"} for the settings an experiment preset on this command line sets
-    itself (and no override of the command sets), so messages about them can say where they came from."""
-    chosen = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == "experiment" and "=" in o]
-    path = config_dir() / "experiment" / f"{chosen[-1]}.yaml" if chosen else None
-    if path is None or not path.is_file():
-        return {}
-    data = OmegaConf.to_container(OmegaConf.load(path))
-    data.pop("defaults", None)
-    given = {o.split("=", 1)[0].lstrip("+") for o in overrides}
-
-    def leaves(node: Any, prefix: str) -> list[str]:
-        if isinstance(node, dict):
-            return [k for key, value in node.items() for k in leaves(value, f"{prefix}{key}.")]
-        # a ${required:...} value is the command line's to give, not a setting of the preset
-        return [] if REQUIRED.match(str(node)) else [prefix.rstrip(".")]
-
-    return {key: f"experiment={chosen[-1]}" for key in leaves(data, "") if key not in given}
-
-
-def blame_preset(message: str, preset: dict[str, str]) -> str:
-    """`message` with a note naming the preset that set the keys it mentions (the user did not set them)."""
-    # a key the message is about, not one of the valid keys or values it lists ("Valid keys in 'env': name, ...")
-    about = "\n".join(line for line in message.splitlines() if not line.startswith("Valid "))
-    named = [key for key in preset if re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", about)]
-    if not named:
-        return message
-    keys = ", ".join(named)
-    if "Unknown config key" in message:  # the user's selection took the key away: only dropping one helps
-        message = message.replace("\nFix the override, or run `epo config show` to see every key and its value.", "")
-        return (f"{message}\n(note: {keys} {'is' if len(named) == 1 else 'are'} set by the preset "
-                f"{preset[named[0]]}, not on this command line: the preset is made for other selections than "
-                "this command line's. Drop the preset or the selection that does not fit it.)")
-    return (f"{message}\n(note: {keys} {'is' if len(named) == 1 else 'are'} set by the preset {preset[named[0]]}, "
-            "not on this command line: the preset does not fit the other selections; drop one of them, or set "
-            f"{named[0]}=<value> yourself.)")
 
 
 def validate(raw: DictConfig) -> DictConfig:
@@ -275,7 +125,7 @@ def validate(raw: DictConfig) -> DictConfig:
     except ConfigError:
         raise
     except ConfigKeyError as err:
-        raise ConfigError(_unknown_key_message(err.full_key, env_name)) from None
+        raise ConfigError(unknown_key_message(err.full_key, env_name)) from None
     except ValidationError as err:
         section = None if err.full_key else _section_given_a_value(schema, raw, "")
         if section is not None:
@@ -295,27 +145,11 @@ def validate(raw: DictConfig) -> DictConfig:
         cfg.algo.estimator = _auto_estimator(cfg.algo.base)
     _check_sections(cfg)
     _check_components(cfg, registries)
-    _warn_unused_settings(cfg)
+    warn_unused_settings(cfg, _named_components(cfg), _REGISTRIES)
     OmegaConf.set_readonly(cfg, False)
     return cfg
 
 
-#: a value a preset leaves to the command line: `key: ${required:what to give}` (e.g. the policy to start from)
-REQUIRED = re.compile(r"^\$\{required:(.*)\}$", re.S)
-
-
-def check_required(raw: DictConfig, prefix: str = "") -> None:
-    """A `${required:...}` value the command line did not replace: one ConfigError naming the key and what
-    to give (e.g. experiment=improve_on_teacher without model.path would train a random model)."""
-    for key in raw:
-        node = raw._get_node(key)
-        if isinstance(node, DictConfig):
-            check_required(node, f"{prefix}{key}.")
-        elif OmegaConf.is_interpolation(raw, key):
-            found = REQUIRED.match(str(node._value()))
-            if found:
-                what = found.group(1).strip().strip("\"'")
-                raise ConfigError(f"{prefix}{key} must be given on the command line: {what}.")
 
 
 def _section_given_a_value(schema: Any, raw: Any, prefix: str) -> str | None:
@@ -384,7 +218,7 @@ def _check_booleans(schema: DictConfig, raw: Any, prefix: str) -> None:
 def _expected_type(err: ValidationError) -> str | None:
     try:
         parent, _, leaf = err.full_key.rpartition(".")
-        owner = _dataclass_at(parent, "household")
+        owner = schema_at(parent, env_config_class("household"))
         if owner is None:
             return None
         hint = {f.name: f.type for f in fields(owner)}.get(leaf)
@@ -516,7 +350,7 @@ def _named_components(cfg: DictConfig) -> list[tuple[str, str, list[str]]]:
 
     def walk(node: Any, schema: type, prefix: str) -> None:
         for f in fields(schema):
-            nested = env_config_class(cfg.env.name) if (schema is RunConfig and f.name == "env") else _section_class(f)
+            nested = env_config_class(cfg.env.name) if (schema is RunConfig and f.name == "env") else section_schema(f)
             if nested is not None and f.name in node:
                 walk(node[f.name], nested, f"{prefix}{f.name}.")
             elif f.metadata.get("registry") and node.get(f.name) is not None:
@@ -532,14 +366,6 @@ def _named_components(cfg: DictConfig) -> list[tuple[str, str, list[str]]]:
     return found
 
 
-def _section_class(f: Any) -> type | None:
-    """The schema of a field that is a section (a dataclass made by its default_factory), else None."""
-    if f.default_factory is MISSING:
-        return None
-    made = f.default_factory()
-    return type(made) if is_dataclass(made) else None
-
-
 def _own_settings_class(name: str) -> type | None:
     for registry in (LOSS_TERMS, ESTIMATORS):
         if name in registry and registry.entry(name).sections is None:
@@ -548,12 +374,12 @@ def _own_settings_class(name: str) -> type | None:
 
 
 def _check_components(cfg: DictConfig, registries: dict[str, list[str]]) -> None:
-    """The components the config names: each coefficient's schedule must find its parameters in its section
-    and is built (its own checks); every named component's registry entry runs its `check`; and
-    algo.components.<name> (a component registered with its own settings) is merged into its settings
-    dataclass and checked with the same field rules as every schema."""
-    for factor in ("lambda", "beta"):
-        _check_schedule(cfg, factor)
+    """The components the config names: the schedule of each weight of the loss (lambda, beta_k, the KL
+    weight) must find its parameters in its section and is built (its own checks); every named component's
+    registry entry runs its `check`; and algo.components.<name> (a component registered with its own
+    settings) is merged into its settings dataclass and checked with the same field rules as every schema."""
+    for weight in WEIGHTS.values():
+        _check_schedule(cfg, weight)
     algo = cfg.algo
     selected = [(name, LOSS_TERMS.entry(name)) for name in algo.loss_terms]
     if algo.estimator in ESTIMATORS:
@@ -601,180 +427,16 @@ def _component_settings(node: Any, name: str, schema: type, registries: dict[str
     return merged
 
 
-def _check_schedule(cfg: DictConfig, factor: str) -> None:
-    """A coefficient's schedule must find all its parameters among its section's keys, and take them."""
-    key, name, section, keys = coefficient_schedule(factor, cfg)
-    schema = _dataclass_at(section, "household")
-    section_keys = [f.name for f in fields(schema)]
-    usable = usable_schedules(section_keys, keys)
+def _check_schedule(cfg: DictConfig, weight: Weight) -> None:
+    """A weight's schedule must find all its parameters among its section's keys (its arguments' names), and
+    take them."""
+    name = OmegaConf.select(cfg, weight.key)
+    section, usable = weight.section(name), weight.choices()
     if name not in usable:
-        missing = [k for k in parameter_keys(name, keys).values() if k not in section_keys]
-        raise ConfigError(f"{key}={name} takes {', '.join(missing)}, which the '{section}' section has no key "
-                          f"for. Schedules it can use: {', '.join(usable)}.")
+        missing = [p for p in schedule_parameters(name, weight.registry) if p not in section_keys(section)]
+        raise ConfigError(f"{weight.key}={name} takes {', '.join(missing)}, which the '{section}' section has no "
+                          f"key for. Schedules it can use: {', '.join(usable)}.")
     try:
-        build_schedule(name, OmegaConf.select(cfg, section), keys)
+        build_schedule(name, OmegaConf.select(cfg, section), weight.registry)
     except ValueError as err:
-        raise ConfigError(f"{key}={name}: {err}.") from None
-
-
-# ----------------------------------------------------------------------------------------------------
-# Settings this run does not read
-# ----------------------------------------------------------------------------------------------------
-
-@dataclass
-class _Part:
-    """Something that reads `keys` (a key names itself and every key under it) only when this run uses it:
-    a component, used when the key `choice[0]` names it (`choice[1]`) and that key is read itself; or
-    anything else, used when `on`."""
-
-    keys: tuple[str, ...]
-    choice: tuple[str, str] | None = None
-    on: bool = False
-    why: str = ""  # why it is not used, for a part without a choice
-
-
-def _switches(cfg: DictConfig) -> list[tuple[tuple[str, ...], bool, str]]:
-    """Settings read only when a switch of the schema is on: (keys, is it on, why not). A component's own
-    settings are not listed here: its registry entry says which keys it reads."""
-    algo, cur, launcher, env, diag = cfg.algo, cfg.curriculum, cfg.launcher.name, cfg.env, cfg.algo.diagnostics
-    no_rollouts = f"algo={algo.name} plays no rollouts to reward"
-    in_process = "env.num_workers=0 steps the envs in the training process, so no worker runs meanwhile"
-    return [
-        (("algo.demos",), is_sft(algo), f"algo={algo.name} does not behaviour-clone"),
-        (("algo.demo_episodes", "algo.demo_level", "algo.demo_slip"), is_sft(algo) and algo.demos == "expert",
-         "algo.demos is a file: its trajectories are the data" if is_sft(algo)
-         else f"algo={algo.name} does not behaviour-clone"),
-        (("algo.dynamic_sampling_max_rounds", "algo.group_filter"), algo.dynamic_sampling,
-         "algo.dynamic_sampling=false"),
-        (tuple(f"algo.diagnostics.{k}" for k in ("mi_every", "alert_entropy_low", "alert_entropy_high",
-                                                  "alert_diversity")),
-         diag.enabled, "algo.diagnostics.enabled=false"),
-        (("algo.diagnostics.mi_samples", "algo.diagnostics.alert_mi"), diag.enabled and diag.mi_every > 0,
-         "algo.diagnostics.mi_every=0 never measures MI" if diag.enabled else "algo.diagnostics.enabled=false"),
-        (("algo.intrinsic.kind",), not is_sft(algo), no_rollouts),
-        (("algo.intrinsic.coef", "algo.intrinsic.decay"), not is_sft(algo) and algo.intrinsic.kind != "none",
-         no_rollouts if is_sft(algo) else "algo.intrinsic.kind=none adds no bonus"),
-        (("algo.monitor.clamp_scale",), algo.monitor.action == "clamp", f"algo.monitor.action={algo.monitor.action}"),
-        (("model.lora.alpha", "model.lora.dropout", "model.lora.target_modules"), cfg.model.lora.rank > 0,
-         "model.lora.rank=0 fine-tunes all weights"),
-        (("launcher.num_gpus", "launcher.num_nodes", "launcher.num_procs", "launcher.hostfile"), launcher != "local",
-         "launcher=local runs one process; start ranks with launcher=deepspeed or launcher=slurm"),
-        (("launcher.partition", "launcher.time_min", "launcher.cpus_per_task", "launcher.account"),
-         launcher == "slurm", "these configure launcher=slurm"),
-        (("rollout.overlap", "env.step_timeout_s"), env.num_workers != 0, in_process),
-        (("curriculum.start_turns", "curriculum.horizon_share"), cur.horizon or cur.name == "horizon",
-         "curriculum.horizon=false"),
-        (("curriculum.subgoal_coef", "curriculum.subgoal_decay_share"),
-         cur.subgoal_rewards or cur.name == "subgoal_rewards", "curriculum.subgoal_rewards=false"),
-    ]
-
-
-def _parts(cfg: DictConfig) -> list[_Part]:
-    """Everything that reads settings only when this run uses it: the components the registries hold (an
-    entry's `reads`), the schedules of the loss coefficients, and the switches above."""
-    parts = []
-    for key, registry, _ in _named_components(cfg):
-        if registry in ("schedules", "kl_schedules"):
-            continue  # the keys a schedule reads depend on its section: see the coefficients below
-        for name in _REGISTRIES[registry].names():
-            reads = tuple(k for k in _REGISTRIES[registry].reads(name) if not k.startswith("algo.components."))
-            if reads:  # algo.components.<name>: _check_components warns about those
-                parts.append(_Part(reads, choice=(key, name)))
-    for factor in ("lambda", "beta", "kl"):  # the loss coefficients' schedules: entropy group, algo.phase, KL
-        key, _, section, keys = coefficient_schedule(factor, cfg)
-        weighted = [name for name in LOSS_TERMS.names() if factor in coef_factors(LOSS_TERMS.entry(name).coef)[1]]
-        terms = " and ".join(f"'{name}'" for name in weighted)
-        many = len(weighted) > 1
-        parts.append(_Part((key,), on=any(name in cfg.algo.loss_terms for name in weighted),
-                           why=f"{factor} weights only the {terms} term{'s' if many else ''}, and "
-                               f"{'neither is' if many else 'it is not'} in algo.loss_terms"))
-        if factor == "kl":
-            for name in KL_SCHEDULES.names():
-                schedule, where, kl_keys = KL_SCHEDULES[name]
-                reads = tuple(f"algo.{where}.{k}" for k in parameter_keys(schedule, kl_keys).values())
-                parts.append(_Part(reads, choice=(key, name)))
-        else:
-            section_keys = [f.name for f in fields(_dataclass_at(section, "household"))]
-            for name in usable_schedules(section_keys, keys):
-                reads = tuple(f"{section}.{k}" for k in parameter_keys(name, keys).values())
-                parts.append(_Part(reads, choice=(key, name)))
-    parts += [_Part(keys, on=on, why=why) for keys, on, why in _switches(cfg)]
-    return parts
-
-
-def _covers(owner: str, key: str) -> bool:
-    return key == owner or key.startswith(owner + ".")
-
-
-def _names(value: Any) -> list[str]:
-    return [str(v) for v in value] if OmegaConf.is_list(value) else [str(value)]
-
-
-def _warn_unused_settings(cfg: DictConfig) -> None:
-    """One warning line per reason when settings were changed from their defaults but nothing this run uses
-    reads them (e.g. algo.gigpo.step_weight under algo.estimator=grpo, or algo.entropy_smoothing.alpha when
-    algo.loss_terms has no entropy_smoothing term). A key that no part claims is read by the core: never
-    warned about."""
-    parts = _parts(cfg)
-    used: set[int] = set()
-
-    def owners(key: str) -> list[int]:
-        return [i for i, part in enumerate(parts) if any(_covers(k, key) for k in part.keys)]
-
-    def read(key: str) -> bool:
-        return not owners(key) or any(i in used for i in owners(key))
-
-    def chosen(part: _Part) -> bool:
-        return part.choice is not None and part.choice[1] in _names(OmegaConf.select(cfg, part.choice[0]))
-
-    grew = True
-    while grew:  # a part may be named by a key that only another part reads (algo.policy_loss: policy_clip)
-        grew = False
-        for i, part in enumerate(parts):
-            if i not in used and (part.on if part.choice is None else chosen(part) and read(part.choice[0])):
-                used.add(i)
-                grew = True
-
-    def reason(key: str, seen: frozenset[str] = frozenset()) -> str:
-        unused = [parts[i] for i in owners(key) if i not in used]
-        # named, but by a key nothing reads: that key's reason is this one's
-        named = [part.choice[0] for part in unused if chosen(part) and part.choice[0] not in seen]  # type: ignore[index]
-        if named:
-            return "; ".join(dict.fromkeys(reason(choice, seen | {key}) for choice in named))
-        alternatives: dict[str, list[str]] = {}  # choice key -> the names that would read it
-        texts = []
-        for part in unused:
-            if part.choice is None:
-                texts.append(part.why)
-            elif OmegaConf.is_list(OmegaConf.select(cfg, part.choice[0])):
-                texts.append(f"'{part.choice[1]}' is not in {part.choice[0]}")
-            else:
-                alternatives.setdefault(part.choice[0], []).append(part.choice[1])
-        if alternatives:
-            texts.insert(0, "read only with " + " or ".join(f"{k}={'|'.join(v)}" for k, v in alternatives.items()))
-        return "; ".join(dict.fromkeys(texts))
-
-    unread: dict[str, list[str]] = {}
-    for key in dict.fromkeys(k for part in parts for k in part.keys):
-        for leaf, default in _leaves(key, cfg.env.name):
-            value = OmegaConf.select(cfg, leaf)
-            if value != default and not read(leaf):
-                unread.setdefault(reason(leaf), []).append(f"{leaf}={value}")
-    for why, settings in unread.items():
-        warnings.warn(f"{', '.join(dict.fromkeys(settings))}: no effect in this run ({why}).", stacklevel=3)
-
-
-def _leaves(key: str, env_name: str) -> list[tuple[str, Any]]:
-    """(dotted key, schema default) of `key` or, for a section, of every key under it."""
-    parent, _, leaf = key.rpartition(".")
-    owner = _dataclass_at(parent, env_name)
-    if owner is None:
-        return []
-    field = {f.name: f for f in fields(owner)}.get(leaf)
-    if field is None:
-        return []
-    nested = _dataclass_at(key, env_name)
-    if nested is not None:
-        return [pair for f in fields(nested) for pair in _leaves(f"{key}.{f.name}", env_name)]
-    default = field.default if field.default is not MISSING else field.default_factory()  # type: ignore[misc]
-    return [(key, default)]
+        raise ConfigError(f"{weight.key}={name}: {err}.") from None

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -108,6 +108,23 @@ def check_number_sizes(node: Any, prefix: str = "") -> None:
                               f"Fix: {where}=<a smaller value>.")
 
 
+@dataclass(frozen=True)
+class Switch:
+    """Settings (`keys`, dotted; a section names every key under it) that are read only while a switch is on:
+    `on(cfg)`; `why(cfg)` says why they are not read when it is off. A section's `switches` lists the rules
+    of the switches it holds; compose warns about such a setting changed while its switch is off."""
+
+    keys: tuple[str, ...]
+    on: Callable[[Any], bool]
+    why: Callable[[Any], str]
+
+
+#: keys renamed since runs were saved with them: old -> new (a saved config.yaml is read with the new names,
+#: and an override that gives an old one is told the new one)
+RENAMED_KEYS = {"algo.phase.value": "algo.phase.coef", "algo.phase.beta_start": "algo.phase.start",
+                "algo.phase.beta_peak": "algo.phase.peak", "algo.phase.beta_end": "algo.phase.end"}
+
+
 # ----------------------------------------------------------------------------------------------------
 # Schemas
 # ----------------------------------------------------------------------------------------------------
@@ -131,6 +148,11 @@ class EnvConfig:
     #: split names used for training and for evaluation during training
     train_split: str = "train"
     eval_splits: list[str] = field(default_factory=lambda: ["eval_in_distribution"])
+
+    switches: ClassVar[tuple[Switch, ...]] = (
+        Switch(("rollout.overlap", "env.step_timeout_s"), lambda cfg: cfg.env.num_workers != 0,
+               lambda cfg: "env.num_workers=0 steps the envs in the training process, so no worker runs meanwhile"),
+    )
 
 
 @dataclass
@@ -184,16 +206,17 @@ class SmoothingConfig:
 class PhaseConfig:
     """Phase weight beta_k multiplying the smoothing term."""
 
-    #: a schedule of epo_cli/algos/schedules.py whose parameters this section has: paper
-    #: (1 + exp(-gamma k / floor(K/2))) | constant (value) | two_phase (beta_start/peak/end) | ...
+    #: a schedule of epo_cli/algos/schedules.py whose parameters this section has (under the schedule's own
+    #: names): paper (1 + exp(-gamma k / floor(K/2))) | constant (coef) | two_phase (start, peak, end) | ...
     schedule: str = one_of("paper", registry="schedules")
     gamma: float = num(3.0, ge=0)
-    value: float = num(1.0, ge=0)
-    #: two_phase: share of training in the exploration phase, and the beta/KL values at its ends
+    coef: float = num(1.0, ge=0)
+    #: two_phase: share of training in the exploration phase, and the beta values at its ends
     exploration_share: float = num(0.3, ge=0, le=1)
-    beta_start: float = num(0.1, ge=0)
-    beta_peak: float = num(0.5, ge=0)
-    beta_end: float = num(0.2, ge=0)
+    start: float = num(0.1, ge=0)
+    peak: float = num(0.5, ge=0)
+    end: float = num(0.2, ge=0)
+    #: algo.kl.schedule=two_phase: the KL weight, 0 while exploring, then kl_start -> kl_end
     kl_start: float = num(0.2, ge=0)
     kl_end: float = num(0.8, ge=0)
 
@@ -252,6 +275,12 @@ class IntrinsicConfig:
     #: per-iteration factor of the bonus (1 = constant)
     decay: float = num(1.0, ge=0, le=1)
 
+    switches: ClassVar[tuple[Switch, ...]] = (
+        Switch(("algo.intrinsic.coef", "algo.intrinsic.decay"),
+               lambda cfg: not is_sft(cfg.algo) and cfg.algo.intrinsic.kind != "none",
+               lambda cfg: _no_rollouts(cfg) if is_sft(cfg.algo) else "algo.intrinsic.kind=none adds no bonus"),
+    )
+
 
 @dataclass
 class MonitorConfig:
@@ -264,6 +293,11 @@ class MonitorConfig:
     #: warn (log + console) | clamp (also scale the entropy terms' gradient by clamp_scale)
     action: str = one_of("warn", ("warn", "clamp"))
     clamp_scale: float = num(0.1, ge=0, le=1)
+
+    switches: ClassVar[tuple[Switch, ...]] = (
+        Switch(("algo.monitor.clamp_scale",), lambda cfg: cfg.algo.monitor.action == "clamp",
+               lambda cfg: f"algo.monitor.action={cfg.algo.monitor.action}"),
+    )
 
 
 @dataclass
@@ -286,6 +320,16 @@ class DiagnosticsConfig:
     alert_mi: float | None = num(0.01, ge=0)
     #: alert when collapse/state_diversity < this; null = off (a converged policy takes one action per state)
     alert_diversity: float | None = num(None, ge=0, le=1)
+
+    switches: ClassVar[tuple[Switch, ...]] = (
+        Switch(tuple(f"algo.diagnostics.{k}" for k in ("mi_every", "alert_entropy_low", "alert_entropy_high",
+                                                        "alert_diversity")),
+               lambda cfg: cfg.algo.diagnostics.enabled, lambda cfg: "algo.diagnostics.enabled=false"),
+        Switch(("algo.diagnostics.mi_samples", "algo.diagnostics.alert_mi"),
+               lambda cfg: cfg.algo.diagnostics.enabled and cfg.algo.diagnostics.mi_every > 0,
+               lambda cfg: "algo.diagnostics.mi_every=0 never measures MI" if cfg.algo.diagnostics.enabled
+               else "algo.diagnostics.enabled=false"),
+    )
 
 
 @dataclass
@@ -366,11 +410,30 @@ class AlgoConfig:
     #: coefficient is its `coef`
     components: dict[str, Any] = field(default_factory=dict)
 
+    switches: ClassVar[tuple[Switch, ...]] = (
+        Switch(("algo.demos",), lambda cfg: is_sft(cfg.algo), lambda cfg: _not_cloning(cfg)),
+        Switch(("algo.demo_episodes", "algo.demo_level", "algo.demo_slip"),
+               lambda cfg: is_sft(cfg.algo) and cfg.algo.demos == "expert",
+               lambda cfg: "algo.demos is a file: its trajectories are the data" if is_sft(cfg.algo)
+               else _not_cloning(cfg)),
+        Switch(("algo.dynamic_sampling_max_rounds", "algo.group_filter"), lambda cfg: cfg.algo.dynamic_sampling,
+               lambda cfg: "algo.dynamic_sampling=false"),
+        Switch(("algo.intrinsic.kind",), lambda cfg: not is_sft(cfg.algo), lambda cfg: _no_rollouts(cfg)),
+    )
+
 
 def is_sft(algo: Any) -> bool:
     """The one rule for behaviour cloning: an algorithm without an RL base (algo.base=none, as algo=sft)
     trains on demonstrations (no rollouts, advantages or epochs)."""
     return algo.base == "none"
+
+
+def _not_cloning(cfg: Any) -> str:
+    return f"algo={cfg.algo.name} does not behaviour-clone"
+
+
+def _no_rollouts(cfg: Any) -> str:
+    return f"algo={cfg.algo.name} plays no rollouts to reward"
 
 
 @dataclass
@@ -379,6 +442,11 @@ class LoraConfig:
     alpha: int = num(16, gt=0)
     dropout: float = num(0.0, ge=0, lt=1)
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+    switches: ClassVar[tuple[Switch, ...]] = (
+        Switch(("model.lora.alpha", "model.lora.dropout", "model.lora.target_modules"),
+               lambda cfg: cfg.model.lora.rank > 0, lambda cfg: "model.lora.rank=0 fine-tunes all weights"),
+    )
 
 
 @dataclass
@@ -456,6 +524,15 @@ class CurriculumConfig:
     #: the subgoal coefficient decays linearly to 0 by this share of training (null = never)
     subgoal_decay_share: float | None = num(0.8, gt=0, le=1)
 
+    switches: ClassVar[tuple[Switch, ...]] = (
+        Switch(("curriculum.start_turns", "curriculum.horizon_share"),
+               lambda cfg: cfg.curriculum.horizon or cfg.curriculum.name == "horizon",
+               lambda cfg: "curriculum.horizon=false"),
+        Switch(("curriculum.subgoal_coef", "curriculum.subgoal_decay_share"),
+               lambda cfg: cfg.curriculum.subgoal_rewards or cfg.curriculum.name == "subgoal_rewards",
+               lambda cfg: "curriculum.subgoal_rewards=false"),
+    )
+
 
 @dataclass
 class DeepSpeedConfig:
@@ -486,6 +563,14 @@ class LauncherConfig:
     time_min: int = num(60 * 24, ge=1)
     cpus_per_task: int = num(8, ge=1)
     account: str | None = None
+
+    switches: ClassVar[tuple[Switch, ...]] = (
+        Switch(("launcher.num_gpus", "launcher.num_nodes", "launcher.num_procs", "launcher.hostfile"),
+               lambda cfg: cfg.launcher.name != "local",
+               lambda cfg: "launcher=local runs one process; start ranks with launcher=deepspeed or launcher=slurm"),
+        Switch(("launcher.partition", "launcher.time_min", "launcher.cpus_per_task", "launcher.account"),
+               lambda cfg: cfg.launcher.name == "slurm", lambda cfg: "these configure launcher=slurm"),
+    )
 
 
 @dataclass
@@ -625,11 +710,26 @@ def _choice(key: str, value: Any, valid: list[Any] | tuple[Any, ...]) -> None:
                           f"{', '.join(str(v) for v in valid)}.")
 
 
-def _nested_schema(f: Any) -> type | None:
+def section_schema(f: Any) -> type | None:
+    """The schema of a field that is a section (a dataclass made by its default_factory), else None."""
     if f.default_factory is not MISSING:
         made = f.default_factory()
         return type(made) if is_dataclass(made) else None
     return None
+
+
+def schema_at(key_path: str, env_schema: type) -> type | None:
+    """The schema dataclass that owns the node at `key_path` (e.g. 'trainer' or 'algo.kl'), None if it is no
+    section; the env section's is `env_schema` (the schema of env.name)."""
+    node: Any = RunConfig
+    for part in [p for p in key_path.split(".") if p]:
+        if not is_dataclass(node):
+            return None
+        match = {f.name: f for f in fields(node)}.get(part)
+        if match is None:
+            return None
+        node = env_schema if (node is RunConfig and part == "env") else section_schema(match)
+    return node
 
 
 def check_field_rules(node: DictConfig, schema: type, prefix: str = "",
@@ -645,7 +745,7 @@ def check_field_rules(node: DictConfig, schema: type, prefix: str = "",
     registries, schemas = registries or {}, schemas or {}
     for f in fields(schema):
         key, value = f"{prefix}{f.name}", node[f.name]
-        nested = schemas.get(key) or _nested_schema(f)
+        nested = schemas.get(key) or section_schema(f)
         if nested is not None:
             check_field_rules(value, nested, key + ".", registries, schemas)
             continue

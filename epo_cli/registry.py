@@ -10,15 +10,16 @@ An entry (`Entry`) carries:
               the "no effect in this run" warnings; default: where its settings are
     check     its rules that span keys: check(cfg) at compose time whenever the config names it (raise
               ConfigError, or warn)
-    coef      loss terms: its coefficient in the loss, a product of factors ("1", "-lambda", "lambda*beta",
-              "kl", "settings" = its own settings' `coef`; see epo_cli.algos.registries.COEF_FACTORS)
+    coef      loss terms: its coefficient in the loss, a function of the weights its parameters name (lam, beta,
+              kl: the schedules' values this step; settings: its own settings), e.g. `lambda lam, beta: lam * beta`;
+              None: its settings' `coef` (epo_cli.algos.registries.coef_weights)
     auto_for  advantage estimators: the algo.base values for which algo.estimator=auto picks it
 
 Config validation reads only this metadata, so it never imports a component's code (nor torch). That is why
 the built-in algorithm components are declared in epo_cli/algos/registries.py and implemented where their
 code is:
 
-    LOSS_TERMS.declare("kl", config=KLConfig, sections=("kl",), coef="kl")     # epo_cli/algos/registries.py
+    LOSS_TERMS.declare("kl", config=KLConfig, sections=("kl",), coef=lambda kl: kl)   # algos/registries.py
     @LOSS_TERMS.implement("kl")                                                # epo_cli/algos/losses.py
     def _kl(kl: KLConfig) -> LossTerm: ...
 
@@ -50,7 +51,7 @@ class Entry:
     sections: tuple[str, ...] | None = None
     reads: tuple[str, ...] | None = None
     check: Callable[[Any], None] | None = None
-    coef: str | None = None
+    coef: Callable[..., float] | None = None
     auto_for: tuple[str, ...] = ()
 
     def settings(self, algo: Any) -> tuple[Any, ...]:

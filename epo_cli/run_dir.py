@@ -34,6 +34,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from epo_cli.compose import validate
+from epo_cli.config import RENAMED_KEYS
 from epo_cli.errors import ConfigError, UserError
 from epo_cli.saved_state import check_saved_config, load_yaml
 from epo_cli.trust import drop_saved_settings
@@ -145,6 +146,11 @@ def load_run_config(run: Path, command_line: dict[str, Any] | None = None,
     if not isinstance(raw, DictConfig):
         raise UserError(f"'{path}' is not a run config (expected a mapping of sections); nothing was loaded.")
     raw.pop("meta", None)
+    for old, new in RENAMED_KEYS.items():  # saved before the key was renamed: the same setting, its new name
+        section, _, name = old.rpartition(".")
+        node = OmegaConf.select(raw, section, default=None)
+        if isinstance(node, DictConfig) and name in node and new.rpartition(".")[2] not in node:
+            node[new.rpartition(".")[2]] = node.pop(name)
     check_saved_config(raw, path)  # every section and key present: a file cut short is refused
     for key in RETIRED_KEYS:
         section, _, name = key.rpartition(".")

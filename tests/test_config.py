@@ -87,6 +87,8 @@ def test_behaviour_cloning_is_an_algorithm_without_an_rl_base() -> None:
     (["algo.estimator=gea"], "Did you mean 'gae'"),
     (["algo=grpo", "algo.group_size=1"], "needs algo.group_size >= 2"),
     (["entropy.schedule=sine"], "Valid values"),
+    # a key renamed to its schedule argument's name: the new name, not the closest old one (kl_start)
+    (["algo.phase.beta_start=0.2"], "Unknown config key 'algo.phase.beta_start': it was renamed algo.phase.start"),
 ])
 def test_bad_config_is_one_clear_error(overrides: list[str], needle: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -140,7 +142,7 @@ def test_smoothing_that_outweighs_the_bonus_is_warned(tmp_path) -> None:
     # the schedules algo.phase gained with the shared schedule registry are covered too
     with pytest.warns(UserWarning, match=r"alpha \* max beta_k = 0.5 \* 2 >= 1"):
         compose(["algo=epo", "algo.entropy_smoothing.alpha=0.5", "algo.phase.schedule=linear",
-                 "algo.phase.beta_start=2", "algo.phase.beta_end=1"])
+                 "algo.phase.start=2", "algo.phase.end=1"])
     proc = run_epo(["config", "show", "algo=epo", "algo.entropy_smoothing.alpha=0.5"], cwd=tmp_path)
     assert proc.stderr.startswith("warning: algo.entropy_smoothing.alpha") and "UserWarning" not in proc.stderr
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from epo_cli.config import RunConfig, _nested_schema
+from epo_cli.config import RunConfig, section_schema
 from epo_cli.errors import EXIT_CONFIG, ConfigError
 from epo_cli.launch.setup import compose_for_train
 
@@ -137,7 +137,7 @@ def _schemas() -> list[tuple[str, type]]:
     def walk(prefix: str, schema: type) -> None:
         out.append((prefix, schema))
         for f in fields(schema):
-            nested = _nested_schema(f)
+            nested = section_schema(f)
             if nested is not None and is_dataclass(nested):
                 walk(f"{prefix}{f.name}.", nested)
 
@@ -254,8 +254,10 @@ UNUSED = [
     # replaced coefficient, an estimator's section, turn-decay's decay, a curriculum's keys, switches
     (["algo=grpo", "algo.policy_clip.kl_cov_ratio=0.01"],
      "algo.policy_clip.kl_cov_ratio=0.01: no effect in this run (read only with algo.policy_loss=kl_cov)."),
-    (["algo=epo", "algo.phase.beta_peak=0.9"],
-     "algo.phase.beta_peak=0.9: no effect in this run (read only with algo.phase.schedule=two_phase)."),
+    (["algo=epo", "algo.phase.peak=0.9"],
+     "algo.phase.peak=0.9: no effect in this run (read only with algo.phase.schedule=two_phase)."),
+    (["algo=epo", "algo.phase.kl_end=0.9"],
+     "algo.phase.kl_end=0.9: no effect in this run (read only with algo.kl.schedule=two_phase)."),
     (["algo=epo", "entropy.peak=0.01"], "entropy.peak=0.01: no effect in this run (read only with "
                                         "entropy.schedule=two_phase)."),
     (["algo=epo", "algo.kl.schedule=two_phase", "algo.kl.coef=0.5"],

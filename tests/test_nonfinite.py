@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from epo_cli.config import MAX_INT, RunConfig, _nested_schema, number_problem
+from epo_cli.config import MAX_INT, RunConfig, number_problem, section_schema
 from epo_cli.envs import ENV_SUITES, env_config_class
 
 from conftest import SmallConfig, run_epo
@@ -34,7 +34,7 @@ def _numeric_keys() -> list[tuple[list[str], str, type]]:
     def walk(prefix: str, schema: type, select: list[str]) -> None:
         hints = typing.get_type_hints(schema)
         for f in fields(schema):
-            nested = _nested_schema(f)
+            nested = section_schema(f)
             if nested is not None and is_dataclass(nested):
                 walk(f"{prefix}{f.name}.", nested, select)
                 continue

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +24,14 @@ from torch import Tensor
 from epo_cli.algos.aggregation import normalized_weights, weighted_sum
 from epo_cli.algos.losses import LossStack, LossTerm, PolicyOutputs, build_loss_terms, loss_coefficients
 from epo_cli.algos.registries import AGGREGATIONS, ESTIMATORS, LOSS_TERMS
-from epo_cli.algos.schedules import SCHEDULES, Schedule, progress
+from epo_cli.algos.schedules import (
+    SCHEDULES,
+    Schedule,
+    build_entropy_schedule,
+    build_kl_schedule,
+    build_phase_schedule,
+    progress,
+)
 from epo_cli.compose import compose
 from epo_cli.config import num, one_of
 from epo_cli.errors import ConfigError
@@ -245,7 +253,7 @@ def toys(monkeypatch: pytest.MonkeyPatch) -> None:
 
 #: EPO's terms plus the toy term, advantages from toy_adv, beta_k from toy_step (algo.phase's keys)
 TOYS = ["algo=epo", "algo.loss_terms=[policy_clip,kl,entropy,entropy_smoothing,toy]", "algo.estimator=toy_adv",
-        "algo.phase.schedule=toy_step", "algo.phase.beta_start=0.3", "algo.phase.beta_end=0.6",
+        "algo.phase.schedule=toy_step", "algo.phase.start=0.3", "algo.phase.end=0.6",
         "algo.phase.exploration_share=0.5"]
 
 
@@ -277,16 +285,57 @@ def test_the_toys_are_validated(toys: None, overrides: list[str], message: str) 
     ([*TOYS, "algo.phase.gamma=5"], "algo.phase.gamma=5.0: no effect in this run (read only with "
                                     "algo.phase.schedule=paper)"),
     # the toy schedule's parameters under grpo, whose loss has no entropy_smoothing term for beta_k to weight
-    (["algo=grpo", "algo.phase.schedule=toy_step", "algo.phase.beta_end=0.7"],
-     "algo.phase.schedule=toy_step, algo.phase.beta_end=0.7: no effect in this run (beta weights only the "
+    (["algo=grpo", "algo.phase.schedule=toy_step", "algo.phase.end=0.7"],
+     "algo.phase.schedule=toy_step, algo.phase.end=0.7: no effect in this run (beta weights only the "
      "'entropy_smoothing' term"),
     # max beta_k of a schedule without a max_value of its own: evaluated over the run (0.5 * 2.5 >= 1)
-    ([*TOYS, "algo.entropy_smoothing.alpha=0.5", "algo.phase.beta_end=2.5"], r"alpha * max beta_k = 0.5 * 2.5 >= 1"),
+    ([*TOYS, "algo.entropy_smoothing.alpha=0.5", "algo.phase.end=2.5"], r"alpha * max beta_k = 0.5 * 2.5 >= 1"),
 ])
 def test_the_toys_warn(toys: None, overrides: list[str], message: str) -> None:
     with pytest.warns(UserWarning) as caught:
         compose(overrides)
     assert any(message in str(w.message) for w in caught), [str(w.message) for w in caught]
+
+
+@dataclass
+class ToyBonusConfig:
+    #: the bonus is this many times the entropy group's lambda
+    scale: float = num(2.0, ge=0)
+
+
+def test_a_term_weighted_by_a_schedule_and_that_schedule_need_nothing_else(toys: None,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loss term whose coefficient is code that reads a weight (lam: the entropy group's schedule) and its
+    settings, and a schedule for that weight (toy_step): registered here, with nothing in epo_cli touched,
+    they compose, their settings are read (no warning), and the step's coefficients come out of the real
+    schedule builders and loss_coefficients."""
+    monkeypatch.setattr(LOSS_TERMS, "_entries", dict(LOSS_TERMS._entries))  # restored after the test
+    LOSS_TERMS.register("toy_bonus", config=ToyBonusConfig,
+                        coef=lambda lam, settings: -lam * settings.scale)(lambda settings: ToyLoss(1, "token-mean"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # entropy.* and algo.components.toy_bonus are read: no "no effect" line
+        cfg = compose(["algo=grpo", "algo.loss_terms=[policy_clip,kl,toy_bonus]", "algo.components.toy_bonus.scale=3",
+                       "entropy.schedule=toy_step", "entropy.start=0.2", "entropy.end=0.1",
+                       "entropy.exploration_share=0.5"])
+    lam, beta = build_entropy_schedule(cfg.entropy), build_phase_schedule(cfg.algo.phase)
+    kl = build_kl_schedule(cfg.algo)
+    # 4 steps: steps 0-1 (p < 0.5) lambda = start 0.2 -> -0.2 * 3 = -0.6; steps 2-3 end 0.1 -> -0.3
+    for step, bonus in ((0, -0.6), (1, -0.6), (2, -0.3), (3, -0.3)):
+        coefs = loss_coefficients(cfg.algo, lam(step, 4), beta(step, 4), kl(step, 4))
+        assert coefs == {"policy_clip": 1.0, "kl": 0.01, "toy_bonus": pytest.approx(bonus)}
+    # the monitor's clamp scales lambda, so the toy's bonus too: -0.2 * 0.1 * 3
+    assert loss_coefficients(cfg.algo, 0.2, 2.0, 0.01, entropy_scale=0.1)["toy_bonus"] == pytest.approx(-0.06)
+    # without the term, lambda weights nothing this run uses: the warning names the toy among its terms
+    with pytest.warns(UserWarning, match="lambda weights only the 'entropy' and 'entropy_smoothing' and 'toy_bonus'"):
+        compose(["algo=grpo", "entropy.coef=0.5"])
+
+
+def test_a_coefficient_reads_only_the_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A coef whose parameter names no weight is refused when the config is composed, naming the weights."""
+    monkeypatch.setattr(LOSS_TERMS, "_entries", dict(LOSS_TERMS._entries))
+    LOSS_TERMS.register("toy_alpha", config=ToyConfig, coef=lambda alpha: alpha)(_toy)
+    with pytest.raises(ValueError, match="takes alpha, which is not a weight; .* lam, beta, kl or settings"):
+        compose(["algo=grpo", "algo.loss_terms=[policy_clip,kl,toy_alpha]"])
 
 
 #: set by init_distributed for a world of one; they must not leak into later tests' subprocesses

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 
@@ -10,42 +9,44 @@ import pytest
 import torch
 
 from epo_cli.algos.schedules import (
-    ENTROPY_KEYS,
     KL_SCHEDULES,
-    PHASE_KEYS,
     SCHEDULES,
+    WEIGHTS,
     build_entropy_schedule,
     build_kl_schedule,
     build_lr_schedule,
     build_phase_schedule,
-    usable_schedules,
+    schedule_parameters,
 )
 from epo_cli.config import AlgoConfig, EntropyConfig, KLConfig, PhaseConfig
 
 torch.set_num_threads(1)
 
 
-def section_keys(schema: type) -> list[str]:
-    return [f.name for f in dataclasses.fields(schema)]
-
-
 def test_registry_names():
-    # one registry serves every coefficient
+    # one registry serves lambda and beta_k; the KL weight's names are its own
     assert set(SCHEDULES.names()) == {"constant", "linear", "cosine", "exp_anneal", "two_phase", "adaptive_target",
                                       "delayed_linear", "paper", "warmup_cosine"}
     assert set(KL_SCHEDULES) == {"constant", "two_phase"}
     # a section can use the schedules whose parameters it holds: the entropy group has no gamma (paper) nor
     # warm-up keys; algo.phase has no decay_rate (exp_anneal) nor adaptive_target's keys
-    assert set(usable_schedules(section_keys(EntropyConfig), ENTROPY_KEYS)) == {
+    assert set(WEIGHTS["lam"].choices()) == {
         "constant", "linear", "cosine", "exp_anneal", "two_phase", "adaptive_target", "delayed_linear"}
-    assert set(usable_schedules(section_keys(PhaseConfig), PHASE_KEYS)) == {
-        "paper", "constant", "two_phase", "linear", "cosine", "delayed_linear"}
+    assert set(WEIGHTS["beta"].choices()) == {"paper", "constant", "two_phase", "linear", "cosine", "delayed_linear"}
+    assert WEIGHTS["kl"].choices() == ["constant", "two_phase"]
+    # each KL schedule's parameters are in the section its entry names: algo.kl.coef, algo.phase's KL ramp
+    assert [WEIGHTS["kl"].section(name) for name in ("constant", "two_phase")] == ["algo.kl", "algo.phase"]
+    assert schedule_parameters("two_phase", KL_SCHEDULES) == ["kl_start", "kl_end", "exploration_share"]
 
 
-def test_phase_reads_the_shared_schedules_under_its_own_keys():
-    # linear beta_start 0.1 -> beta_end 0.5: step 5 of 10 -> 0.3
-    beta = build_phase_schedule(PhaseConfig(schedule="linear", beta_start=0.1, beta_end=0.5))
-    assert beta(5, 10) == pytest.approx(0.3)
+def test_a_section_holds_a_schedules_parameters_under_its_argument_names():
+    # linear start 0.1 -> end 0.5: step 5 of 10 -> 0.3, in algo.phase as in the entropy group
+    assert build_phase_schedule(PhaseConfig(schedule="linear", start=0.1, end=0.5))(5, 10) == pytest.approx(0.3)
+    assert build_entropy_schedule(EntropyConfig(schedule="linear", start=0.1, end=0.5))(5, 10) == pytest.approx(0.3)
+    for weight in WEIGHTS.values():  # every parameter of every schedule a section can name is a key there
+        for name in weight.choices():
+            section = {"entropy": EntropyConfig, "algo.phase": PhaseConfig, "algo.kl": KLConfig}[weight.section(name)]
+            assert set(schedule_parameters(name, weight.registry)) <= set(section.__dataclass_fields__)
 
 
 # ------------------------------------------------------------------------------------------- beta_k
@@ -69,7 +70,7 @@ def test_paper_phase_odd_and_tiny_K():
 
 
 def test_constant_phase():
-    assert build_phase_schedule(PhaseConfig(schedule="constant", value=1.5))(37, 100) == 1.5
+    assert build_phase_schedule(PhaseConfig(schedule="constant", coef=1.5))(37, 100) == 1.5
 
 
 # ---------------------------------------------------------------------------------------- two-phase
@@ -78,9 +79,9 @@ def test_constant_phase():
 ARTICLE = PhaseConfig(
     schedule="two_phase",
     exploration_share=0.3,
-    beta_start=0.1,
-    beta_peak=0.5,
-    beta_end=0.2,
+    start=0.1,
+    peak=0.5,
+    end=0.2,
     kl_start=0.2,
     kl_end=0.8,
 )
@@ -201,7 +202,7 @@ def test_max_value_by_hand():
     """max_value: the largest value over a run (EPO's alpha * max beta_k check reads it at config time)."""
     K = 10
     assert SCHEDULES.build("paper", gamma=3.0).max_value(K) == 2.0  # beta_0 = 1 + exp(0)
-    assert SCHEDULES.build("constant", value=0.7).max_value(K) == 0.7
+    assert SCHEDULES.build("constant", coef=0.7).max_value(K) == 0.7
     assert SCHEDULES.build("linear", start=0.2, end=0.5).max_value(K) == 0.5
     assert SCHEDULES.build("cosine", start=0.5, end=0.1).max_value(K) == 0.5
     assert SCHEDULES.build("exp_anneal", start=0.005, decay_rate=0.1, end=0.0001).max_value(K) == 0.005

@@ -19,10 +19,11 @@ i.e. coefficients policy_clip 1, entropy -lambda, entropy_smoothing +lambda*beta
 (`loss_coefficients`).
 
 Every term is declared in LOSS_TERMS (epo_cli/algos/registries.py) under its conf/ name (algo.loss_terms)
-with its settings, the algo keys they are read from and its coefficient, and implemented here
-(`@LOSS_TERMS.implement`); `build_loss_term` and `loss_coefficients` read the registry, so there is no list
-of names to keep in step. A term from elsewhere registers itself with its own settings dataclass; its
-settings are then algo.components.<name> and its coefficient their `coef` (tests/test_registry.py shows one).
+with its settings, the algo keys they are read from and its coefficient (a function of the weights it
+names: `coef=lambda lam, beta: lam * beta`), and implemented here (`@LOSS_TERMS.implement`);
+`build_loss_term` and `loss_coefficients` read the registry, so there is no list of names to keep in step.
+A term from elsewhere registers itself with its own settings dataclass; its settings are then
+algo.components.<name> and its coefficient their `coef` unless it gives one (tests/test_registry.py shows one).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from epo_cli.algos.cov_selection import (
     select_tokens,
     selection_mask,
 )
-from epo_cli.algos.registries import ENTROPY_MODES, KL_ESTIMATORS, LOSS_TERMS, POLICY_LOSSES, coef_factors
+from epo_cli.algos.registries import ENTROPY_MODES, KL_ESTIMATORS, LOSS_TERMS, POLICY_LOSSES, coef_weights, own_coef
 from epo_cli.config import (
     EntropyTermConfig,
     KLConfig,
@@ -540,26 +541,26 @@ def loss_coefficients(
     algo: Any, entropy_coef: float, phase_beta: float, kl_weight: float, entropy_scale: float = 1.0
 ) -> dict[str, float]:
     """Each term's coefficient in L = L_RL - lambda * (L_H - beta_k * L_smooth) + kl_weight * KL, for
-    algo.loss_terms: the product its registry entry names (Entry.coef, e.g. "lambda*beta").
+    algo.loss_terms: its registry entry's `coef` (epo_cli/algos/registries.py) called with the weights it
+    names. The built-ins':
+
+        policy_clip 1   value value.coef   entropy -lambda   entropy_smoothing lambda * beta_k   kl kl_weight   nll 1
 
     entropy_coef = lambda (entropy schedule), phase_beta = beta_k (phase schedule), kl_weight = the KL
     coefficient at this step. entropy_scale multiplies lambda, so both entropy-driven terms (the fluctuation
-    monitor's `clamp` action passes monitor.clamp_scale while it alerts; 1 otherwise). "settings" is the
-    term's own `coef` setting (a term outside the EPO objective, or the critic's value.coef).
+    monitor's `clamp` action passes monitor.clamp_scale while it alerts; 1 otherwise). `settings` is the
+    term's own settings; a term declared without a coef is weighted by their `coef` (the critic's value.coef,
+    or a term outside the EPO objective).
     """
-    factors = {"lambda": entropy_coef * entropy_scale, "beta": phase_beta, "kl": kl_weight}
+    weights = {"lam": entropy_coef * entropy_scale, "beta": phase_beta, "kl": kl_weight}
     coefs = {}
     for name in algo.loss_terms:
-        sign, names = coef_factors(LOSS_TERMS.entry(name).coef)
-        coefs[name] = sign
-        for factor in names:
-            coefs[name] *= _own_coef(name, algo) if factor == "settings" else factors[factor]
+        entry = LOSS_TERMS.entry(name)
+        reads = coef_weights(entry.coef)
+        settings = entry.settings(algo) if "settings" in reads else ()
+        if entry.coef is None and not (settings and hasattr(settings[0], "coef")):
+            raise ValueError(f"loss term '{name}' declares no coef, so it is weighted by its own settings' `coef`: "
+                             "its settings class needs that field (its coefficient in the loss)")
+        given = {**weights, "settings": settings[0] if settings else None}
+        coefs[name] = float((entry.coef or own_coef)(**{weight: given[weight] for weight in reads}))
     return coefs
-
-
-def _own_coef(name: str, algo: Any) -> float:
-    settings = LOSS_TERMS.entry(name).settings(algo)
-    if not settings or not hasattr(settings[0], "coef"):
-        raise ValueError(f"loss term '{name}' is weighted by its own settings (coef 'settings'), so its settings "
-                         "class needs a `coef` field (its coefficient in the loss)")
-    return float(settings[0].coef)

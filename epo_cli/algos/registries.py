@@ -1,10 +1,11 @@
 """The algorithm components a config can name, and everything config validation needs to know about each.
 
 Every registry here is keyed by the names used in conf/; each built-in is declared below with its settings,
-the keys it reads, its coefficient (loss terms), the algo.base values it is the `auto` estimator for, and
-its own cross-field checks. Their code registers itself where it is written (`@LOSS_TERMS.implement(...)`
-in losses.py, advantages.py, aggregation.py). This module imports no torch, so composing and validating a
-config (`epo config show`, a sweep's parent process, the launchers) never loads it.
+the keys it reads, its coefficient (loss terms: a function of the weights it names, `coef_weights`), the
+algo.base values it is the `auto` estimator for, and its own cross-field checks. Their code registers itself
+where it is written (`@LOSS_TERMS.implement(...)` in losses.py, advantages.py, aggregation.py). This module
+imports no torch, so composing and validating a config (`epo config show`, a sweep's parent process, the
+launchers) never loads it.
 
     ESTIMATORS     algo.estimator          advantages.py
     LOSS_TERMS     algo.loss_terms         losses.py
@@ -13,7 +14,8 @@ config (`epo config show`, a sweep's parent process, the launchers) never loads 
     ENTROPY_MODES  algo.entropy.mode       the aggregation each mode uses (a value: nothing to implement)
     AGGREGATIONS   *.aggregation           aggregation.py
     GROUP_FILTERS  algo.group_filter       group_filter.py (the groups dynamic sampling keeps)
-The schedules (SCHEDULES, KL_SCHEDULES) live in schedules.py, which needs no torch either.
+The schedules (SCHEDULES, KL_SCHEDULES) and the weights a loss term's coefficient may read (WEIGHTS: lambda,
+beta_k, the KL weight) live in schedules.py, which needs no torch either.
 
 A component's `check(cfg)` runs at compose time whenever the config names it (after algo.estimator=auto is
 resolved); the rules of a whole section (e.g. entropy.min_coef <= max_coef) stay in epo_cli/compose.py.
@@ -21,10 +23,12 @@ resolved); the rules of a whole section (e.g. entropy.min_coef <= max_coef) stay
 
 from __future__ import annotations
 
+import inspect
 import warnings
+from collections.abc import Callable
 from typing import Any
 
-from epo_cli.algos.schedules import build_phase_schedule
+from epo_cli.algos.schedules import WEIGHTS, build_phase_schedule
 from epo_cli.config import (
     EntropyTermConfig,
     GAEConfig,
@@ -54,20 +58,24 @@ AGGREGATIONS = Registry("aggregation")
 #: algo.group_filter -> fn(one round's group stats, keep share) -> [(group id, passes)]
 GROUP_FILTERS = Registry("group filter", root="algo")
 
-#: what a loss term's coefficient (Entry.coef) may multiply: lambda (the entropy group's schedule), beta
-#: (algo.phase's schedule), kl (the KL weight, algo.kl.schedule), settings (the term's own `coef` setting)
-COEF_FACTORS = ("lambda", "beta", "kl", "settings")
 
 
-def coef_factors(coef: str | None) -> tuple[float, tuple[str, ...]]:
-    """A coefficient ("-lambda", "lambda*beta", "1"; None = "settings") as (sign, its factors)."""
-    text = (coef or "settings").replace(" ", "")
-    sign = -1.0 if text.startswith("-") else 1.0
-    factors = tuple(f for f in text.lstrip("-").split("*") if f != "1")
-    unknown = [f for f in factors if f not in COEF_FACTORS]
+def own_coef(settings: Any) -> float:
+    """The coefficient of a term declared without one (Entry.coef None): its own settings' `coef`."""
+    return settings.coef
+
+
+def coef_weights(coef: Callable[..., float] | None) -> tuple[str, ...]:
+    """What a loss term's coefficient (Entry.coef) reads: its parameters' names, each one of lam (lambda, the
+    entropy group's schedule), beta (beta_k, algo.phase's), kl (the KL weight, algo.kl.schedule) and settings
+    (the term's own settings). The loss (losses.loss_coefficients) calls it with them, and compose reads them
+    to tell which schedules a run uses."""
+    names = tuple(inspect.signature(coef or own_coef).parameters)
+    unknown = [n for n in names if n not in (*WEIGHTS, "settings")]
     if unknown:
-        raise ValueError(f"coefficient '{coef}': unknown factor(s) {unknown}; valid: 1, {', '.join(COEF_FACTORS)}")
-    return sign, factors
+        raise ValueError(f"a loss term's coef takes {', '.join(unknown)}, which is not a weight; its parameters "
+                         f"are named after what it reads: {', '.join(WEIGHTS)} or settings")
+    return names
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -91,6 +99,7 @@ ESTIMATORS.declare("gigpo", config=GiGPOConfig, sections=("gigpo", "grpo"), auto
 
 # ----------------------------------------------------------------------------------------------------
 # Loss terms: L = L_RL - lambda * (L_H - beta_k * L_smooth) + kl_weight * KL (+ nll, + registered terms)
+# Each term's coefficient is a function of the weights it names (`coef_weights`); none: its settings' coef.
 # ----------------------------------------------------------------------------------------------------
 
 def _value_needs_a_critic(cfg: Any) -> None:
@@ -134,15 +143,17 @@ def _smoothing_band(cfg: Any) -> None:
 
 # policy_clip's settings are those of the policy loss algo.policy_loss names (POLICY_LOSSES below)
 LOSS_TERMS.declare("policy_clip", config=PolicyClipConfig, sections=("policy_clip", "policy_loss"),
-                   reads=("algo.policy_loss",), coef="1", check=_policy_clip_needs_advantages)
-LOSS_TERMS.declare("value", config=ValueConfig, sections=("value",), coef="settings", check=_value_needs_a_critic)
+                   reads=("algo.policy_loss",), coef=lambda: 1.0, check=_policy_clip_needs_advantages)
+# the critic's loss, weighted by algo.value.coef (its own settings' coef)
+LOSS_TERMS.declare("value", config=ValueConfig, sections=("value",), check=_value_needs_a_critic)
+# L_H is positive: the minus makes it a bonus
 LOSS_TERMS.declare("entropy", config=EntropyTermConfig, sections=("entropy",), reads=("algo.entropy.mode",),
-                   coef="-lambda")
+                   coef=lambda lam: -lam)
 LOSS_TERMS.declare("entropy_smoothing", config=SmoothingConfig, sections=("entropy_smoothing",),
-                   coef="lambda*beta", check=_smoothing_band)
+                   coef=lambda lam, beta: lam * beta, check=_smoothing_band)
 LOSS_TERMS.declare("kl", config=KLConfig, sections=("kl",), reads=("algo.kl.estimator", "algo.kl.aggregation"),
-                   coef="kl", check=_not_on_demonstrations("kl", "reference log-probs"))
-LOSS_TERMS.declare("nll", sections=("nll_aggregation",), coef="1")
+                   coef=lambda kl: kl, check=_not_on_demonstrations("kl", "reference log-probs"))
+LOSS_TERMS.declare("nll", sections=("nll_aggregation",), coef=lambda: 1.0)
 
 
 # ----------------------------------------------------------------------------------------------------

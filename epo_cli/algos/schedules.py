@@ -3,18 +3,20 @@
 progress p = step / total_steps, clamped to [0, 1]; `total_steps` is always the run's own total
 (trainer.total_steps), never a hard-coded number (the public EPO code hard-coded 150).
 
-Every schedule is a dataclass of its parameters registered in SCHEDULES; its fields are its settings. A
-coefficient's config section names the schedule (`schedule: ...`) and holds its parameters, under the
-schedule's field names or the section's own names for them (the `*_KEYS` maps below):
+Every schedule is a dataclass of its parameters registered in SCHEDULES; its fields are its settings, and a
+config section that holds a schedule's parameters holds them under those same names:
 
-    entropy coefficient lambda   entropy group (EntropyConfig)     build_entropy_schedule   ENTROPY_KEYS
-    EPO phase weight beta_k      algo.phase (PhaseConfig)          build_phase_schedule     PHASE_KEYS
-    KL weight                    algo.kl.schedule (KL_SCHEDULES)   build_kl_schedule
+    entropy coefficient lambda   entropy group (EntropyConfig)     build_entropy_schedule   coef, start, end, ...
+    EPO phase weight beta_k      algo.phase (PhaseConfig)          build_phase_schedule     gamma, coef, start, ...
+    KL weight                    algo.kl.schedule (KL_SCHEDULES)   build_kl_schedule        algo.kl.coef, or
+                                                                                            algo.phase.kl_start, ...
     learning-rate multiplier     algo.warmup_ratio, min_lr_ratio   build_lr_schedule        (warmup_cosine)
 
-A section can use every schedule whose parameters it has (`usable_schedules`); config validation checks
+A section can use every schedule whose parameters it has (`Weight.choices`); config validation checks
 that, builds the schedules the run uses (a schedule's __post_init__ checks its own parameters) and reads
 their `max_value` (e.g. max beta_k for EPO's smoothing check), so a new schedule is one registered dataclass here.
+The KL weight's schedules are a registry of their own (KL_SCHEDULES): each entry says which algo section
+holds its parameters (`sections`), since the source article's KL ramp is set next to beta_k's, in algo.phase.
 
 Every schedule has observe(entropy) and state_dict()/load_state_dict() (JSON-serialisable); they are
 no-ops except for the stateful adaptive_target, so the training loop can treat all of them alike. This
@@ -27,6 +29,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+from epo_cli.config import EnvConfig, schema_at
 from epo_cli.registry import Registry
 
 #: schedule name -> its dataclass (fields = parameters)
@@ -79,13 +82,13 @@ def _register(name: str) -> Any:
 
 @_register("constant")
 class Constant(Schedule):
-    value: float
+    coef: float
 
     def max_value(self, total_steps: int) -> float:
-        return self.value
+        return self.coef
 
     def __call__(self, step: int, total_steps: int) -> float:
-        return self.value
+        return self.coef
 
 
 @_register("linear")
@@ -164,15 +167,19 @@ class DelayedLinear(Schedule):
     exploration_share: float
 
     def __call__(self, step: int, total_steps: int) -> float:
-        p, share = progress(step, total_steps), self.exploration_share
-        if p < share:
-            return 0.0
-        if share >= 1.0:
-            return self.start
-        return self.start + (self.end - self.start) * (p - share) / (1.0 - share)
+        return _delayed_linear(progress(step, total_steps), self.exploration_share, self.start, self.end)
 
     def max_value(self, total_steps: int) -> float:
         return max(self.start, self.end, 0.0)
+
+
+def _delayed_linear(p: float, share: float, start: float, end: float) -> float:
+    """0 while p < share, then start -> end linearly over [share, 1]."""
+    if p < share:
+        return 0.0
+    if share >= 1.0:
+        return start
+    return start + (end - start) * (p - share) / (1.0 - share)
 
 
 @_register("adaptive_target")
@@ -251,65 +258,88 @@ class WarmupCosine(Schedule):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Where each coefficient's schedule finds its parameters
+# The KL weight's schedules; the weights of the loss; building a schedule from its section
 # ----------------------------------------------------------------------------------------------------
 
-#: entropy group: schedule parameter -> its key there (the others under their own names)
-ENTROPY_KEYS = {"value": "coef"}
-#: algo.phase: schedule parameter -> its key there
-PHASE_KEYS = {"start": "beta_start", "peak": "beta_peak", "end": "beta_end"}
-#: algo.kl.schedule -> (schedule, algo section of its parameters, parameter -> key there)
-KL_SCHEDULES = Registry("KL schedule")
-KL_SCHEDULES.register("constant", ("constant", "kl", {"value": "coef"}))
-# the KL ramp of algo.phase: 0 while exploring, then kl_start -> kl_end
-KL_SCHEDULES.register("two_phase", ("delayed_linear", "phase", {"start": "kl_start", "end": "kl_end"}))
+@dataclass
+class KLRamp(Schedule):
+    """The source article's KL weight, set in algo.phase next to its beta_k: 0 while p < exploration_share,
+    then kl_start -> kl_end linearly (delayed_linear, under algo.phase's names for it)."""
+
+    kl_start: float
+    kl_end: float
+    exploration_share: float
+
+    def __call__(self, step: int, total_steps: int) -> float:
+        return _delayed_linear(progress(step, total_steps), self.exploration_share, self.kl_start, self.kl_end)
+
+    def max_value(self, total_steps: int) -> float:
+        return max(self.kl_start, self.kl_end, 0.0)
 
 
-def coefficient_schedule(factor: str, cfg: Any) -> tuple[str, str, str, dict[str, str]]:
-    """Where a loss coefficient's schedule is read (a factor of a loss term's coefficient, Entry.coef):
-    (the key naming the schedule, the schedule, the section holding its parameters, parameter -> key there).
-    lambda is the entropy group's schedule, beta algo.phase's, kl the one algo.kl.schedule names."""
-    if factor == "lambda":
-        return "entropy.schedule", cfg.entropy.schedule, "entropy", ENTROPY_KEYS
-    if factor == "beta":
-        return "algo.phase.schedule", cfg.algo.phase.schedule, "algo.phase", PHASE_KEYS
-    if factor == "kl":
-        name, section, keys = KL_SCHEDULES[cfg.algo.kl.schedule]
-        return "algo.kl.schedule", name, f"algo.{section}", keys
-    raise ValueError(f"no schedule for the coefficient factor '{factor}'")
+#: algo.kl.schedule -> the schedule of the KL weight; `sections`: the algo section that holds its parameters
+KL_SCHEDULES = Registry("KL schedule", root="algo")
+KL_SCHEDULES.register("constant", Constant, config=Constant, sections=("kl",))  # algo.kl.coef
+KL_SCHEDULES.register("two_phase", KLRamp, config=KLRamp, sections=("phase",))  # algo.phase's KL ramp
 
 
-def parameter_keys(name: str, keys: dict[str, str] | None = None) -> dict[str, str]:
-    """Schedule `name`'s parameters -> the section keys they are read from."""
-    keys = keys or {}
-    return {f.name: keys.get(f.name, f.name) for f in fields(SCHEDULES.config_class(name))}
+def schedule_parameters(name: str, registry: Registry = SCHEDULES) -> list[str]:
+    """Schedule `name`'s parameters: its dataclass's fields, which are the keys it reads in its section."""
+    return [f.name for f in fields(registry.config_class(name))]
 
 
-def usable_schedules(section_keys: list[str], keys: dict[str, str] | None = None) -> list[str]:
-    """The schedules whose every parameter a section with these keys holds."""
-    return [n for n in SCHEDULES.names() if set(parameter_keys(n, keys).values()) <= set(section_keys)]
+def section_keys(section: str) -> list[str]:
+    """The keys of a schema section outside env (e.g. 'algo.phase')."""
+    schema = schema_at(section, EnvConfig)
+    return [f.name for f in fields(schema)] if schema is not None else []
 
 
-def build_schedule(name: str, section: Any, keys: dict[str, str] | None = None) -> Schedule:
+@dataclass(frozen=True)
+class Weight:
+    """A weight a loss term's coefficient may read: `key` names its schedule, a name in `registry`."""
+
+    symbol: str  # in messages
+    key: str
+    registry: Registry
+
+    def section(self, name: str) -> str:
+        """The section that holds schedule `name`'s parameters: the key's own, unless its registry entry names
+        one (a KL schedule's `sections`)."""
+        sections = self.registry.entry(name).sections
+        return f"{self.registry.root}.{sections[0]}" if sections else self.key.rpartition(".")[0]
+
+    def choices(self) -> list[str]:
+        """The schedules `key` can name: those whose every parameter their section has a key for."""
+        return [name for name in self.registry.names()
+                if set(schedule_parameters(name, self.registry)) <= set(section_keys(self.section(name)))]
+
+
+#: the weights a loss term's coefficient may read, by the names of its parameters (Entry.coef; besides
+#: `settings`, the term's own): lambda (the entropy group), beta_k (algo.phase), the KL weight (algo.kl.schedule)
+WEIGHTS = {"lam": Weight("lambda", "entropy.schedule", SCHEDULES),
+           "beta": Weight("beta", "algo.phase.schedule", SCHEDULES),
+           "kl": Weight("kl", "algo.kl.schedule", KL_SCHEDULES)}
+
+
+def build_schedule(name: str, section: Any, registry: Registry = SCHEDULES) -> Schedule:
     """Schedule `name` with its parameters read from `section` (a config node or dataclass)."""
-    return SCHEDULES.build(name, **{p: getattr(section, k) for p, k in parameter_keys(name, keys).items()})
+    return registry.build(name, **{p: getattr(section, p) for p in schedule_parameters(name, registry)})
 
 
 def build_entropy_schedule(cfg: Any) -> Schedule:
     """lambda, from the entropy group (EntropyConfig)."""
-    return build_schedule(cfg.schedule, cfg, ENTROPY_KEYS)
+    return build_schedule(cfg.schedule, cfg)
 
 
 def build_phase_schedule(cfg: Any) -> Schedule:
     """beta_k, from algo.phase (PhaseConfig)."""
-    return build_schedule(cfg.schedule, cfg, PHASE_KEYS)
+    return build_schedule(cfg.schedule, cfg)
 
 
 def build_kl_schedule(algo: Any) -> Schedule:
-    """The KL weight, from algo.kl.schedule: kl.coef (constant), or algo.phase's two-phase KL ramp itself
-    (not multiplied by coef)."""
-    name, section, keys = KL_SCHEDULES[algo.kl.schedule]
-    return build_schedule(name, getattr(algo, section), keys)
+    """The KL weight, from algo.kl.schedule: algo.kl.coef (constant), or algo.phase's KL ramp (two_phase)."""
+    section = KL_SCHEDULES.entry(algo.kl.schedule).sections[0]
+    return build_schedule(algo.kl.schedule, getattr(algo, section), KL_SCHEDULES)
 
 
 def build_lr_schedule(algo: Any) -> Schedule:
