@@ -4,8 +4,10 @@ classes and field rules from it, and `import epo_cli.config` stays free of torch
 
 Each numeric field declares its range next to it (`num(default, ge=0, le=1)`) and each enum field its
 values (`one_of(default, (...))`, or `one_of(default, registry=...)`: the names of a component registry,
-which the caller passes in); `check_field_rules` walks a schema and checks them all. Composing conf/ with
-Hydra, merging into these schemas and the rules that span keys live one layer up, in epo_cli/compose.py.
+which the caller passes in); `check_field_rules` walks a schema and checks them all. A section that holds a
+switch lists the settings it turns on in `switches` (`Switch`: compose warns when one is set while it is
+off). Composing conf/ with Hydra, merging into these schemas and the rules that span keys live one layer up,
+in epo_cli/compose.py.
 
 Groups (conf/<group>/<option>.yaml) and their schemas:
     algo        AlgoConfig        sft | ppo | grpo | gigpo | epo | epo_ppo

@@ -147,6 +147,24 @@ def test_smoothing_that_outweighs_the_bonus_is_warned(tmp_path) -> None:
     assert proc.stderr.startswith("warning: algo.entropy_smoothing.alpha") and "UserWarning" not in proc.stderr
 
 
+def test_a_run_saved_with_the_old_phase_keys_still_loads(tmp_path) -> None:
+    """algo.phase's value, beta_start, beta_peak and beta_end were renamed after their schedules' arguments
+    (coef, start, peak, end): a run saved before is read under the new names, with its values."""
+    from omegaconf import OmegaConf
+
+    from epo_cli.run_dir import load_run_config
+
+    cfg = compose(["algo=epo", "algo.phase.schedule=two_phase", "algo.phase.start=0.3", "algo.phase.coef=1.5"])
+    saved = OmegaConf.to_container(cfg, resolve=True)
+    phase = saved["algo"]["phase"]
+    for old, new in (("value", "coef"), ("beta_start", "start"), ("beta_peak", "peak"), ("beta_end", "end")):
+        phase[old] = phase.pop(new)
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(saved)))
+    loaded = load_run_config(tmp_path)
+    assert OmegaConf.to_container(loaded.algo.phase) == OmegaConf.to_container(cfg.algo.phase)
+    assert loaded.algo.phase.start == 0.3 and loaded.algo.phase.coef == 1.5
+
+
 def test_conf_ships_in_the_wheel(tmp_path) -> None:
     """An installed wheel must find conf/ without the repository."""
     import subprocess

@@ -59,7 +59,6 @@ AGGREGATIONS = Registry("aggregation")
 GROUP_FILTERS = Registry("group filter", root="algo")
 
 
-
 def own_coef(settings: Any) -> float:
     """The coefficient of a term declared without one (Entry.coef None): its own settings' `coef`."""
     return settings.coef
