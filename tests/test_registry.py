@@ -331,11 +331,17 @@ def test_a_term_weighted_by_a_schedule_and_that_schedule_need_nothing_else(toys:
 
 
 def test_a_coefficient_reads_only_the_weights(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A coef whose parameter names no weight is refused when the config is composed, naming the weights."""
+    """A coef whose parameter names no weight (or a coef string of earlier versions) is refused when the config
+    is composed, naming the weights."""
     monkeypatch.setattr(LOSS_TERMS, "_entries", dict(LOSS_TERMS._entries))
     LOSS_TERMS.register("toy_alpha", config=ToyConfig, coef=lambda alpha: alpha)(_toy)
     with pytest.raises(ValueError, match="takes alpha, which is not a weight; .* lam, beta, kl or settings"):
         compose(["algo=grpo", "algo.loss_terms=[policy_clip,kl,toy_alpha]"])
+    # the string coefficients of earlier versions name the replacement
+    del LOSS_TERMS._entries["toy_alpha"]
+    LOSS_TERMS.register("toy_text", config=ToyConfig, coef="-lambda")(_toy)
+    with pytest.raises(ValueError, match=r"not a string: for coef='-lambda' write e.g. coef=lambda lam, beta"):
+        compose(["algo=grpo", "algo.loss_terms=[policy_clip,kl,toy_text]"])
 
 
 #: set by init_distributed for a world of one; they must not leak into later tests' subprocesses

@@ -69,6 +69,9 @@ def coef_weights(coef: Callable[..., float] | None) -> tuple[str, ...]:
     entropy group's schedule), beta (beta_k, algo.phase's), kl (the KL weight, algo.kl.schedule) and settings
     (the term's own settings). The loss (losses.loss_coefficients) calls it with them, and compose reads them
     to tell which schedules a run uses."""
+    if isinstance(coef, str):  # the string products ("-lambda", "lambda*beta") of earlier versions
+        raise ValueError(f"a loss term's coef is a function of the weights it reads, not a string: for "
+                         f"coef='{coef}' write e.g. coef=lambda lam, beta: lam * beta (weights: lam, beta, kl)")
     names = tuple(inspect.signature(coef or own_coef).parameters)
     unknown = [n for n in names if n not in (*WEIGHTS, "settings")]
     if unknown:
