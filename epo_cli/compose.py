@@ -7,7 +7,7 @@ choices. Then, in order:
     check_field_rules       each field's declared range and valid values (registry fields: the names the
                             registries hold)
     _check_sections         the rules that span the keys of a section (batch sizes, model shape, ZeRO, the
-                            curriculum's: epo_cli.curriculum.check_curriculum)
+                            curriculum's: epo_cli.training.curriculum.check_curriculum)
     _check_components       each component the config names: its registry entry's `check`; the coefficient
                             schedules; algo.components.<name> against the component's settings dataclass
     _warn_unused_settings   one line per reason when a changed setting is read by nothing this run uses: the
@@ -51,12 +51,12 @@ from epo_cli.config import (
     group_options,
     is_sft,
 )
-from epo_cli.curriculum import CURRICULA, check_curriculum, check_levels_fit
 from epo_cli.envs import env_config_class
 from epo_cli.errors import ConfigError
-from epo_cli.memory import check_memory
 from epo_cli.registry import Registry
 from epo_cli.rollout.prompts import get_template
+from epo_cli.training.curriculum import CURRICULA, check_curriculum, check_levels_fit
+from epo_cli.training.memory import check_memory
 
 #: every registry a `one_of(registry=...)` field may name
 _REGISTRIES: dict[str, Registry] = {**REGISTRIES, "curricula": CURRICULA}

@@ -35,7 +35,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from epo_cli.analysis.report import Group, draw_entropy_band, draw_metric, load_run
-from epo_cli.run_dir import read_yaml_data
+from epo_cli.rundir.folder import read_yaml_data
 
 console = Console(highlight=False)
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from epo_cli.eval_command import EVAL_JSON_FIELDS
-from epo_cli.evaluation import mean_interval, wilson_interval
+from epo_cli.evaluation.run import EVAL_JSON_FIELDS
+from epo_cli.evaluation.split import mean_interval, wilson_interval
 
 from conftest import SmallConfig, run_cli, run_epo
 

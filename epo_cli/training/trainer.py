@@ -42,12 +42,10 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from epo_cli import checkpoint_paths
 from epo_cli.algos.advantages import compute_advantages
 from epo_cli.algos.losses import LossStack, build_loss_terms, build_value_term, loss_coefficients
 from epo_cli.algos.schedules import build_kl_schedule, build_lr_schedule, build_phase_schedule
 from epo_cli.config import is_sft
-from epo_cli.curriculum import build_curriculum
 from epo_cli.envs import EnvSuite, make_suite
 from epo_cli.envs.pool import EnvPool
 from epo_cli.errors import UserError
@@ -55,10 +53,12 @@ from epo_cli.loggers.jsonl import truncate_metrics_file
 from epo_cli.loggers.logger import MetricsLogger
 from epo_cli.rollout.batch import TurnBatch
 from epo_cli.rollout.prompts import PromptBuilder, chat_encoder
-from epo_cli.saved_state import refusing_damaged
+from epo_cli.rundir import checkpoint_paths
+from epo_cli.rundir.saved_state import refusing_damaged
 from epo_cli.seeding import derive_seed
 from epo_cli.training import checkpoint
 from epo_cli.training.collapse import CollapseSettings, CollapseWatch
+from epo_cli.training.curriculum import build_curriculum
 from epo_cli.training.engine import all_reduce_max, all_reduce_sum, barrier, init_distributed
 from epo_cli.training.entropy_control import EntropyControl
 from epo_cli.training.evaluate import TrainingEval, TrainingEvalSettings

@@ -1,5 +1,5 @@
 """`epo eval`: its arguments, the run's config and weights, and the files it writes; the episodes are played
-and scored by epo_cli/evaluation.py, as in the trainer's periodic evaluation.
+and scored by epo_cli/evaluation/split.py, as in the trainer's periodic evaluation.
 
     epo eval run=outputs/<date>/<time>-<name> [checkpoint=final|latest|best|step_N] [split=S] [episodes=N]
              [temperature=0.4 | greedy=true] [policy=model|expert|look|random] [out=DIR] [any override]
@@ -8,8 +8,8 @@ and scored by epo_cli/evaluation.py, as in the trainer's periodic evaluation.
 Weights load without DeepSpeed engines: from <run>/final (a Hugging Face folder, safetensors), or from a
 checkpoint's `module` state dict (ZeRO-0: mp_rank_00_model_states.pt) or its consolidated ZeRO 1-3 shards
 (deepspeed's zero_to_fp32), loaded into the model the run's config builds. Nothing from the run directory
-is unpickled: checkpoint files are read with torch.load(weights_only=True) (epo_cli/safe_load.py), and the
-run's saved model.trust_remote_code is not honoured (epo_cli/run_dir.py).
+is unpickled: checkpoint files are read with torch.load(weights_only=True) (epo_cli/rundir/safe_load.py), and the
+run's saved model.trust_remote_code is not honoured (epo_cli/rundir/folder.py).
 
 Results: <run>/eval/<name>.json, <run>/eval/<name>.samples.md (a few decoded trajectories, the trainer's
 samples format) and a table on the console. Without a run they go to <output_dir>/eval/<date>_<time>/ (or
@@ -44,14 +44,13 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from epo_cli.checkpoint_paths import resolve_checkpoint
 from epo_cli.compose import compose, validate
 from epo_cli.config import GROUPS
 from epo_cli.envs import make_suite
 from epo_cli.envs.base import EnvSuite
 from epo_cli.envs.pool import EnvPool
 from epo_cli.errors import ConfigError, UserError
-from epo_cli.evaluation import (
+from epo_cli.evaluation.split import (
     FixedActionPolicy,
     RandomPolicy,
     eval_tasks,
@@ -59,7 +58,6 @@ from epo_cli.evaluation import (
     score_episodes,
     write_samples,
 )
-from epo_cli.memory import check_memory, episodes_estimate
 from epo_cli.models.attention import check_attention
 from epo_cli.models.loading import (
     apply_lora,
@@ -71,10 +69,12 @@ from epo_cli.models.loading import (
 )
 from epo_cli.rollout.episodes import ExpertPolicy, ModelPolicy, Policy
 from epo_cli.rollout.prompts import PromptBuilder, chat_encoder
-from epo_cli.run_dir import load_run_config, override_keys
-from epo_cli.safe_load import load_tensors, refused_message, restricted_torch_load
+from epo_cli.rundir.checkpoint_paths import resolve_checkpoint
+from epo_cli.rundir.folder import load_run_config, override_keys
+from epo_cli.rundir.safe_load import load_tensors, refused_message, restricted_torch_load
+from epo_cli.rundir.writable import check_output_dir
 from epo_cli.training.engine import pick_device
-from epo_cli.writable import check_output_dir
+from epo_cli.training.memory import check_memory, episodes_estimate
 
 #: the documented top-level fields of an eval JSON (tests check them)
 EVAL_JSON_FIELDS = (
