@@ -50,6 +50,7 @@ from epo_cli.config import (
     config_dir,
     group_options,
     is_sft,
+    parse_bool,
 )
 from epo_cli.envs import env_config_class
 from epo_cli.errors import ConfigError
@@ -363,9 +364,8 @@ def _unresolvable_key(raw: DictConfig) -> str | None:
 
 
 def _check_booleans(schema: DictConfig, raw: Any, prefix: str) -> None:
-    """A true/false setting must be given as true or false: OmegaConf would turn `env.cache_pddl=3` (or
-    `=yes`, `=1`) into true without a word, so anything but a bool (or null where null is allowed) is a
-    type error here, before the merge."""
+    """Every true/false setting given is checked by the one rule (config.parse_bool) before the merge:
+    OmegaConf would turn `env.cache_pddl=3` (or `=yes`, `=1`) into true without a word."""
     if not isinstance(raw, DictConfig):
         return
     for key in schema:
@@ -373,10 +373,8 @@ def _check_booleans(schema: DictConfig, raw: Any, prefix: str) -> None:
             continue
         node, given = schema._get_node(key), raw._get_node(key)
         if isinstance(node, BooleanNode):
-            value = given._value()
-            if value is not None and not isinstance(value, bool) and not OmegaConf.is_interpolation(raw, key):
-                raise ConfigError(f"Wrong type for config key '{prefix}{key}': {value!r} is not a bool. "
-                                  f"Expected true or false{' (or null)' if node._is_optional() else ''}.")
+            if not OmegaConf.is_interpolation(raw, key):
+                parse_bool(f"{prefix}{key}", given._value(), node._is_optional())
         elif isinstance(node, DictConfig):
             _check_booleans(node, given, f"{prefix}{key}.")
 
