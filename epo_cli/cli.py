@@ -22,8 +22,9 @@ from rich.markup import escape
 from epo_cli.analysis.plan import run_plan
 from epo_cli.analysis.sweep_summary import summarize_command
 from epo_cli.config import GROUPS, config_dir, group_options, to_yaml
-from epo_cli.errors import Stopped, UserError, err_console, file_system_message, quiet_libraries
+from epo_cli.errors import Stopped, UserError, err_console, file_system_message
 from epo_cli.launch.deepspeed import launch_ranks
+from epo_cli.launch.libraries import quiet_libraries
 from epo_cli.launch.setup import compose_for_train
 from epo_cli.launch.slurm import submit_slurm
 from epo_cli.launch.sweep import run_sweep

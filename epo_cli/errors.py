@@ -1,25 +1,17 @@
 """Errors meant for users: one clear message with the fix, a non-zero exit code, no traceback; and the
-console those messages and warnings go to, kept readable.
+console those messages and warnings go to.
 
 Raise `UserError` for anything the user can fix (bad override, missing data, Java missing, a model path
 that does not exist, a corrupt checkpoint). Bugs stay ordinary exceptions and keep their traceback.
 `err_console` is where the `epo` command (epo_cli.cli) and the ranks it starts (epo_cli.launch.rank) print
-them; `quiet_libraries()`, called first in every such process, keeps other libraries' chatter off it.
+them (the library settings that keep it readable: epo_cli/launch/libraries.py).
 """
 
 from __future__ import annotations
 
 import errno
-import importlib.abc
-import importlib.machinery
-import os
-import sys
-from types import ModuleType
-from typing import Any
 
 from rich.console import Console
-
-from epo_cli.training.device import device_type
 
 #: Exit code for configuration errors (like argparse/typer usage errors).
 EXIT_CONFIG = 2
@@ -76,66 +68,7 @@ def file_system_message(err: OSError) -> str | None:
 
 
 # ----------------------------------------------------------------------------------------------------
-# The console: where user errors and warnings are shown, and what keeps it readable
+# The console: where user errors and warnings are shown
 # ----------------------------------------------------------------------------------------------------
 
 err_console = Console(stderr=True, highlight=False)
-
-
-def quiet_libraries() -> None:
-    """Keep the console for our own progress: no download bars, no accelerator-probing chatter. Cheap: it
-    imports nothing heavy (`epo --help` and `epo config show` never import torch)."""
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if not any(isinstance(finder, _DeepSpeedImport) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _DeepSpeedImport())
-
-
-def name_the_accelerator() -> None:
-    """DS_ACCELERATOR=cuda or cpu, unless set: DeepSpeed then skips probing for accelerators (and its
-    "Setting accelerator to CPU" warning)."""
-    if "DS_ACCELERATOR" not in os.environ:
-        os.environ["DS_ACCELERATOR"] = device_type("auto")  # imports torch: deepspeed, the only reader, does anyway
-
-
-class _DeepSpeedImport(importlib.abc.MetaPathFinder):
-    """Two settings applied when `deepspeed` is first imported, wherever that happens (installed by
-    quiet_libraries at every process start):
-
-    - DS_ACCELERATOR is named (name_the_accelerator) just before deepspeed reads it;
-    - `deepspeed.autotuning.autotuner` runs with `import mlflow` failing, as if mlflow were not installed:
-      `import deepspeed` imports its autotuner, which imports mlflow when it can (~1.7 s here, in every
-      `epo` process and every rank) only to report `deepspeed --autotuning` experiments to it. epo never
-      runs the autotuner, and its own mlflow logger imports mlflow when `logger=mlflow` asks for it.
-
-    It finds no module itself (it returns None or the ordinary PathFinder's spec), so imports are unchanged
-    otherwise.
-    """
-
-    AUTOTUNER = "deepspeed.autotuning.autotuner"
-
-    def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if name == "deepspeed":
-            name_the_accelerator()
-            return None
-        if name != self.AUTOTUNER:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        load = spec.loader.exec_module
-
-        def exec_module(module: ModuleType) -> None:
-            if "mlflow" in sys.modules:  # imported already: nothing to save
-                load(module)
-                return
-            sys.modules["mlflow"] = None  # type: ignore[assignment]  # `import mlflow` raises ImportError
-            try:
-                load(module)
-            finally:
-                if sys.modules.get("mlflow", 0) is None:
-                    del sys.modules["mlflow"]
-
-        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec

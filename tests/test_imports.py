@@ -285,7 +285,7 @@ def test_process_start_imports_no_torch_and_deepspeed_gets_its_settings_on_impor
     import sys
 
     code = ("import os, sys\n"
-            "from epo_cli.errors import quiet_libraries\n"
+            "from epo_cli.launch.libraries import quiet_libraries\n"
             "quiet_libraries()\n"
             "assert 'torch' not in sys.modules and 'DS_ACCELERATOR' not in os.environ\n"
             "import deepspeed, deepspeed.autotuning.autotuner as autotuner\n"

@@ -44,11 +44,8 @@ import torch.distributed as torch_dist  # noqa: E402
 from rich.markup import escape  # noqa: E402
 
 from epo_cli.analysis.run_summary import print_summary  # noqa: E402
-from epo_cli.errors import (  # noqa: E402
-    UserError,  # noqa: E402
-    err_console,
-    quiet_libraries,
-)
+from epo_cli.errors import UserError, err_console  # noqa: E402
+from epo_cli.launch.libraries import quiet_libraries  # noqa: E402
 from epo_cli.rundir import trust  # noqa: E402
 from epo_cli.rundir.folder import load_run_config  # noqa: E402
 from epo_cli.training import checkpoint  # noqa: E402
