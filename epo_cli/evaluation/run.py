@@ -300,7 +300,7 @@ def build_policy(opts: EvalCommandConfig, cfg: DictConfig, suite: EnvSuite, temp
     has_final = opts.run is not None and (opts.run / "final" / "config.json").exists()
     which = opts.checkpoint or ("final" if has_final or opts.run is None else "latest")
     model, tokenizer, source, resolved = load_model(cfg, suite, opts.run, which, device)
-    check_context(model, cfg.rollout, source)
+    check_context(model, cfg.rollout.max_prompt_tokens, cfg.rollout.max_new_tokens, source)
     policy = ModelPolicy.from_rollout(model, tokenizer, cfg.rollout, temperature, len(tokenizer))
     # latest/best move as training goes on: name the file after the step they resolved to
     label = (resolved or which) if opts.run is not None else "model"

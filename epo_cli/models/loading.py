@@ -165,15 +165,15 @@ def _first_line(err: Exception) -> str:
     return (str(err).splitlines() or [""])[0][:300]
 
 
-def check_context(model: nn.Module, rollout_cfg: Any, source: str) -> None:
+def check_context(model: nn.Module, max_prompt_tokens: int, max_new_tokens: int, source: str) -> None:
     """A prompt (rollout.max_prompt_tokens) and its response (rollout.max_new_tokens) must fit the model's
     positions (config.max_position_embeddings), checked when the model is known, before it runs."""
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    need = rollout_cfg.max_prompt_tokens + rollout_cfg.max_new_tokens
+    need = max_prompt_tokens + max_new_tokens
     if isinstance(limit, int) and limit < need:
         raise UserError(f"The model in '{source}' holds {limit} positions (max_position_embeddings), fewer than "
                         f"rollout.max_prompt_tokens + rollout.max_new_tokens = {need}. Lower them (e.g. "
-                        f"rollout.max_prompt_tokens={max(1, limit - rollout_cfg.max_new_tokens)}).")
+                        f"rollout.max_prompt_tokens={max(1, limit - max_new_tokens)}).")
 
 
 def _hub_message(source: str, err: Exception) -> str:

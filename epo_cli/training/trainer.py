@@ -63,7 +63,7 @@ from epo_cli.training.engine import all_reduce_max, all_reduce_sum, barrier, ini
 from epo_cli.training.entropy_control import EntropyControl
 from epo_cli.training.evaluate import TrainingEval, TrainingEvalSettings
 from epo_cli.training.export import export_policy
-from epo_cli.training.finite import check_finite_weights
+from epo_cli.training.finite import LikelyCauses, check_finite_weights
 from epo_cli.training.group_sampler import GroupSampler, GroupSamplerSettings, Rollout
 from epo_cli.training.models import ModelSettings, build_models
 from epo_cli.training.sft import DemoSettings, demonstrations, sft_step
@@ -320,8 +320,8 @@ class Trainer:
                                                    self.cfg.trainer.max_nonfinite_skips,
                                                    lambda: checkpoint_paths.latest_tag(self.run))
         # non-finite weights (an lr far too large) stop the run before this step's checkpoint and next rollout
-        check_finite_weights(self.models.engine.module, self.state.step + 1, self.cfg, self.run,
-                             checkpoint_paths.latest_tag(self.run), all_reduce_max)
+        check_finite_weights(self.models.engine.module, self.state.step + 1, LikelyCauses.from_config(self.cfg),
+                             self.run, checkpoint_paths.latest_tag(self.run), all_reduce_max)
         return result
 
     # ---- after each step: evaluation, checkpoints, stopping ------------------------------------------------
