@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -19,8 +18,9 @@ from pathlib import Path
 from epo_cli.analysis.sweep_summary import mean_pm_std
 from epo_cli.errors import UserError
 from epo_cli.evaluation.run import EvalCommandConfig, evaluate_run
+from epo_cli.launch.libraries import quiet_libraries
 
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+quiet_libraries()  # what every `epo` process does first: evaluations run in this one
 
 
 def epo(*args: str, cwd: Path) -> None:
