@@ -7,7 +7,7 @@ choices. Then, in order:
     check_field_rules       each field's declared range and valid values (registry fields: the names the
                             registries hold)
     _check_sections         the rules that span the keys of a section (batch sizes, model shape, ZeRO, the
-                            curriculum's: epo_cli.curriculum.check_curriculum)
+                            curriculum's: epo_cli.training.curriculum.check_curriculum)
     _check_components       each component the config names: its registry entry's `check`; the coefficient
                             schedules; algo.components.<name> against the component's settings dataclass
     _warn_unused_settings   one line per reason when a changed setting is read by nothing this run uses: the
@@ -50,13 +50,14 @@ from epo_cli.config import (
     config_dir,
     group_options,
     is_sft,
+    parse_bool,
 )
-from epo_cli.curriculum import CURRICULA, check_curriculum, check_levels_fit
 from epo_cli.envs import env_config_class
 from epo_cli.errors import ConfigError
-from epo_cli.memory import check_memory
 from epo_cli.registry import Registry
 from epo_cli.rollout.prompts import get_template
+from epo_cli.training.curriculum import CURRICULA, check_curriculum, check_levels_fit
+from epo_cli.training.memory import check_memory
 
 #: every registry a `one_of(registry=...)` field may name
 _REGISTRIES: dict[str, Registry] = {**REGISTRIES, "curricula": CURRICULA}
@@ -363,9 +364,8 @@ def _unresolvable_key(raw: DictConfig) -> str | None:
 
 
 def _check_booleans(schema: DictConfig, raw: Any, prefix: str) -> None:
-    """A true/false setting must be given as true or false: OmegaConf would turn `env.cache_pddl=3` (or
-    `=yes`, `=1`) into true without a word, so anything but a bool (or null where null is allowed) is a
-    type error here, before the merge."""
+    """Every true/false setting given is checked by the one rule (config.parse_bool) before the merge:
+    OmegaConf would turn `env.cache_pddl=3` (or `=yes`, `=1`) into true without a word."""
     if not isinstance(raw, DictConfig):
         return
     for key in schema:
@@ -373,10 +373,8 @@ def _check_booleans(schema: DictConfig, raw: Any, prefix: str) -> None:
             continue
         node, given = schema._get_node(key), raw._get_node(key)
         if isinstance(node, BooleanNode):
-            value = given._value()
-            if value is not None and not isinstance(value, bool) and not OmegaConf.is_interpolation(raw, key):
-                raise ConfigError(f"Wrong type for config key '{prefix}{key}': {value!r} is not a bool. "
-                                  f"Expected true or false{' (or null)' if node._is_optional() else ''}.")
+            if not OmegaConf.is_interpolation(raw, key):
+                parse_bool(f"{prefix}{key}", given._value(), node._is_optional())
         elif isinstance(node, DictConfig):
             _check_booleans(node, given, f"{prefix}{key}.")
 
