@@ -22,18 +22,18 @@ from rich.markup import escape
 from epo_cli.analysis.plan import run_plan
 from epo_cli.analysis.sweep_summary import summarize_command
 from epo_cli.config import GROUPS, config_dir, group_options, to_yaml
-from epo_cli.console import err_console, quiet_libraries
-from epo_cli.errors import Stopped, UserError, file_system_message
+from epo_cli.errors import Stopped, UserError, err_console, file_system_message
 from epo_cli.launch.deepspeed import launch_ranks
+from epo_cli.launch.libraries import quiet_libraries
 from epo_cli.launch.setup import compose_for_train
 from epo_cli.launch.slurm import submit_slurm
 from epo_cli.launch.sweep import run_sweep
-from epo_cli.run_dir import check_resume_run_dir, claim_run_dir, release_folders
-from epo_cli.saved_state import check_model_path
+from epo_cli.rundir.folder import check_resume_run_dir, claim_run_dir, release_folders
+from epo_cli.rundir.saved_state import check_model_path
 from epo_cli.training.stop import Interrupted, leave_at_once_on_stop_signals
 
 # Composing a config and starting ranks need neither torch nor DeepSpeed (tests/test_imports.py checks it);
-# what trains or plays in this process (epo_cli.launch.local, epo_cli.eval_command) and the plots
+# what trains or plays in this process (epo_cli.launch.local, epo_cli.evaluation.run) and the plots
 # (epo_cli.analysis.report: numpy, matplotlib) are imported inside their commands, when they run.
 
 
@@ -71,7 +71,7 @@ def train(overrides: list[str] = OVERRIDES_ARG) -> None:
     """Train a policy: `epo train algo=epo env=household`."""
     cfg, args = compose_for_train(list(overrides or []))
     check_model_path(cfg.model)  # a model folder from elsewhere: checked before a run directory is written
-    claim_run_dir(cfg, args)  # this process owns the run directory until it ends (epo_cli/run_dir.py)
+    claim_run_dir(cfg, args)  # this process owns the run directory until it ends (epo_cli/rundir/folder.py)
     if cfg.launcher.name == "local":
         from epo_cli.launch.local import run_local  # the Trainer (torch): see the note at the imports
 
@@ -88,7 +88,7 @@ def eval_command(overrides: list[str] = OVERRIDES_ARG) -> None:
 
     Options: run, checkpoint (final|latest|best|step_N), split, episodes, temperature, greedy,
     policy (model|expert|look|random), out; any other key=value is a config override."""
-    from epo_cli.eval_command import run_eval  # torch: see the note at the imports
+    from epo_cli.evaluation.run import run_eval  # torch: see the note at the imports
 
     run_eval(list(overrides or []))
 
@@ -179,7 +179,7 @@ def main() -> None:
         leave_at_once_on_stop_signals(0 if code is None else code if isinstance(code, int) else 1)
     finally:
         sys.stdout = output.stream
-        release_folders()  # the run and sweep directories this command owned (epo_cli/run_dir.py)
+        release_folders()  # the run and sweep directories this command owned (epo_cli/rundir/folder.py)
     sys.exit(code)
 
 

@@ -7,7 +7,7 @@ any work starts, with one `ConfigError` that names the key and the valid choices
     check_field_rules       each field's declared range and valid values (registry fields: the names the
                             registries hold)
     _check_sections         the rules that span the keys of a section (batch sizes, model shape, ZeRO, the
-                            curriculum's: epo_cli.curriculum.check_curriculum)
+                            curriculum's: epo_cli.training.curriculum.check_curriculum)
     _check_components       each component the config names: its registry entry's `check`; the schedules of
                             the loss's weights; algo.components.<name> against the component's settings dataclass
     warn_unused_settings    one line per reason when a changed setting is read by nothing this run uses
@@ -41,13 +41,12 @@ from epo_cli.config import (
     check_number_sizes,
     config_dir,
     is_sft,
+    parse_bool,
     schema_at,
     section_schema,
 )
-from epo_cli.curriculum import CURRICULA, check_curriculum, check_levels_fit
 from epo_cli.envs import env_config_class
 from epo_cli.errors import ConfigError
-from epo_cli.memory import check_memory
 from epo_cli.overrides import (
     blame_preset,
     check_override_forms,
@@ -59,6 +58,8 @@ from epo_cli.overrides import (
 )
 from epo_cli.registry import Registry
 from epo_cli.rollout.prompts import get_template
+from epo_cli.training.curriculum import CURRICULA, check_curriculum, check_levels_fit
+from epo_cli.training.memory import check_memory
 from epo_cli.unused_settings import warn_unused_settings
 
 #: every registry a `one_of(registry=...)` field may name
@@ -197,9 +198,8 @@ def _unresolvable_key(raw: DictConfig) -> str | None:
 
 
 def _check_booleans(schema: DictConfig, raw: Any, prefix: str) -> None:
-    """A true/false setting must be given as true or false: OmegaConf would turn `env.cache_pddl=3` (or
-    `=yes`, `=1`) into true without a word, so anything but a bool (or null where null is allowed) is a
-    type error here, before the merge."""
+    """Every true/false setting given is checked by the one rule (config.parse_bool) before the merge:
+    OmegaConf would turn `env.cache_pddl=3` (or `=yes`, `=1`) into true without a word."""
     if not isinstance(raw, DictConfig):
         return
     for key in schema:
@@ -207,10 +207,8 @@ def _check_booleans(schema: DictConfig, raw: Any, prefix: str) -> None:
             continue
         node, given = schema._get_node(key), raw._get_node(key)
         if isinstance(node, BooleanNode):
-            value = given._value()
-            if value is not None and not isinstance(value, bool) and not OmegaConf.is_interpolation(raw, key):
-                raise ConfigError(f"Wrong type for config key '{prefix}{key}': {value!r} is not a bool. "
-                                  f"Expected true or false{' (or null)' if node._is_optional() else ''}.")
+            if not OmegaConf.is_interpolation(raw, key):
+                parse_bool(f"{prefix}{key}", given._value(), node._is_optional())
         elif isinstance(node, DictConfig):
             _check_booleans(node, given, f"{prefix}{key}.")
 

@@ -127,6 +127,24 @@ RENAMED_KEYS = {"algo.phase.value": "algo.phase.coef", "algo.phase.beta_start": 
                 "algo.phase.beta_peak": "algo.phase.peak", "algo.phase.beta_end": "algo.phase.end"}
 
 
+#: how a true/false setting is written, wherever it is given (Hydra reads these words in any case)
+BOOL_WORDS = {"true": True, "false": False}
+
+
+def parse_bool(key: str, value: Any, optional: bool = False) -> bool | None:
+    """The one rule for a true/false setting: a config key (compose) or an `epo eval` option (greedy=).
+    A bool, or the word true or false in any case; null only where the setting allows it. Anything else
+    (yes, no, on, off, 1, 0, 3) is refused with one message rather than read: OmegaConf would turn
+    `env.cache_pddl=yes` or `=3` into true without a word, and a value silently changed is a bug."""
+    if isinstance(value, bool) or (value is None and optional):
+        return value
+    if isinstance(value, str) and value.lower() in BOOL_WORDS:
+        return BOOL_WORDS[value.lower()]
+    shown = "null" if value is None else repr(value)
+    raise ConfigError(f"Wrong type for config key '{key}': {shown} is not a bool. "
+                      f"Expected true or false{' (or null)' if optional else ''}.")
+
+
 # ----------------------------------------------------------------------------------------------------
 # Schemas
 # ----------------------------------------------------------------------------------------------------
@@ -503,7 +521,7 @@ class EntropyConfig:
 
 @dataclass
 class CurriculumConfig:
-    #: a curriculum registered in epo_cli/curriculum.py: none | staged | adaptive | horizon | subgoal_rewards
+    #: a curriculum registered in epo_cli/training/curriculum.py: none | staged | adaptive | horizon | subgoal_rewards
     name: str = one_of("none", registry="curricula")
     #: staged / adaptive: ordered levels (household levels, ALFWorld task types, ScienceWorld task lists)
     levels: list[str] = field(default_factory=list)

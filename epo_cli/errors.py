@@ -1,12 +1,17 @@
-"""Errors meant for users: one clear message with the fix, a non-zero exit code, no traceback.
+"""Errors meant for users: one clear message with the fix, a non-zero exit code, no traceback; and the
+console those messages and warnings go to.
 
 Raise `UserError` for anything the user can fix (bad override, missing data, Java missing, a model path
 that does not exist, a corrupt checkpoint). Bugs stay ordinary exceptions and keep their traceback.
+`err_console` is where the `epo` command (epo_cli.cli) and the ranks it starts (epo_cli.launch.rank) print
+them (the library settings that keep it readable: epo_cli/launch/libraries.py).
 """
 
 from __future__ import annotations
 
 import errno
+
+from rich.console import Console
 
 #: Exit code for configuration errors (like argparse/typer usage errors).
 EXIT_CONFIG = 2
@@ -60,3 +65,10 @@ def file_system_message(err: OSError) -> str | None:
         return None
     where = f"'{err.filename}'" + (f" -> '{err.filename2}'" if err.filename2 else "")
     return f"Cannot use {where}: {FILE_SYSTEM_ERRNOS[err.errno]} ({err.strerror or 'errno ' + str(err.errno)})."
+
+
+# ----------------------------------------------------------------------------------------------------
+# The console: where user errors and warnings are shown
+# ----------------------------------------------------------------------------------------------------
+
+err_console = Console(stderr=True, highlight=False)

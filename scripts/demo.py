@@ -35,7 +35,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from epo_cli.analysis.report import Group, draw_entropy_band, draw_metric, load_run
-from epo_cli.run_dir import read_yaml_data
+from epo_cli.rundir.folder import read_yaml_data
 
 console = Console(highlight=False)
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -172,6 +172,8 @@ def follow(arms: list[Arm], columns: list) -> None:
 
 
 def evaluate(label: str, run: Path, out: Path, opts: list[str], cwd: Path) -> dict:
+    """`epo eval` as a user types it, and its JSON: the demo is a tour of the command line, so it runs the
+    command itself (scripts/experiments/ call epo_cli.evaluation.run.evaluate_run in-process instead)."""
     epo(["eval", f"run={run}", *opts, f"out={out / label}"], cwd)
     return json.loads(next((out / label).glob("*.json")).read_text())
 

@@ -16,7 +16,10 @@ from omegaconf import OmegaConf
 
 from epo_cli.compose import compose
 from epo_cli.config import CurriculumConfig
-from epo_cli.curriculum import (
+from epo_cli.envs.base import EnvSuite, Task
+from epo_cli.envs.household import HouseholdConfig, HouseholdSuite
+from epo_cli.errors import ConfigError
+from epo_cli.training.curriculum import (
     CURRICULA,
     AdaptiveCurriculum,
     AdaptiveCurriculumConfig,
@@ -25,9 +28,6 @@ from epo_cli.curriculum import (
     StagedCurriculum,
     build_curriculum,
 )
-from epo_cli.envs.base import EnvSuite, Task
-from epo_cli.envs.household import HouseholdConfig, HouseholdSuite
-from epo_cli.errors import ConfigError
 
 from conftest import only_run_dir, run_epo
 

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from epo_cli import checkpoint_paths as checkpoint
 from epo_cli.errors import ConfigError, UserError
 from epo_cli.loggers.jsonl import read_metrics, truncate_metrics_file
 from epo_cli.rollout.demos import read_jsonl
+from epo_cli.rundir import checkpoint_paths as checkpoint
 
 from conftest import SmallConfig, run_epo
 
@@ -212,7 +212,7 @@ def test_good_demonstrations_load(tmp_path: Path) -> None:
 # ---- names, paths and override lengths -------------------------------------------------------------------
 
 def test_name_and_path_checks() -> None:
-    from epo_cli.run_dir import check_lengths, check_name, check_path
+    from epo_cli.rundir.folder import check_lengths, check_name, check_path
 
     check_name("epo-household_1")
     for bad, why in [("x" * 201, "at most 200"), ("a/b", "path separator"), ("..", "not a usable"),

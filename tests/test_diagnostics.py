@@ -26,7 +26,7 @@ from epo_cli.compose import compose
 from epo_cli.config import DiagnosticsConfig
 from epo_cli.errors import ConfigError
 from epo_cli.rollout.batch import TurnBatch
-from epo_cli.run_dir import read_status, record_alert, write_status
+from epo_cli.rundir.folder import read_status, record_alert, write_status
 from epo_cli.training.collapse import PairScorer, collapse_alert, mi_subsample, mutual_information
 
 torch.set_num_threads(1)

@@ -92,7 +92,7 @@ def _harness(spec_file: str) -> None:
     import torch
 
     from epo_cli.compose import compose
-    from epo_cli.console import quiet_libraries
+    from epo_cli.launch.libraries import quiet_libraries
     from epo_cli.launch.setup import prepare_run_dir
     from epo_cli.training.engine import barrier, init_distributed
     from epo_cli.training.trainer import Trainer

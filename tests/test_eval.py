@@ -1,6 +1,7 @@
 """`epo eval`: confidence intervals by hand, scripted policies whose outcome is checked against the env played
-directly, weights from final/ and from a DeepSpeed checkpoint reproducing the trainer's own evaluation, and
-user errors (one message, non-zero exit, no traceback)."""
+directly, weights from final/ and from a DeepSpeed checkpoint reproducing the trainer's own evaluation, the
+programmatic evaluate_run giving what the command gives, true/false options read by the same rule as config
+keys, and user errors (one message, non-zero exit, no traceback)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from epo_cli.eval_command import EVAL_JSON_FIELDS
-from epo_cli.evaluation import mean_interval, wilson_interval
+from epo_cli.errors import ConfigError
+from epo_cli.evaluation.run import EVAL_JSON_FIELDS, EvalCommandConfig, evaluate_run, parse_eval_args
+from epo_cli.evaluation.split import mean_interval, wilson_interval
 
-from conftest import SmallConfig, run_cli, run_epo
+from conftest import SmallConfig, one_error, run_cli, run_epo
 
 #: a tiny sft run: enough for checkpoints, final/ and one evaluation at the end
 TINY_RUN = ["train", *SmallConfig().sft("trainer.eval_episodes=2", "env.eval_splits=[eval_in_distribution]")]
@@ -168,3 +170,62 @@ def test_eval_user_errors(tiny_run: Path, tmp_path: Path) -> None:
     # no final/ (a run that did not finish) and no checkpoint named: a clear message too
     proc = run_epo(["eval", f"run={broken}", "checkpoint=final"], cwd=tmp_path, expect=None)
     _assert_user_error(proc, "no final/")
+
+
+# ---- one rule for true/false, in `epo eval` and in every config key ---------------------------------------
+
+@pytest.mark.parametrize("value", ["yes", "no", "1", "0", "on", "3"])
+def test_eval_and_compose_refuse_the_same_non_bools(value: str, tmp_path: Path) -> None:
+    """greedy= (an eval option) and env.cache_pddl= (a config key) follow config.parse_bool: a word that only
+    looks like a bool is refused with the same message by both commands, never read as true or false."""
+    proc = run_epo(["eval", "policy=look", f"greedy={value}"], cwd=tmp_path, expect=2)
+    one_error(proc, f"Wrong type for config key 'greedy': '{value}' is not a bool. Expected true or false.")
+    proc = run_epo(["config", "show", "env=alfworld", f"env.cache_pddl={value}"], cwd=tmp_path, expect=2)
+    shown = repr(int(value)) if value.isdigit() else repr(value)  # Hydra reads 1 as an int, yes as text
+    one_error(proc, f"Wrong type for config key 'env.cache_pddl': {shown} is not a bool. Expected true or false.")
+
+
+def test_eval_and_compose_read_true_and_false_in_any_case(tmp_path: Path) -> None:
+    for text, value in (("true", True), ("TRUE", True), ("False", False)):
+        assert parse_eval_args([f"greedy={text}"])[0].greedy is value
+        proc = run_epo(["config", "show", "env=alfworld", f"env.cache_pddl={text}"], cwd=tmp_path)
+        assert f"cache_pddl: {str(value).lower()}" in proc.stdout
+    # quoted, the word is text for Hydra: still the same bool (it used to be refused as "'true' is not a bool")
+    proc = run_epo(["config", "show", "env=alfworld", "env.cache_pddl='false'"], cwd=tmp_path)
+    assert "cache_pddl: false" in proc.stdout
+
+
+# ---- evaluate_run: the programmatic evaluation behind `epo eval` -------------------------------------------
+
+RANDOM_EVAL = dict(policy="random", split="eval_in_distribution", episodes=3, temperature=1.0)
+
+
+@pytest.mark.slow
+def test_evaluate_run_gives_what_epo_eval_gives(epo_cache: Path, tmp_path: Path) -> None:
+    """The same options in, the same scores, episodes and files out; only when and how it ran differ."""
+    overrides = ["env.max_turns=4", "seed=3"]
+    result = evaluate_run(EvalCommandConfig(**RANDOM_EVAL, out=tmp_path / "api"), overrides)
+    run_epo(["eval", *(f"{k}={v}" for k, v in RANDOM_EVAL.items()), f"out={tmp_path / 'cli'}", *overrides],
+            cwd=tmp_path)
+    (cli_path,) = (tmp_path / "cli").glob("*.json")
+    from_cli = json.loads(cli_path.read_text())
+    assert result.path == tmp_path / "api" / cli_path.name
+    assert json.loads(result.path.read_text()) == json.loads(json.dumps(result.payload))  # what it returns is on disk
+    when = {"created", "command", "duration_s", "samples"}
+    assert {k: v for k, v in result.payload.items() if k not in when} == \
+        {k: v for k, v in from_cli.items() if k not in when}
+    assert from_cli["command"].startswith("epo eval policy=random")
+    assert [ep.task.task_id for ep in result.episodes] == [ep["task_id"] for ep in from_cli["per_episode"]]
+    assert result.success_rate == from_cli["success"]["rate"]
+    assert (tmp_path / "api" / Path(from_cli["samples"]).name).read_text() == Path(from_cli["samples"]).read_text()
+
+
+def test_evaluate_run_holds_options_to_the_commands_rules(tmp_path: Path) -> None:
+    """A script's options meet the rules of `epo eval`'s: refused before anything is read or written."""
+    with pytest.raises(ConfigError, match="episodes must be >= 1"):
+        evaluate_run(EvalCommandConfig(policy="look", episodes=0, out=tmp_path / "out"))
+    with pytest.raises(ConfigError, match="either greedy=true or temperature=T"):
+        evaluate_run(EvalCommandConfig(policy="look", greedy=True, temperature=0.5, out=tmp_path / "out"))
+    with pytest.raises(ConfigError, match="Unknown policy 'teacher'"):
+        evaluate_run(EvalCommandConfig(policy="teacher", out=tmp_path / "out"))
+    assert not (tmp_path / "out").exists()

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 
 from epo_cli.compose import compose
-from epo_cli.curriculum import build_curriculum
 from epo_cli.envs.base import Env, EnvSuite, StepResult, Task
 from epo_cli.envs.pool import EnvPool
 from epo_cli.errors import UserError
 from epo_cli.rollout.prompts import PromptBuilder
+from epo_cli.training.curriculum import build_curriculum
 from epo_cli.training.group_sampler import GroupSampler, GroupSamplerSettings, Rollout
 
 

@@ -24,7 +24,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "epo_cli"
 ALLOWED_FUNCTION_IMPORTS: dict[tuple[str, str], str] = {
     **{("epo_cli.cli", target): "`epo --help` and `epo config show` load no torch: the commands that train, "
        "play or plot import torch (and, for report, numpy) only when they run"
-       for target in ("epo_cli.launch.local", "epo_cli.eval_command", "epo_cli.analysis.report")},
+       for target in ("epo_cli.launch.local", "epo_cli.evaluation.run", "epo_cli.analysis.report")},
     ("epo_cli.launch.slurm", "epo_cli.launch.rank"): "the submitting process pickles SlurmRank without loading "
                                                      "torch; the SLURM task imports the rank's code when it runs",
 }
@@ -267,7 +267,7 @@ def test_a_function_level_import_and_a_registry_name_close_cycles(tmp_path: Path
     assert find_cycles(graph) == [["pkg.config", "pkg.envs", "pkg.envs.household", "pkg.config"]]
 
 
-@pytest.mark.parametrize("package", ["launch", "analysis", "loggers"])
+@pytest.mark.parametrize("package", ["launch", "analysis", "loggers", "rundir", "evaluation"])
 def test_the_new_folders_import_nothing_in_their_init(package: str) -> None:
     """`python -m epo_cli.launch.rank` must set OMP_NUM_THREADS before torch loads, and a folder's
     __init__ that imports its modules would run them for every import of any one of them."""
@@ -285,7 +285,7 @@ def test_process_start_imports_no_torch_and_deepspeed_gets_its_settings_on_impor
     import sys
 
     code = ("import os, sys\n"
-            "from epo_cli.console import quiet_libraries\n"
+            "from epo_cli.launch.libraries import quiet_libraries\n"
             "quiet_libraries()\n"
             "assert 'torch' not in sys.modules and 'DS_ACCELERATOR' not in os.environ\n"
             "import deepspeed, deepspeed.autotuning.autotuner as autotuner\n"

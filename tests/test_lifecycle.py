@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from epo_cli.run_dir import read_status
+from epo_cli.rundir.folder import read_status
 from epo_cli.training.lifecycle import ABANDONED, latest_step, record_stopped, run_training
 from epo_cli.training.stop import STOP, Interrupted
 

@@ -135,12 +135,23 @@ def test_weights_that_turn_nonfinite_stop_the_run_naming_the_step(kind: str, sma
     assert "Traceback" not in proc.stderr and proc.stderr.count("error:") == 1, proc.stderr[-3000:]
     assert "Training stopped at step 2" in proc.stderr and "non-finite" in proc.stderr
     assert "algo.lr=" in proc.stderr and f"trainer.resume={run}" in proc.stderr
+    assert ("algo.reward_scale=" in proc.stderr) == (kind == "rl")  # behaviour cloning has no reward
     status = json.loads((run / "status.json").read_text())
     assert status["status"] == "failed" and "step 2" in status["error"]
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_1"
     assert (run / "checkpoints" / "step_1" / "COMPLETE").exists()
     assert not (run / "checkpoints" / "step_2").exists()
     assert not (run / "final").exists()
+
+
+def test_likely_causes_name_this_runs_values() -> None:
+    from epo_cli.training.finite import LikelyCauses
+
+    assert LikelyCauses(lr=0.5, grad_clip=0.0, reward_scale=None).text() == (
+        "a learning rate too large for this model (algo.lr=0.5; the algo presets suit model=tiny, 0.5B-7B models "
+        "want 1e-6..1e-5); no gradient clipping (algo.grad_clip=0)")
+    text = LikelyCauses(lr=1e-6, grad_clip=1.0, reward_scale=10.0).text()
+    assert "algo.lr=1e-06" in text and "grad_clip" not in text and text.endswith("(algo.reward_scale=10)")
 
 
 def test_a_model_folder_with_nan_weights_is_refused_when_loaded(tiny_folder: Path, tmp_path: Path) -> None:

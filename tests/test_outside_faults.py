@@ -245,7 +245,7 @@ def test_scienceworld_settings_its_simulator_refuses(tiny_folder: Path, tmp_path
 def test_status_json_says_failed_on_a_full_disk(tmp_path: Path) -> None:
     """No new file can be written (the atomic status.tmp + rename fails with ENOSPC): status.json is
     rewritten in place, which needs no new block."""
-    from epo_cli.run_dir import read_status, write_status
+    from epo_cli.rundir.folder import read_status, write_status
 
     write_status(tmp_path, "running")
     os.symlink("/dev/full", tmp_path / "status.json.tmp")  # writing a new file: ENOSPC
@@ -263,7 +263,7 @@ def test_a_full_disk_during_a_run_leaves_status_failed(tmp_path: Path, epo_cache
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Through the CLI: the disk fills after the run started (every new file fails with ENOSPC from then on,
     the checkpoint's included); status.json still ends as `failed` with the error."""
-    import epo_cli.run_dir
+    import epo_cli.rundir.folder
     from epo_cli.training import checkpoint
 
     full = {"on": False}
@@ -285,7 +285,7 @@ def test_a_full_disk_during_a_run_leaves_status_failed(tmp_path: Path, epo_cache
     proc = run_epo(["train", *SmallConfig().sft("trainer.save_every=1"), f"run_dir={run}"], cwd=tmp_path,
                    expect=1)
     one_error(proc, "Could not write to the run directory")
-    status = epo_cli.run_dir.read_status(run)
+    status = epo_cli.rundir.folder.read_status(run)
     assert status["status"] == "failed" and "No space left" in status["error"], status
 
 

@@ -25,10 +25,10 @@ from typing import Any
 import pytest
 import torch
 
-from epo_cli import saved_state
 from epo_cli.errors import UserError
-from epo_cli.safe_load import load_tensors, restricted_torch_load
-from epo_cli.saved_state import load_yaml
+from epo_cli.rundir import saved_state
+from epo_cli.rundir.safe_load import load_tensors, restricted_torch_load
+from epo_cli.rundir.saved_state import load_yaml
 
 from conftest import SmallConfig, run_cli, run_epo
 

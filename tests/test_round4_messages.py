@@ -118,7 +118,7 @@ def test_eval_run_with_model_path_is_refused_not_ignored(tmp_path: Path) -> None
 
 
 def test_eval_run_in_quotes_is_the_path_inside(tmp_path: Path) -> None:
-    from epo_cli.eval_command import parse_eval_args
+    from epo_cli.evaluation.run import parse_eval_args
 
     opts, _ = parse_eval_args(["run='/my runs/a'", 'out="/x y"', "episodes=1e3"])
     assert (opts.run, opts.out, opts.episodes) == (Path("/my runs/a"), Path("/x y"), 1000)

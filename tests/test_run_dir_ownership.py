@@ -1,5 +1,5 @@
 """Two runs cannot write one folder (issue 30, class 5): a run (or sweep) directory is owned by one process at
-a time (its .epo.lock, epo_cli/run_dir.py), and a directory that holds a run is only written again to resume
+a time (its .epo.lock, epo_cli/rundir/folder.py), and a directory that holds a run is only written again to resume
 it. Every refusal names the folder and the fix, and leaves the folder's files as they were.
 
 Each row used to be accepted: `run_dir=<finished run>` overwrote its config and appended to its metrics

@@ -21,7 +21,7 @@ import torch
 from omegaconf import OmegaConf
 
 from epo_cli.errors import UserError
-from epo_cli.safe_load import load_tensors, restricted_torch_load
+from epo_cli.rundir.safe_load import load_tensors, restricted_torch_load
 from epo_cli.training import checkpoint, rng_state
 
 from conftest import SmallConfig, run_epo
@@ -107,7 +107,7 @@ class RecordingEngine:
         return "loaded", {}
 
 
-#: the smallest trainer_state.json that passes the saved-state checks (epo_cli/saved_state.py) at step 2
+#: the smallest trainer_state.json that passes the saved-state checks (epo_cli/rundir/saved_state.py) at step 2
 VALID_STATE = {"format": checkpoint.CHECKPOINT_FORMAT, "trainer": {"step": 2}, "entropy_history": {},
                "monitor": {}}
 
@@ -169,7 +169,7 @@ def _run_dir_trusting_remote_code(tmp_path: Path) -> Path:
 
 
 def test_a_saved_trust_remote_code_is_not_honoured(tmp_path: Path) -> None:
-    from epo_cli.eval_command import EvalCommandConfig, eval_config
+    from epo_cli.evaluation.run import EvalCommandConfig, eval_config
     from epo_cli.launch.setup import compose_for_train
 
     run = _run_dir_trusting_remote_code(tmp_path)
@@ -191,7 +191,7 @@ def test_ranks_get_trust_remote_code_from_the_launcher_not_from_config_yaml(tmp_
     from epo_cli.compose import compose
     from epo_cli.launch.deepspeed import deepspeed_command
     from epo_cli.launch.layout import layout_for
-    from epo_cli.trust import decode
+    from epo_cli.rundir.trust import decode
 
     for trust in (False, True):
         cfg = compose(["algo=grpo", "launcher=deepspeed", "launcher.num_procs=2",
@@ -264,7 +264,7 @@ def test_resume_refuses_a_planted_rng_file_before_deepspeed_runs(trained_run: Pa
 
 
 def test_a_rank_takes_trust_remote_code_from_its_launcher_flag_only(tmp_path: Path) -> None:
-    from epo_cli.run_dir import load_run_config
+    from epo_cli.rundir.folder import load_run_config
 
     run = _run_dir_trusting_remote_code(tmp_path)
     with warnings.catch_warnings():
@@ -276,7 +276,7 @@ def test_a_rank_takes_trust_remote_code_from_its_launcher_flag_only(tmp_path: Pa
 @pytest.mark.parametrize("text", ['a: !!python/object/apply:os.system ["touch {marker}"]\n', "algo: [unclosed\n",
                                   "- just\n- a list\n"])
 def test_a_hostile_or_damaged_config_yaml_is_one_message(tmp_path: Path, text: str) -> None:
-    from epo_cli.eval_command import EvalCommandConfig, eval_config
+    from epo_cli.evaluation.run import EvalCommandConfig, eval_config
 
     marker = tmp_path / "marker"
     run = tmp_path / "run"

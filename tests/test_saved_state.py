@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from epo_cli.saved_state import ADDED_KEYS, check_saved_config
+from epo_cli.rundir.saved_state import ADDED_KEYS, check_saved_config
 
 from conftest import SmallConfig, run_epo
 

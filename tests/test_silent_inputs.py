@@ -135,3 +135,17 @@ def test_help_text_keeps_its_square_brackets(command: str, tmp_path: Path) -> No
         assert re.sub(r"\s+", " ", part) in flat, (part, proc.stdout)
     if command == "eval":
         assert "[checkpoint=best split=S episodes=N greedy=true]" in flat
+
+
+def test_a_model_with_too_few_positions_for_prompt_and_response_is_one_message() -> None:
+    """check_context (epo eval and build_models) with a loaded model's limit: 100 positions hold a 68-token prompt
+    and a 32-token response, not a 69-token one (the message names the largest prompt that fits)."""
+    from types import SimpleNamespace
+
+    from epo_cli.errors import UserError
+    from epo_cli.models.loading import check_context
+
+    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=100))
+    check_context(model, 68, 32, "some/model")
+    with pytest.raises(UserError, match=r"'some/model' holds 100 positions .* = 101\. .*max_prompt_tokens=68\)"):
+        check_context(model, 69, 32, "some/model")

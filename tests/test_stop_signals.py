@@ -95,3 +95,25 @@ def test_a_signal_during_teardown_leaves_at_once_without_a_traceback(sig: str, c
     assert proc.returncode == expected, proc.stderr
     assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr
     assert ("finalizer ended" in proc.stdout) == ignore_sigint
+
+
+def test_a_signal_after_a_requested_stop_leaves_quietly_once_the_handler_is_gone() -> None:
+    """The window between the stop handler's removal and the command's end (the run writes `stopped` and
+    prints how to resume): a second Ctrl-C there exits with the first signal's code, no traceback."""
+    import subprocess
+    import sys
+    script = """
+import os, signal, time
+from epo_cli.training.stop import StopRequest
+stop = StopRequest()
+stop.install()
+os.kill(os.getpid(), signal.SIGTERM)   # the first signal: remembered
+stop.uninstall()                       # the run has stopped after its step
+os.kill(os.getpid(), signal.SIGINT)    # pressed again while the process is ending
+time.sleep(2)
+print("not reached", flush=True)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert proc.returncode == 143, proc.stderr
+    assert "Traceback" not in proc.stderr and "not reached" not in proc.stdout

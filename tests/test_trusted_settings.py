@@ -1,6 +1,6 @@
-"""Settings that can start or load code are honoured only from the command line (epo_cli/trust.py).
+"""Settings that can start or load code are honoured only from the command line (epo_cli/rundir/trust.py).
 
-Table-driven over epo_cli.trust.COMMAND_LINE_ONLY: a received run directory whose config.yaml sets one of them
+Table-driven over epo_cli.rundir.trust.COMMAND_LINE_ONLY: a received run directory whose config.yaml sets one of them
 to a hostile value is evaluated (`epo eval run=<dir>`) and resumed (`epo train trainer.resume=<dir>`) with the
 default instead and one warning naming the setting; the same value given on the command line is honoured.
 Both commands run through the CLI up to the point where the config is used (the environment suite for
@@ -20,7 +20,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from epo_cli.errors import UserError
-from epo_cli.trust import COMMAND_LINE_ONLY, _default
+from epo_cli.rundir.trust import COMMAND_LINE_ONLY, _default
 
 from conftest import run_epo
 
@@ -64,7 +64,7 @@ class Captured(UserError):
 
 def capture_config(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """Record the config `epo eval` builds its environments from and `epo train` hands to the trainer."""
-    import epo_cli.eval_command
+    import epo_cli.evaluation.run
     import epo_cli.launch.local
 
     seen: dict[str, Any] = {}
@@ -73,8 +73,8 @@ def capture_config(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         seen["cfg"] = cfg
         raise Captured("config captured")
 
-    monkeypatch.setattr(epo_cli.eval_command, "make_suite", lambda env_cfg, **kw: record(seen.get("eval_cfg")))
-    monkeypatch.setattr(epo_cli.eval_command, "eval_config", _wrap(epo_cli.eval_command.eval_config, seen))
+    monkeypatch.setattr(epo_cli.evaluation.run, "make_suite", lambda env_cfg, **kw: record(seen.get("eval_cfg")))
+    monkeypatch.setattr(epo_cli.evaluation.run, "eval_config", _wrap(epo_cli.evaluation.run.eval_config, seen))
     monkeypatch.setattr(epo_cli.launch.local, "run_local", record)
     return seen
 
@@ -123,8 +123,8 @@ def test_ranks_get_every_setting_from_their_launcher_not_from_config_yaml(tmp_pa
     from epo_cli.compose import compose
     from epo_cli.launch.deepspeed import deepspeed_command
     from epo_cli.launch.layout import layout_for
-    from epo_cli.run_dir import load_run_config
-    from epo_cli.trust import decode
+    from epo_cli.rundir.folder import load_run_config
+    from epo_cli.rundir.trust import decode
 
     run = received_run(tmp_path, "model.trust_remote_code")
     cfg = compose(["algo=grpo", "launcher=deepspeed", "launcher.num_procs=2"])

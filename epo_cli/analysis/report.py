@@ -45,8 +45,8 @@ from epo_cli.analysis.sweep_summary import (
 )
 from epo_cli.errors import UserError
 from epo_cli.loggers.jsonl import read_metrics
-from epo_cli.run_dir import read_status, read_yaml_data
-from epo_cli.writable import check_output_dir
+from epo_cli.rundir.folder import read_status, read_yaml_data
+from epo_cli.rundir.writable import check_output_dir
 
 
 @dataclass

@@ -32,7 +32,7 @@ from rich.table import Table
 
 from epo_cli.errors import ConfigError, UserError
 from epo_cli.loggers.jsonl import read_metrics
-from epo_cli.run_dir import read_status, read_yaml_data
+from epo_cli.rundir.folder import read_status, read_yaml_data
 
 NON_CONFIG_KEYS = ("seed", "run_dir", "output_dir", "name", "trainer.resume")
 SUCCESS_KEYS = ("eval/success", "rollout/success")

@@ -49,9 +49,8 @@ from pathlib import Path
 from typing import Any
 
 from epo_cli.config import EnvConfig, num, one_of
-from epo_cli.console import err_console
 from epo_cli.envs.base import Env, EnvSuite, StepResult, Task
-from epo_cli.errors import ConfigError, UserError
+from epo_cli.errors import ConfigError, UserError, err_console
 
 SPLITS = ("train", "eval_in_distribution", "eval_out_of_distribution")
 _GAME_SUFFIX = re.compile(r"\.z[1-8]$")

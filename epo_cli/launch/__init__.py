@@ -8,6 +8,7 @@ sweeps of many runs.
     slurm.py      submit the ranks as one SLURM job (submitit)
     rank.py       one rank: `python -m epo_cli.launch.rank --run-dir RUN` (or a SLURM task)
     sweep.py      `epo sweep`: Hydra multirun, one `epo train` subprocess per job
+    libraries.py  the library settings every epo process applies first (quiet_libraries)
 
 Starting, stopping and the run's status.json are the run lifecycle's (epo_cli/training/lifecycle.py), used
 by local.py and rank.py alike.

@@ -43,11 +43,11 @@ from typing import Any  # noqa: E402
 import torch.distributed as torch_dist  # noqa: E402
 from rich.markup import escape  # noqa: E402
 
-from epo_cli import trust  # noqa: E402
 from epo_cli.analysis.run_summary import print_summary  # noqa: E402
-from epo_cli.console import err_console, quiet_libraries  # noqa: E402
-from epo_cli.errors import UserError  # noqa: E402
-from epo_cli.run_dir import load_run_config  # noqa: E402
+from epo_cli.errors import UserError, err_console  # noqa: E402
+from epo_cli.launch.libraries import quiet_libraries  # noqa: E402
+from epo_cli.rundir import trust  # noqa: E402
+from epo_cli.rundir.folder import load_run_config  # noqa: E402
 from epo_cli.training import checkpoint  # noqa: E402
 from epo_cli.training.deepspeed_config import port_taken  # noqa: E402
 from epo_cli.training.lifecycle import run_training  # noqa: E402
@@ -145,7 +145,7 @@ def install_test_hook(rank: int) -> None:
 def run_rank(run: Path, resume_latest: bool = False, command_line: dict[str, Any] | None = None) -> int:
     """Train this rank of the run in `run`; returns the process exit code. `resume_latest`: continue from
     the run's latest complete checkpoint if it has one (a requeued SLURM job). `command_line`: the launching
-    invocation's values of the settings that can start code (epo_cli.trust: config.yaml cannot set them)."""
+    invocation's values of the settings that can start code (epo_cli.rundir.trust: config.yaml cannot set them)."""
     quiet_libraries()
     run = Path(run).resolve()
     rank = int(os.environ.get("RANK", "0"))
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--run-dir", required=True, help="run directory holding config.yaml")
     parser.add_argument("--command-line-settings", default=None,
                         help="JSON: the launching command line's values of the settings that can start code "
-                             "(epo_cli.trust; config.yaml cannot set them)")
+                             "(epo_cli.rundir.trust; config.yaml cannot set them)")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # older launchers
     args = parser.parse_args(argv)
     sys.exit(run_rank(Path(args.run_dir), command_line=trust.decode(args.command_line_settings)))

@@ -13,20 +13,20 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from epo_cli.checkpoint_paths import ResumeTarget, latest_tag, locate_resume, resolve_checkpoint
 from epo_cli.compose import compose, validate
 from epo_cli.config import GROUPS
 from epo_cli.envs import EnvSuite, make_suite
 from epo_cli.errors import ConfigError, UserError
-from epo_cli.run_dir import check_lengths, load_run_config, new_run_dir, override_keys, write_config
-from epo_cli.saved_state import check_resume_step, groups_that_disagree, read_trainer_state
+from epo_cli.rundir.checkpoint_paths import ResumeTarget, latest_tag, locate_resume, resolve_checkpoint
+from epo_cli.rundir.folder import check_lengths, load_run_config, new_run_dir, override_keys, write_config
+from epo_cli.rundir.saved_state import check_resume_step, groups_that_disagree, read_trainer_state
 
 
 def compose_for_train(overrides: list[str]) -> tuple[DictConfig, list[str]]:
     """Compose a run's config. Resuming (`trainer.resume=<run dir | checkpoint>`, or `trainer.resume=auto
     run_dir=<dir>` when that directory has a checkpoint) starts from THAT run's saved config, never the
     defaults: its `section.key=value` overrides apply on top (e.g. a longer trainer.total_steps) and it
-    continues in the same directory. The saved state is checked whole first (epo_cli/saved_state.py)."""
+    continues in the same directory. The saved state is checked whole first (epo_cli/rundir/saved_state.py)."""
     check_lengths(overrides)
     resume = next((o.split("=", 1)[1] for o in overrides if o.startswith("trainer.resume=")), None)
     if resume == "auto":

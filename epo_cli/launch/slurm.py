@@ -19,8 +19,8 @@ from omegaconf import DictConfig
 from epo_cli.errors import UserError
 from epo_cli.launch.layout import Layout, check_resume, check_world, clear_rank_records, layout_for
 from epo_cli.launch.setup import prepare_run_dir
+from epo_cli.rundir.trust import command_line_values
 from epo_cli.training.stop import STOP_SIGNALS, exit_code
-from epo_cli.trust import command_line_values
 
 
 def slurm_parameters(cfg: DictConfig, layout: Layout) -> dict[str, Any]:
@@ -70,7 +70,7 @@ def submit_slurm(cfg: DictConfig, overrides: list[str]) -> Any:
     run = prepare_run_dir(cfg, overrides).resolve()
     clear_rank_records(run)
     executor = slurm_executor(cfg, run, layout)
-    # settings that can start code come from this command line, not config.yaml (see epo_cli.trust)
+    # settings that can start code come from this command line, not config.yaml (see epo_cli.rundir.trust)
     job = executor.submit(SlurmRank(), str(run), command_line=command_line_values(cfg))
     print(f"submitted SLURM job {job.job_id}: {layout.num_nodes} node(s) x {layout.ranks_per_node} "
           f"{'GPU' if layout.gpu else 'CPU'} rank(s)\n  run directory: {run}\n"

@@ -14,7 +14,7 @@ job returns to the sweeper, e.g. optuna's objective; default eval/success), swee
 minimize; also optuna's direction), sweep.threshold (success level for the "steps to threshold" column),
 sweep.max_jobs (the most jobs it starts, default MAX_JOBS = 1000: it says how many jobs a sweep starts, and
 refuses more unless sweep.max_jobs=N allows them). `epo sweep` exits non-zero only when every job failed.
-One process runs a sweep directory at a time (its lock, epo_cli/run_dir.py), and a sweep directory that holds
+One process runs a sweep directory at a time (its lock, epo_cli/rundir/folder.py), and a sweep directory that holds
 anything already (an earlier sweep) is refused: choose a new hydra.sweep.dir.
 
 Every job trains in its own subprocess (`python -m epo_cli train <job overrides> run_dir=<job dir>`), so
@@ -64,7 +64,7 @@ from epo_cli.compose import compose, hydra_overrides, validate
 from epo_cli.config import GROUPS, config_dir, group_options
 from epo_cli.errors import ConfigError, UserError
 from epo_cli.loggers.jsonl import read_metrics
-from epo_cli.run_dir import (
+from epo_cli.rundir.folder import (
     LOCK_NAME,
     check_lengths,
     check_name,
@@ -74,7 +74,7 @@ from epo_cli.run_dir import (
     release_folders,
     write_status,
 )
-from epo_cli.writable import prepare_output_dir
+from epo_cli.rundir.writable import prepare_output_dir
 
 log = logging.getLogger("epo.sweep")
 

@@ -2,9 +2,9 @@
 
 Real models load from a hub id or a local folder through AutoTokenizer / AutoModelForCausalLM
 (trust_remote_code off unless `model.trust_remote_code=true` on this invocation's command line: a run
-directory's saved config cannot turn it on, see epo_cli/run_dir.py); weights load from safetensors, or
+directory's saved config cannot turn it on, see epo_cli/rundir/folder.py); weights load from safetensors, or
 from PyTorch files with the restricted unpickler only (weights_only=True). A local folder is checked first
-(epo_cli/saved_state.check_model_folder: no auto_map without that flag, readable config and tokenizer
+(epo_cli/rundir/saved_state.check_model_folder: no auto_map without that flag, readable config and tokenizer
 files, whole safetensors files whose embedding fits config.json), and what transformers still cannot read
 in it is one message naming the folder. `model=tiny` builds a small local model first
 (epo_cli/models/tiny.py) and then loads it through the very same path.
@@ -23,9 +23,9 @@ from torch import nn
 from epo_cli.envs.base import EnvSuite
 from epo_cli.errors import UserError
 from epo_cli.models.tiny import build_tiny, cache_root
-from epo_cli.safe_load import refused_message, restricted_torch_load
-from epo_cli.saved_state import check_model_folder
-from epo_cli.writable import check_output_dir
+from epo_cli.rundir.safe_load import refused_message, restricted_torch_load
+from epo_cli.rundir.saved_state import check_model_folder
+from epo_cli.rundir.writable import check_output_dir
 
 
 def resolve_dtype(model_cfg: Any, device: torch.device) -> torch.dtype:
@@ -165,15 +165,15 @@ def _first_line(err: Exception) -> str:
     return (str(err).splitlines() or [""])[0][:300]
 
 
-def check_context(model: nn.Module, rollout_cfg: Any, source: str) -> None:
+def check_context(model: nn.Module, max_prompt_tokens: int, max_new_tokens: int, source: str) -> None:
     """A prompt (rollout.max_prompt_tokens) and its response (rollout.max_new_tokens) must fit the model's
     positions (config.max_position_embeddings), checked when the model is known, before it runs."""
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    need = rollout_cfg.max_prompt_tokens + rollout_cfg.max_new_tokens
+    need = max_prompt_tokens + max_new_tokens
     if isinstance(limit, int) and limit < need:
         raise UserError(f"The model in '{source}' holds {limit} positions (max_position_embeddings), fewer than "
                         f"rollout.max_prompt_tokens + rollout.max_new_tokens = {need}. Lower them (e.g. "
-                        f"rollout.max_prompt_tokens={max(1, limit - rollout_cfg.max_new_tokens)}).")
+                        f"rollout.max_prompt_tokens={max(1, limit - max_new_tokens)}).")
 
 
 def _hub_message(source: str, err: Exception) -> str:

@@ -1,5 +1,5 @@
 """Saving and loading a checkpoint's engine states; which checkpoints exist and what `trainer.resume`
-names is epo_cli/checkpoint_paths.py (no torch: the launchers and `epo eval` read paths without engines).
+names is epo_cli/rundir/checkpoint_paths.py (no torch: the launchers and `epo eval` read paths without engines).
 
     <run>/checkpoints/step_N/
         DeepSpeed model + optimizer states (every ZeRO stage), critic/ (ppo),
@@ -13,7 +13,7 @@ read as JSON and with the restricted unpickler and checked first, then the check
 by this run's algorithm and model shape (`check_written_by`: a ppo step with its critic/ swapped into a grpo
 run, or a model of another hidden size, is one message naming what differs). Only then does DeepSpeed
 restore its model and optimizer states, with every torch.load it makes routed through the restricted
-unpickler (epo_cli/safe_load.py: its checkpoint engine's loader asks for full unpickling).
+unpickler (epo_cli/rundir/safe_load.py: its checkpoint engine's loader asks for full unpickling).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from epo_cli.checkpoint_paths import COMPLETE, check_world_size, listing, prune, read_pointer, write_pointer
 from epo_cli.errors import UserError
-from epo_cli.safe_load import load_tensors, restricted_torch_load
-from epo_cli.saved_state import CHECKPOINT_FORMAT, read_trainer_state
+from epo_cli.rundir.checkpoint_paths import COMPLETE, check_world_size, listing, prune, read_pointer, write_pointer
+from epo_cli.rundir.safe_load import load_tensors, restricted_torch_load
+from epo_cli.rundir.saved_state import CHECKPOINT_FORMAT, read_trainer_state
 from epo_cli.training import rng_state
 from epo_cli.training.engine import barrier
 
@@ -90,7 +90,7 @@ def save(run: Path, step: int, engine: Any, critic_engine: Any, payload: dict[st
 def _read_own_files(folder: Path, rank: int) -> tuple[dict[str, Any], Any]:
     """trainer_state.json and this rank's RNG states, read without unpickling, checked before DeepSpeed
     touches anything: a checkpoint of another format or with a planted pickle stops here."""
-    payload = read_trainer_state(folder)  # checked whole (epo_cli/saved_state.py): format, step, parts
+    payload = read_trainer_state(folder)  # checked whole (epo_cli/rundir/saved_state.py): format, step, parts
     rng_file = folder / f"rng_rank{rank}.pt"
     if not rng_file.exists():  # e.g. a ZeRO-0 run resumed on more ranks than saved it
         warnings.warn(f"'{rng_file}' does not exist: rank {rank} keeps the RNG states its seed gave it, so "

@@ -53,7 +53,7 @@ from epo_cli.algos.group_filter import trajectory_returns
 from epo_cli.config import DiagnosticsConfig
 from epo_cli.rollout.batch import TurnBatch
 from epo_cli.rollout.episodes import Episode, episodes_to_batch
-from epo_cli.run_dir import record_alert
+from epo_cli.rundir.folder import record_alert
 from epo_cli.seeding import derive_seed
 from epo_cli.training.engine import DistInfo, all_gather_objects, all_reduce_sum
 from epo_cli.training.forward import collate, policy_forward

@@ -1,7 +1,7 @@
 """The one rule for which device a run uses: trainer.device=cuda, or auto with a CUDA GPU visible, is the GPU;
 anything else the CPU. Torch-free to import (torch loads when the rule is applied): `launcher=local` checks
-the attention implementation against the planned device before the Trainer imports torch, and the console
-names DeepSpeed's accelerator before `import deepspeed` (tests/test_imports.py)."""
+the attention implementation against the planned device before the Trainer imports torch, and the process
+settings (launch/libraries.py) name DeepSpeed's accelerator before `import deepspeed` (tests/test_imports.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Evaluation during training: env.eval_splits every trainer.eval_every steps (and after the last), through
-the evaluation core that `epo eval` uses (epo_cli/evaluation.py), each rank playing its share of a split's
+the evaluation core that `epo eval` uses (epo_cli/evaluation/split.py), each rank playing its share of a split's
 fixed tasks; the metrics are all-reduced, so every rank returns the same eval/<split>/* values."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from epo_cli.envs.base import EnvSuite
-from epo_cli.evaluation import eval_tasks, evaluate_split, write_samples
+from epo_cli.evaluation.split import eval_tasks, evaluate_split, write_samples
 from epo_cli.rollout.episodes import Episode, Policy
 from epo_cli.rollout.prompts import PromptBuilder
 from epo_cli.training.engine import DistInfo

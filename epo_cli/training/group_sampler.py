@@ -24,7 +24,6 @@ from epo_cli.algos.dynamic_sampling import choose_groups, concat_batches, rows_o
 from epo_cli.algos.group_filter import group_stats, passing_groups
 from epo_cli.algos.intrinsic import intrinsic_rewards
 from epo_cli.config import IntrinsicConfig
-from epo_cli.curriculum import Curriculum
 from epo_cli.envs.base import EnvSuite
 from epo_cli.errors import UserError
 from epo_cli.rollout.batch import TurnBatch
@@ -39,6 +38,7 @@ from epo_cli.rollout.episodes import (
 )
 from epo_cli.rollout.prompts import PromptBuilder
 from epo_cli.seeding import derive_seed
+from epo_cli.training.curriculum import Curriculum
 from epo_cli.training.engine import all_gather_objects
 
 #: the RolloutStats fields that add up over dynamic sampling's rounds

@@ -26,16 +26,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from epo_cli.checkpoint_paths import disk_error_message, is_disk_error, latest_tag
 from epo_cli.errors import Stopped, UserError
-from epo_cli.run_dir import write_status
+from epo_cli.rundir.checkpoint_paths import disk_error_message, is_disk_error, latest_tag
+from epo_cli.rundir.folder import write_status
 from epo_cli.training.stop import STOP, Interrupted, exit_code, signal_name
 
 ABANDONED = "a second signal abandoned the step in progress"
 
 
 def record_status(run: Path, status: str, *, best_effort: bool = False, **fields: Any) -> None:
-    """Write <run>/status.json (epo_cli.run_dir.write_status). `best_effort`: a failed write (the disk that is
+    """Write <run>/status.json (epo_cli.rundir.folder.write_status). `best_effort`: a failed write (the disk that is
     full) is ignored, so that it does not hide the error or signal being reported."""
     try:
         write_status(run, status, **fields)

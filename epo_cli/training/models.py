@@ -58,7 +58,9 @@ class ModelSettings:
     """What build_models reads, fixed for the run (`from_config`)."""
 
     model: Any  # the model section: source (path or tiny), dtype, attention, LoRA (epo_cli/models/loading.py)
-    rollout: Any  # the rollout section: a prompt and its response must fit the model's positions (check_context)
+    # a prompt and its response must fit the model's positions (check_context)
+    max_prompt_tokens: int  # rollout.max_prompt_tokens
+    max_new_tokens: int  # rollout.max_new_tokens
     seed: int  # model=tiny builds its weights from it
     pack_tokens: int | None  # algo.pack_tokens: packed micro-batches (null: where the attention allows; 0: off)
     reference: bool  # a frozen reference copy (the `kl` loss term needs it)
@@ -71,7 +73,8 @@ class ModelSettings:
     @classmethod
     def from_config(cls, cfg: Any, dist: DistInfo) -> ModelSettings:
         algo = cfg.algo
-        return cls(model=cfg.model, rollout=cfg.rollout, seed=cfg.seed, pack_tokens=algo.pack_tokens,
+        return cls(model=cfg.model, max_prompt_tokens=cfg.rollout.max_prompt_tokens,
+                   max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.seed, pack_tokens=algo.pack_tokens,
                    reference="kl" in algo.loss_terms, critic=algo.estimator == "gae", lr=algo.lr,
                    weight_decay=algo.weight_decay, critic_lr=algo.value.lr or algo.lr,
                    engine=EngineSettings.from_config(cfg, dist))
@@ -84,7 +87,7 @@ def build_models(settings: ModelSettings, dist: DistInfo, suite: EnvSuite) -> Mo
     tokenizer = load_tokenizer(source, model_cfg)
     dtype = resolve_dtype(model_cfg, dist.device)
     policy = load_causal_lm(source, model_cfg, dtype).to(dist.device)
-    check_context(policy, settings.rollout, source)  # a prompt and its response fit the model's positions
+    check_context(policy, settings.max_prompt_tokens, settings.max_new_tokens, source)
     # packed micro-batches for scoring and update (before the copies below, which inherit the attention)
     packing = enable_packing(policy, settings.pack_tokens)
     ref_model = frozen_copy(policy) if settings.reference else None

@@ -72,9 +72,13 @@ class StopRequest:
             self._previous[sig] = signal.signal(sig, self._handle)
 
     def uninstall(self) -> None:
+        """Restore the handlers from before `install()`; after a stop was requested, a further stop signal
+        (the process is already writing its outcome and exiting) leaves at once instead, without a traceback."""
         for sig, previous in self._previous.items():
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
+        if self.signum is not None:
+            leave_at_once_on_stop_signals(exit_code(self.signum))
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.signum is not None:

@@ -42,12 +42,10 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from epo_cli import checkpoint_paths
 from epo_cli.algos.advantages import compute_advantages
 from epo_cli.algos.losses import LossStack, build_loss_terms, build_value_term, loss_coefficients
 from epo_cli.algos.schedules import build_kl_schedule, build_lr_schedule, build_phase_schedule
 from epo_cli.config import is_sft
-from epo_cli.curriculum import build_curriculum
 from epo_cli.envs import EnvSuite, make_suite
 from epo_cli.envs.pool import EnvPool
 from epo_cli.errors import UserError
@@ -55,15 +53,17 @@ from epo_cli.loggers.jsonl import truncate_metrics_file
 from epo_cli.loggers.logger import MetricsLogger
 from epo_cli.rollout.batch import TurnBatch
 from epo_cli.rollout.prompts import PromptBuilder, chat_encoder
-from epo_cli.saved_state import refusing_damaged
+from epo_cli.rundir import checkpoint_paths
+from epo_cli.rundir.saved_state import refusing_damaged
 from epo_cli.seeding import derive_seed
 from epo_cli.training import checkpoint
 from epo_cli.training.collapse import CollapseSettings, CollapseWatch
+from epo_cli.training.curriculum import build_curriculum
 from epo_cli.training.engine import all_reduce_max, all_reduce_sum, barrier, init_distributed
 from epo_cli.training.entropy_control import EntropyControl
 from epo_cli.training.evaluate import TrainingEval, TrainingEvalSettings
 from epo_cli.training.export import export_policy
-from epo_cli.training.finite import check_finite_weights
+from epo_cli.training.finite import LikelyCauses, check_finite_weights
 from epo_cli.training.group_sampler import GroupSampler, GroupSamplerSettings, Rollout
 from epo_cli.training.models import ModelSettings, build_models
 from epo_cli.training.sft import DemoSettings, demonstrations, sft_step
@@ -320,8 +320,8 @@ class Trainer:
                                                    self.cfg.trainer.max_nonfinite_skips,
                                                    lambda: checkpoint_paths.latest_tag(self.run))
         # non-finite weights (an lr far too large) stop the run before this step's checkpoint and next rollout
-        check_finite_weights(self.models.engine.module, self.state.step + 1, self.cfg, self.run,
-                             checkpoint_paths.latest_tag(self.run), all_reduce_max)
+        check_finite_weights(self.models.engine.module, self.state.step + 1, LikelyCauses.from_config(self.cfg),
+                             self.run, checkpoint_paths.latest_tag(self.run), all_reduce_max)
         return result
 
     # ---- after each step: evaluation, checkpoints, stopping ------------------------------------------------

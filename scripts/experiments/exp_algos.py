@@ -10,8 +10,8 @@ An ablation sweeps one more key and groups the table by its value (`--vary` name
 
 Serves two checks:
 - learning check (RL core): from the SFT warm start, do ppo and grpo raise household success above the
-  warm start's? Success is measured the same way for every policy: `epo eval` on the same fixed tasks of
-  eval_in_distribution at the sampling temperature (1.0) and greedily.
+  warm start's? Success is measured the same way for every policy: evaluate_run (`epo eval`, in this process)
+  on the same fixed tasks of eval_in_distribution at the sampling temperature (1.0) and greedily.
 - entropy experiment (EPO): entropy fluctuation of each algorithm: the mean relative step-to-step swing
   |H_t - H_{t-1}| / H_{t-1}, its maximum, and the monitor's sigma; next to final success.
 The runs go through `epo sweep` (one subprocess per run, summary over seeds) and the curves through
@@ -58,8 +58,8 @@ def main() -> None:
     sweep = max(sweep_root.glob("sweeps/*/*"), key=lambda p: p.stat().st_mtime)  # epo sweep's layout
     epo("report", str(sweep), cwd=out)
 
-    base_t1 = eval_rate(warm, out / "eval" / "warm_start", args.episodes, False, out)
-    base_greedy = eval_rate(warm, out / "eval" / "warm_start", args.episodes, True, out)
+    base_t1 = eval_rate(warm, out / "eval" / "warm_start", args.episodes, False)
+    base_greedy = eval_rate(warm, out / "eval" / "warm_start", args.episodes, True)
     results: dict[str, dict[str, list[float]]] = {}
     for run in sorted(p for p in sweep.iterdir() if (p / "metrics.jsonl").exists()):
         config = OmegaConf.load(run / "config.yaml")
@@ -74,8 +74,8 @@ def main() -> None:
             group += f" {args.vary}={OmegaConf.to_container(value) if OmegaConf.is_config(value) else value}"
         r = results.setdefault(group, {k: [] for k in ("t1", "greedy", "train_first", "train_last", "swing_mean",
                                                       "swing_max", "sigma", "entropy_range")})
-        r["t1"].append(eval_rate(run, run / "eval_exp", args.episodes, False, out))
-        r["greedy"].append(eval_rate(run, run / "eval_exp", args.episodes, True, out))
+        r["t1"].append(eval_rate(run, run / "eval_exp", args.episodes, False))
+        r["greedy"].append(eval_rate(run, run / "eval_exp", args.episodes, True))
         r["train_first"].append(rows[0]["rollout/success"])
         r["train_last"].append(statistics.mean(x["rollout/success"] for x in rows[-3:]))
         for k, v in fluctuation(rows).items():

@@ -1,6 +1,6 @@
 """Helpers the experiment scripts share (exp_algos.py, exp_entropy.py, exp_explore.py): running the CLI, evaluating
-a policy on fixed tasks, reading a run's metrics, the entropy-fluctuation statistics and table cells, and the
-command-line options of a multi-arm x multi-seed study.
+a policy on fixed tasks (evaluate_run, in this process), reading a run's metrics, the entropy-fluctuation
+statistics and table cells, and the command-line options of a multi-arm x multi-seed study.
 
 The scripts import it as a sibling module (`python scripts/experiments/exp_*.py` puts scripts/experiments/ on sys.path).
 """
@@ -9,19 +9,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from epo_cli.analysis.sweep_summary import mean_pm_std
+from epo_cli.errors import UserError
+from epo_cli.evaluation.run import EvalCommandConfig, evaluate_run
+from epo_cli.launch.libraries import quiet_libraries
 
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+quiet_libraries()  # what every `epo` process does first: evaluations run in this one
 
 
 def epo(*args: str, cwd: Path) -> None:
-    """Run `epo ARGS` (this interpreter, so the checkout being run is the one imported); exit on failure."""
+    """Run `epo ARGS` (this interpreter, so the checkout being run is the one imported); exit on failure.
+
+    Training and sweeps stay subprocesses: a run owns its process (its run-directory lock until it exits, its
+    stop signals, torch's and DeepSpeed's process-wide state), and a study's arms train side by side."""
     print("$ epo " + " ".join(args), flush=True)
     proc = subprocess.run([sys.executable, "-m", "epo_cli", *args], cwd=cwd)
     if proc.returncode != 0:
@@ -39,18 +45,30 @@ def warm_start_run(given: str | None, out: Path) -> Path:
     return max(trained, key=lambda p: p.stat().st_mtime)
 
 
-def eval_rate(run: Path, out: Path, episodes: int, greedy: bool, cwd: Path, extra: tuple[str, ...] = ()) -> float:
+#: one evaluation at a time in this process: they are CPU-bound Python (env steps, sampling), so two in threads of
+#: one process (the arms of exp_entropy.py run in threads) would only take turns on the GIL
+_EVALUATING = threading.Lock()
+
+
+def eval_rate(run: Path, out: Path, episodes: int, greedy: bool, extra: tuple[str, ...] = ()) -> float:
     """Success rate of `run`'s final policy on `episodes` eval_in_distribution tasks, at T=1.0 or greedily.
 
-    The result is kept under out/t1 or out/greedy and reused when the script runs again. `extra` are more
-    `epo eval` overrides (e.g. `seed=0`: the eval tasks are drawn from the seed, by default the run's own).
+    Evaluated in this process by evaluate_run (what `epo eval` runs); the result is kept under out/t1 or
+    out/greedy and reused when the script runs again. `extra` are more config overrides (e.g. `seed=0`: the
+    eval tasks are drawn from the seed, by default the run's own).
     """
     target = out / ("greedy" if greedy else "t1")
-    if not list(target.glob("*.json")):
-        mode = ["greedy=true"] if greedy else ["temperature=1.0"]
-        epo("eval", f"run={run}", f"episodes={episodes}", *mode, "split=eval_in_distribution", f"out={target}",
-            *extra, cwd=cwd)
-    return json.loads(next(target.glob("*.json")).read_text())["success"]["rate"]
+    if list(target.glob("*.json")):
+        return json.loads(next(target.glob("*.json")).read_text())["success"]["rate"]
+    options = EvalCommandConfig(run=run, episodes=episodes, split="eval_in_distribution", greedy=greedy,
+                                temperature=None if greedy else 1.0, out=target)
+    print(f"$ evaluate {run} ({'greedy' if greedy else 'T=1.0'}, {episodes} episodes{', ' if extra else ''}"
+          f"{' '.join(extra)})", flush=True)
+    with _EVALUATING:
+        try:
+            return evaluate_run(options, list(extra)).success_rate
+        except UserError as err:  # the same one message `epo eval` would print, then this script stops
+            sys.exit(f"evaluation of {run} failed: {err}")
 
 
 def rows_of(run: Path) -> list[dict]:

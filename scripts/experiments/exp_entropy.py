@@ -9,9 +9,10 @@ Every arm is `experiment=entropy_stress` (GRPO + a constant entropy bonus, house
 plus the overrides in ARMS, swept over the seeds by one `epo sweep` per arm (OUT/sweeps/<arm>/seeds-<seeds>/);
 `--jobs N` runs N arms' sweeps at the same time. Seeds can be added by later invocations (`--seeds 0`, then
 `--seeds 1`: every arm gets seed 0 first); the table covers every finished run under OUT/sweeps/<arm>/.
-Every final policy, and the warm start, is then evaluated by `epo eval` on the same fixed eval_in_distribution
-tasks (drawn with `seed=--eval-seed` for every policy, not the run's own seed) under the runs' turn limit, at
-T=1.0 and greedily. Written: OUT/results.md (table), OUT/results.json (per run), OUT/entropy_curves.png.
+Every final policy, and the warm start, is then evaluated (evaluate_run, what `epo eval` runs, in this process)
+on the same fixed eval_in_distribution tasks (drawn with `seed=--eval-seed` for every policy, not the run's own
+seed) under the runs' turn limit, at T=1.0 and greedily. Written: OUT/results.md (table), OUT/results.json
+(per run), OUT/entropy_curves.png.
 Sweeps with a summary and evaluations already on disk are reused, so an interrupted study continues.
 
 Table columns (per run, then mean ± std over seeds): eval success; the batch entropy H_k (policy/entropy,
@@ -85,7 +86,7 @@ def entropy_stats(h: list[float], kappa_low: float, kappa_high: float) -> dict[s
 # ----------------------------------------------------------------------------------------------------
 
 def eval_overrides(a: argparse.Namespace, max_turns: int) -> tuple[str, ...]:
-    """`epo eval` overrides shared by every policy: the task draw's seed and the turn limit of the runs."""
+    """Evaluation overrides shared by every policy: the task draw's seed and the turn limit of the runs."""
     return (f"seed={a.eval_seed}", f"env.max_turns={max_turns}")
 
 
@@ -111,9 +112,9 @@ def run_arm(key: str, a: argparse.Namespace, out: Path, warm: Path) -> list[dict
         rows = [r for r in rows_of(run) if "policy/entropy" in r]
         h = [r["policy/entropy"] for r in rows]
         extra = eval_overrides(a, int(config.env.max_turns))
-        evals = {"t1": eval_rate(run, run / "eval_exp", a.episodes, False, out, extra)}
+        evals = {"t1": eval_rate(run, run / "eval_exp", a.episodes, False, extra)}
         if a.greedy:
-            evals["greedy"] = eval_rate(run, run / "eval_exp", a.episodes, True, out, extra)
+            evals["greedy"] = eval_rate(run, run / "eval_exp", a.episodes, True, extra)
         fl = fluctuation(rows)
         # logged by the smoothing term (EPO arms), from the second iteration on (the first has no reference)
         above = [r["policy/entropy_above_band"] for r in rows if "policy/entropy_above_band" in r
@@ -229,9 +230,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"no finished run under {out / 'sweeps'}; see the sweeps' summary.md and train.log files")
     # the warm start plays the same tasks under the same turn limit as the trained policies
     extra = eval_overrides(a, runs[0]["max_turns"])
-    base = {"t1": eval_rate(warm, out / "eval" / "warm_start", a.episodes, False, out, extra)}
+    base = {"t1": eval_rate(warm, out / "eval" / "warm_start", a.episodes, False, extra)}
     if a.greedy:
-        base["greedy"] = eval_rate(warm, out / "eval" / "warm_start", a.episodes, True, out, extra)
+        base["greedy"] = eval_rate(warm, out / "eval" / "warm_start", a.episodes, True, extra)
 
     plot(runs, arms, out / "entropy_curves.png")
     wall = time.perf_counter() - start

@@ -203,11 +203,11 @@ def train(key: str, seed: int, a: argparse.Namespace, out: Path, warm: Path) -> 
     print(f"done: {key} seed {seed} ({time.perf_counter() - t0:.0f} s)", flush=True)
 
 
-def evaluate(run: Path, target: Path, episodes: int, env: tuple[str, int], out: Path) -> float:
+def evaluate(run: Path, target: Path, episodes: int, env: tuple[str, int]) -> float:
     """Eval success of run's final policy on `episodes` fixed tasks of env = (level, turn limit), drawn with
     seed 0 for every policy (kept under target and reused)."""
     level, max_turns = env
-    return eval_rate(run, target, episodes, False, out, ("seed=0", f"env.level={level}", f"env.max_turns={max_turns}"))
+    return eval_rate(run, target, episodes, False, ("seed=0", f"env.level={level}", f"env.max_turns={max_turns}"))
 
 
 def collect(out: Path, arms: list[str], iterations: int, seeds: list[int]) -> list[dict]:
@@ -388,10 +388,10 @@ def main(argv: list[str] | None = None) -> None:
         # the warm start's own config names its SFT level: it plays the runs' level and turn limit instead
         config = OmegaConf.load(Path(runs[0]["run"]) / "config.yaml")
         env = (str(config.env.level), int(config.env.max_turns))
-        with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
-            targets = [(warm, out / "eval" / "warm_start"), *((Path(r["run"]), Path(r["run"]) / "eval_explore")
-                                                              for r in runs)]
-            warm_eval, *rates = pool.map(lambda t: evaluate(*t, a.episodes, env, out), targets)
+        # one after another, in this process (exp_common.eval_rate): evaluations are CPU-bound Python
+        targets = [(warm, out / "eval" / "warm_start"), *((Path(r["run"]), Path(r["run"]) / "eval_explore")
+                                                          for r in runs)]
+        warm_eval, *rates = [evaluate(run, target, a.episodes, env) for run, target in targets]
         for r, rate in zip(runs, rates):
             r["eval_success"] = rate
     warm_success = a.warm_success if a.warm_success is not None else statistics.fmean(r["first_success"] for r in runs)

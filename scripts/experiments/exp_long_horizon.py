@@ -202,8 +202,8 @@ def eval_one(run: Path, split: str, levels: tuple[int, int], episodes: int, max_
 
     from epo_cli.envs import make_suite
     from epo_cli.envs.pool import EnvPool
-    from epo_cli.eval_command import EvalCommandConfig, build_policy, eval_config
-    from epo_cli.evaluation import eval_tasks, evaluate_split
+    from epo_cli.evaluation.run import EvalCommandConfig, build_policy, eval_config
+    from epo_cli.evaluation.split import eval_tasks, evaluate_split
     from epo_cli.rollout.prompts import PromptBuilder, chat_encoder
 
     torch.set_num_threads(1)

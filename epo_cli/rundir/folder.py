@@ -36,8 +36,8 @@ from omegaconf import DictConfig, OmegaConf
 from epo_cli.compose import validate
 from epo_cli.config import RENAMED_KEYS
 from epo_cli.errors import ConfigError, UserError
-from epo_cli.saved_state import check_saved_config, load_yaml
-from epo_cli.trust import drop_saved_settings
+from epo_cli.rundir.saved_state import check_saved_config, load_yaml
+from epo_cli.rundir.trust import drop_saved_settings
 
 CORE_PACKAGES = ("epo", "torch", "transformers", "deepspeed", "hydra-core", "omegaconf", "tokenizers")
 
@@ -130,7 +130,7 @@ RETIRED_NOTES = {"algo.dynamic_sampling_metric": (
 def load_run_config(run: Path, command_line: dict[str, Any] | None = None,
                     overridden: set[str] | frozenset[str] = frozenset()) -> DictConfig:
     """The resolved config a run was started with (validated again against today's schemas), with the
-    settings that can start code (epo_cli.trust.COMMAND_LINE_ONLY) reset to their defaults (one warning
+    settings that can start code (epo_cli.rundir.trust.COMMAND_LINE_ONLY) reset to their defaults (one warning
     each) or set to what `command_line` (this invocation's own values for them, e.g. from a launcher's
     flags) says; the caller's overrides (`overridden`: their keys, which get no warning) apply on top."""
     path = Path(run) / "config.yaml"

@@ -1,5 +1,7 @@
-"""`epo eval`: its arguments, the run's config and weights, and the files it writes; the episodes are played
-and scored by epo_cli/evaluation.py, as in the trainer's periodic evaluation.
+"""Evaluate a run or a model in this process: `evaluate_run(options, overrides)` reads the run's config and
+weights, plays and scores the episodes (epo_cli/evaluation/split.py, as in the trainer's periodic
+evaluation), writes the results and returns them. `epo eval` (`run_eval`) is its command line: the same
+options as key=value arguments, and a table on the console.
 
     epo eval run=outputs/<date>/<time>-<name> [checkpoint=final|latest|best|step_N] [split=S] [episodes=N]
              [temperature=0.4 | greedy=true] [policy=model|expert|look|random] [out=DIR] [any override]
@@ -8,8 +10,8 @@ and scored by epo_cli/evaluation.py, as in the trainer's periodic evaluation.
 Weights load without DeepSpeed engines: from <run>/final (a Hugging Face folder, safetensors), or from a
 checkpoint's `module` state dict (ZeRO-0: mp_rank_00_model_states.pt) or its consolidated ZeRO 1-3 shards
 (deepspeed's zero_to_fp32), loaded into the model the run's config builds. Nothing from the run directory
-is unpickled: checkpoint files are read with torch.load(weights_only=True) (epo_cli/safe_load.py), and the
-run's saved model.trust_remote_code is not honoured (epo_cli/run_dir.py).
+is unpickled: checkpoint files are read with torch.load(weights_only=True) (epo_cli/rundir/safe_load.py), and the
+run's saved model.trust_remote_code is not honoured (epo_cli/rundir/folder.py).
 
 Results: <run>/eval/<name>.json, <run>/eval/<name>.samples.md (a few decoded trajectories, the trainer's
 samples format) and a table on the console. Without a run they go to <output_dir>/eval/<date>_<time>/ (or
@@ -35,6 +37,7 @@ import math
 import pickle
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,14 +47,13 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from epo_cli.checkpoint_paths import resolve_checkpoint
 from epo_cli.compose import compose, validate
-from epo_cli.config import GROUPS
+from epo_cli.config import GROUPS, parse_bool
 from epo_cli.envs import make_suite
 from epo_cli.envs.base import EnvSuite
 from epo_cli.envs.pool import EnvPool
 from epo_cli.errors import ConfigError, UserError
-from epo_cli.evaluation import (
+from epo_cli.evaluation.split import (
     FixedActionPolicy,
     RandomPolicy,
     eval_tasks,
@@ -59,7 +61,6 @@ from epo_cli.evaluation import (
     score_episodes,
     write_samples,
 )
-from epo_cli.memory import check_memory, episodes_estimate
 from epo_cli.models.attention import check_attention
 from epo_cli.models.loading import (
     apply_lora,
@@ -69,12 +70,14 @@ from epo_cli.models.loading import (
     model_source,
     resolve_dtype,
 )
-from epo_cli.rollout.episodes import ExpertPolicy, ModelPolicy, Policy
+from epo_cli.rollout.episodes import Episode, ExpertPolicy, ModelPolicy, Policy
 from epo_cli.rollout.prompts import PromptBuilder, chat_encoder
-from epo_cli.run_dir import load_run_config, override_keys
-from epo_cli.safe_load import load_tensors, refused_message, restricted_torch_load
+from epo_cli.rundir.checkpoint_paths import resolve_checkpoint
+from epo_cli.rundir.folder import load_run_config, override_keys
+from epo_cli.rundir.safe_load import load_tensors, refused_message, restricted_torch_load
+from epo_cli.rundir.writable import check_output_dir
 from epo_cli.training.engine import pick_device
-from epo_cli.writable import check_output_dir
+from epo_cli.training.memory import check_memory, episodes_estimate
 
 #: the documented top-level fields of an eval JSON (tests check them)
 EVAL_JSON_FIELDS = (
@@ -93,6 +96,8 @@ POLICIES = ("model", "expert", "look", "random")
 
 @dataclass
 class EvalCommandConfig:
+    """One evaluation's options: `epo eval`'s key=value arguments, or evaluate_run's first argument."""
+
     run: Path | None = None
     checkpoint: str | None = None  # final | latest | best | step_N (default: final if present, else latest)
     split: str | None = None
@@ -104,14 +109,6 @@ class EvalCommandConfig:
 
 
 EVAL_KEYS = {f for f in EvalCommandConfig.__dataclass_fields__}
-
-
-def _bool(key: str, value: str) -> bool:
-    if value.lower() in ("true", "1", "yes"):
-        return True
-    if value.lower() in ("false", "0", "no"):
-        return False
-    raise ConfigError(f"{key}={value}: expected true or false.")
 
 
 def unquoted(value: str) -> str:
@@ -133,7 +130,8 @@ def whole_number(value: str) -> int:
 
 
 def parse_eval_args(args: list[str]) -> tuple[EvalCommandConfig, list[str]]:
-    """Split `key=value` arguments into eval options and config overrides (everything else)."""
+    """Split `key=value` arguments into eval options and config overrides (everything else); their rules are
+    evaluate_run's (check_eval_options)."""
     opts, overrides = EvalCommandConfig(), []
     for arg in args:
         key, sep, value = arg.partition("=")
@@ -152,11 +150,17 @@ def parse_eval_args(args: list[str]) -> tuple[EvalCommandConfig, list[str]]:
             elif key == "temperature":
                 opts.temperature = float(value)
             elif key == "greedy":
-                opts.greedy = _bool(key, value)
+                opts.greedy = parse_bool(key, value)  # the one rule for true/false settings (config.py)
             else:
                 setattr(opts, key, value)
         except ValueError:
             raise ConfigError(f"{arg}: {key} must be a number.") from None
+    return opts, overrides
+
+
+def check_eval_options(opts: EvalCommandConfig, overrides: list[str]) -> None:
+    """The options' own rules (ConfigError), checked by evaluate_run before anything is read: options from the
+    command line and from a script are held to the same rules."""
     if opts.policy not in POLICIES:
         raise ConfigError(f"Unknown policy '{opts.policy}'. Valid: {', '.join(POLICIES)} (model = the "
                           "trained policy; expert, look and random are scripted baselines).")
@@ -175,7 +179,6 @@ def parse_eval_args(args: list[str]) -> tuple[EvalCommandConfig, list[str]]:
     if opts.temperature is not None and not (opts.temperature > 0 and math.isfinite(opts.temperature)):
         raise ConfigError(f"temperature={opts.temperature:g} is out of range; allowed: 0 < value. For greedy "
                           "decoding pass greedy=true.")
-    return opts, overrides
 
 
 def eval_config(opts: EvalCommandConfig, overrides: list[str]) -> DictConfig:
@@ -269,7 +272,7 @@ def load_model(cfg: DictConfig, suite: EnvSuite, run: Path | None, which: str, d
 
 
 # ----------------------------------------------------------------------------------------------------
-# `epo eval`: run it
+# evaluate_run, and `epo eval` around it
 # ----------------------------------------------------------------------------------------------------
 
 def eval_name(label: str, split: str, temperature: float) -> str:
@@ -297,7 +300,7 @@ def build_policy(opts: EvalCommandConfig, cfg: DictConfig, suite: EnvSuite, temp
     has_final = opts.run is not None and (opts.run / "final" / "config.json").exists()
     which = opts.checkpoint or ("final" if has_final or opts.run is None else "latest")
     model, tokenizer, source, resolved = load_model(cfg, suite, opts.run, which, device)
-    check_context(model, cfg.rollout, source)
+    check_context(model, cfg.rollout.max_prompt_tokens, cfg.rollout.max_new_tokens, source)
     policy = ModelPolicy.from_rollout(model, tokenizer, cfg.rollout, temperature, len(tokenizer))
     # latest/best move as training goes on: name the file after the step they resolved to
     label = (resolved or which) if opts.run is not None else "model"
@@ -305,10 +308,37 @@ def build_policy(opts: EvalCommandConfig, cfg: DictConfig, suite: EnvSuite, temp
                                          source)
 
 
-def run_eval(args: list[str]) -> dict[str, Any]:
-    """`epo eval ARGS`: evaluate, write JSON + samples, print a table; returns the JSON payload."""
-    started = time.perf_counter()
+@dataclass
+class EvalResult:
+    """What evaluate_run measured and wrote."""
+
+    payload: dict[str, Any]  # the eval JSON's fields (EVAL_JSON_FIELDS), as written to `path`
+    path: Path  # <out>/<name>.json
+    episodes: list[Episode]  # the episodes played, in task order
+
+    @property
+    def success_rate(self) -> float:
+        return self.payload["success"]["rate"]
+
+
+def run_eval(args: list[str]) -> EvalResult:
+    """`epo eval ARGS`: evaluate_run with the options and overrides of the command line, then a table."""
     opts, overrides = parse_eval_args(args)
+    result = evaluate_run(opts, overrides, command=" ".join(["epo", *sys.argv[1:]]))
+    print_eval(result.payload, result.path)
+    return result
+
+
+def evaluate_run(opts: EvalCommandConfig, overrides: Sequence[str] = (), command: str | None = None) -> EvalResult:
+    """Evaluate `opts.run` (its checkpoint `opts.checkpoint`, default final) or `model.path=` in `overrides`, or a
+    scripted policy, on `opts.episodes` fixed tasks of `opts.split`, in this process; write <out>/<name>.json
+    and <name>.samples.md (module docstring) and return them. `overrides` are config overrides on top of the
+    run's saved config, as on `epo eval`'s command line; `command` is recorded in the JSON (default: this
+    process's command line). Bad options or settings raise UserError / ConfigError before anything is played.
+    Torch's thread count is set to the config's trainer.num_threads for this process."""
+    started = time.perf_counter()
+    overrides = list(overrides)
+    check_eval_options(opts, overrides)
     cfg = eval_config(opts, overrides)
     torch.set_num_threads(cfg.trainer.num_threads)
     suite = make_suite(cfg.env)
@@ -356,7 +386,7 @@ def run_eval(args: list[str]) -> dict[str, Any]:
         "format": EVAL_FORMAT,
         "name": name,
         "created": datetime.datetime.now().isoformat(timespec="seconds"),
-        "command": " ".join(["epo", *sys.argv[1:]]),
+        "command": command if command is not None else " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "run": str(opts.run) if opts.run is not None else None,
         "checkpoint": info.checkpoint,
         "checkpoint_resolved": info.resolved if info.checkpoint else None,
@@ -379,8 +409,7 @@ def run_eval(args: list[str]) -> dict[str, Any]:
     }
     path = out / f"{name}.json"
     path.write_text(json.dumps(_strict_json(payload), indent=2, allow_nan=False, default=str))
-    print_eval(payload, path)
-    return payload
+    return EvalResult(payload, path, episodes)
 
 
 def _strict_json(value: Any) -> Any:

@@ -1,6 +1,6 @@
-"""The console that user-facing errors and warnings go to, and the library settings that keep it readable.
-
-Shared by the `epo` command (epo_cli.cli) and the ranks it starts (epo_cli.launch.rank).
+"""The library settings every epo process applies first (the `epo` command, epo_cli.cli, and each rank it
+starts, epo_cli.launch.rank), so that the console (epo_cli.errors.err_console) shows epo's own progress and
+messages: no download bars, no accelerator-probing chatter, no mlflow import that nothing asked for.
 """
 
 from __future__ import annotations
@@ -12,11 +12,7 @@ import sys
 from types import ModuleType
 from typing import Any
 
-from rich.console import Console
-
 from epo_cli.training.device import device_type
-
-err_console = Console(stderr=True, highlight=False)
 
 
 def quiet_libraries() -> None:

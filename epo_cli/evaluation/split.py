@@ -1,5 +1,5 @@
 """Evaluation: one function plays a split's fixed tasks and scores them; the trainer's periodic evaluation
-and `epo eval` (epo_cli/eval_command.py: its arguments, the run's config and weights, the files it writes)
+and `epo eval` (epo_cli/evaluation/run.py: its arguments, the run's config and weights, the files it writes)
 both call it, so a number in metrics.jsonl and a number from `epo eval` mean the same thing.
 
     evaluate_split    play the split's tasks with a policy and return eval/<split>/* metrics and the episodes
