@@ -152,7 +152,7 @@ def test_a_run_saved_with_the_old_phase_keys_still_loads(tmp_path) -> None:
     (coef, start, peak, end): a run saved before is read under the new names, with its values."""
     from omegaconf import OmegaConf
 
-    from epo_cli.run_dir import load_run_config
+    from epo_cli.rundir.folder import load_run_config
 
     cfg = compose(["algo=epo", "algo.phase.schedule=two_phase", "algo.phase.start=0.3", "algo.phase.coef=1.5"])
     saved = OmegaConf.to_container(cfg, resolve=True)
