@@ -60,10 +60,11 @@ from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, RangeSw
 from omegaconf import OmegaConf
 
 from epo_cli.analysis.sweep_summary import SweepSummaryConfig, is_run_dir, last_value, split_sweep_options, summarize
-from epo_cli.compose import compose, hydra_overrides, validate
+from epo_cli.compose import compose, validate
 from epo_cli.config import GROUPS, config_dir, group_options
 from epo_cli.errors import ConfigError, UserError
 from epo_cli.loggers.jsonl import read_metrics
+from epo_cli.overrides import hydra_overrides
 from epo_cli.rundir.folder import (
     LOCK_NAME,
     check_lengths,
@@ -106,7 +107,7 @@ class SweepJob:
     def __call__(self, cfg: Any) -> float:
         hc = HydraConfig.get()
         run = Path(hc.runtime.output_dir)
-        # `epo train` turns key=value into ++key=value itself (epo_cli.compose.hydra_overrides)
+        # `epo train` turns key=value into ++key=value itself (epo_cli.overrides.hydra_overrides)
         overrides = [o[2:] if o.startswith("++") else o for o in map(str, hc.overrides.task)]
         cmd = [self.python, "-m", "epo_cli", "train", *overrides, f"run_dir={_quote(str(run))}"]
         record: dict[str, Any] = {"job": int(hc.job.num), "overrides": overrides, "command": cmd,
