@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from epo_cli.algos.advantages import ESTIMATORS, compute_advantages, gae, grpo, rloo, whiten
+from epo_cli.algos.advantages import ESTIMATORS, AdvantageEstimator, gae, grpo, rloo, whiten
 from epo_cli.config import AlgoConfig, GAEConfig, GRPOConfig
 from epo_cli.errors import ConfigError
 from epo_cli.rollout.batch import TurnBatch
@@ -210,15 +210,17 @@ def test_rloo_by_hand():
     close(ret, [2.0, 0.0, 0.0, 1.0, 4.0])
 
 
-def test_compute_advantages_dispatch():
+def test_the_estimator_algo_estimator_names():
     batch = make_batch([(0, 0, 2.0, [0.0]), (1, 0, 0.0, [0.0])])
     algo = AlgoConfig(estimator="rloo")
-    adv, _ = compute_advantages(batch, algo)
+    adv, _ = AdvantageEstimator.from_config(algo)(batch)
     close(adv, [2.0, -2.0])
     # the estimator gets its own settings section: algo.grpo for grpo (no normalisation by std: 2 - 1, 0 - 1)
     algo = AlgoConfig(estimator="grpo")
     algo.grpo.norm_by_std = False
-    adv, _ = compute_advantages(batch, algo)
+    estimator = AdvantageEstimator.from_config(algo)
+    algo.grpo.norm_by_std = True  # read once: a later change to the config does not reach it
+    adv, _ = estimator(batch)
     close(adv, [1.0, -1.0])
     with pytest.raises(ConfigError, match="Valid: gae, gigpo, grpo, rloo"):
-        compute_advantages(batch, AlgoConfig(estimator="nope"))
+        AdvantageEstimator.from_config(AlgoConfig(estimator="nope"))

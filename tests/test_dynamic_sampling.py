@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from epo_cli.algos.advantages import compute_advantages
+from epo_cli.algos.advantages import AdvantageEstimator
 from epo_cli.algos.dynamic_sampling import choose_groups, concat_batches, rows_of_groups
 from epo_cli.algos.group_filter import group_return_variance, group_signal, group_stats, passing_groups
 from epo_cli.compose import compose
@@ -96,19 +96,20 @@ def estimator_algo(name: str, group_filter: str = "signal") -> AlgoConfig:
 def test_signal_is_what_the_estimator_gives_the_group(name):
     batch = make_batch(CASES)
     algo = estimator_algo(name)
-    adv, _ = compute_advantages(batch, algo)
+    estimator = AdvantageEstimator.from_config(algo)
+    adv, _ = estimator(batch)
     assert torch.allclose(adv.double(), torch.tensor(EXPECTED[name], dtype=torch.float64), atol=1e-5), adv
-    assert group_signal(batch, algo) == SIGNAL[name]
+    assert group_signal(batch, estimator) == SIGNAL[name]
     # what dynamic sampling sees: (group, has signal, return variance) in group order
     returns_var = [0.0, 0.0, 0.0025]  # group 2: returns -0.1, -0.2 -> population variance 0.05^2
-    stats = group_stats(batch, algo)
+    stats = group_stats(batch, algo.group_filter, estimator)
     assert [(g, ok) for g, ok, _ in stats] == sorted(SIGNAL[name].items())
     assert [v for _, _, v in stats] == pytest.approx(returns_var, abs=1e-9)
 
 
 def test_signal_filter_refuses_an_estimator_without_groups():
     with pytest.raises(ValueError, match="group estimator"):
-        group_signal(make_batch(CASES), AlgoConfig(estimator="gae"))
+        group_signal(make_batch(CASES), AdvantageEstimator.from_config(AlgoConfig(estimator="gae")))
 
 
 def test_return_variance_and_the_filters_on_hand_made_groups():
@@ -117,7 +118,8 @@ def test_return_variance_and_the_filters_on_hand_made_groups():
     assert group_return_variance(batch) == pytest.approx({0: 25.0, 1: 0.0025, 2: 0.0, 3: 0.0}, abs=1e-9)
     # GRPO over turns: group 0 (10 vs 0) and group 1 (-0.1 vs 0) have signal; group 2's scores per turn are
     # [-0.1], [0, -0.1]: mean -0.0667, so they differ too (A != 0); group 3 is all 10
-    assert group_signal(batch, estimator_algo("grpo_turns")) == {0: True, 1: True, 2: True, 3: False}
+    grpo_turns = AdvantageEstimator.from_config(estimator_algo("grpo_turns"))
+    assert group_signal(batch, grpo_turns) == {0: True, 1: True, 2: True, 3: False}
     stats = [(7, False, 0.0), (3, True, 4.0), (5, True, 0.5), (9, False, 0.5), (1, True, 1.0)]  # play order
     assert passing_groups(stats, "none") == [(7, True), (3, True), (5, True), (9, True), (1, True)]
     assert passing_groups(stats, "signal") == [(7, False), (3, True), (5, True), (9, False), (1, True)]

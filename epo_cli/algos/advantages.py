@@ -5,10 +5,10 @@ algo sections its settings come from, its checks) and implemented here; it has t
 
     fn(batch: TurnBatch, *settings, all_reduce_sum=None) -> (advantages [N], returns [N])
 
-(`settings`: its own config sections, e.g. gae(batch, GAEConfig)); `compute_advantages(batch, algo)` runs
-the one algo.estimator names. `all_reduce_sum` sums a tensor over ranks (identity when None). Only
-statistics that are global in meaning use it (GAE's whitening); GRPO/RLOO groups and trajectories are
-whole on one rank by construction.
+(`settings`: its own config sections, e.g. gae(batch, GAEConfig)); `AdvantageEstimator.from_config(algo)`
+is the one algo.estimator names with its settings, fixed for the run. `all_reduce_sum` sums a tensor over
+ranks (identity when None). Only statistics that are global in meaning use it (GAE's whitening); GRPO/RLOO
+groups and trajectories are whole on one rank by construction.
 
     gae   PPO with a critic: turn-level GAE per trajectory (Schulman et al. 2016), optionally whitened
     grpo  group-relative: (score - group mean) / (group std + eps) (Shao et al. 2024; verl-agent)
@@ -26,10 +26,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
+from copy import deepcopy
+from dataclasses import dataclass
 from difflib import SequenceMatcher
 from typing import Any
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
 from epo_cli.algos.registries import ESTIMATORS
@@ -287,7 +290,20 @@ def gigpo(
     return adv, adv
 
 
-def compute_advantages(batch: TurnBatch, algo: Any, all_reduce_sum: AllReduce | None = None) -> tuple[Tensor, Tensor]:
-    """Run the estimator algo.estimator names on `batch`, with its own settings read from `algo`."""
-    entry = ESTIMATORS.entry(algo.estimator)
-    return ESTIMATORS.build(algo.estimator, batch, *entry.settings(algo), all_reduce_sum=all_reduce_sum)
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    """The estimator algo.estimator names with its own settings sections (e.g. algo.grpo), read once."""
+
+    name: str
+    settings: tuple[Any, ...]
+
+    @classmethod
+    def from_config(cls, algo: Any) -> AdvantageEstimator:
+        sections = ESTIMATORS.entry(algo.estimator).settings(algo)
+        # copies: a change to the config after this does not reach the run's estimator
+        return cls(algo.estimator, tuple(OmegaConf.to_object(s) if isinstance(s, DictConfig) else deepcopy(s)
+                                         for s in sections))
+
+    def __call__(self, batch: TurnBatch, all_reduce_sum: AllReduce | None = None) -> tuple[Tensor, Tensor]:
+        """(advantages [N], returns [N]) of `batch`."""
+        return ESTIMATORS.build(self.name, batch, *self.settings, all_reduce_sum=all_reduce_sum)

@@ -27,9 +27,8 @@ go through `passing_groups` identically on every rank. The filters are the GROUP
 from __future__ import annotations
 
 import math
-from typing import Any
 
-from epo_cli.algos.advantages import compute_advantages
+from epo_cli.algos.advantages import AdvantageEstimator
 from epo_cli.algos.registries import GROUP_FILTERS
 from epo_cli.rollout.batch import TurnBatch
 
@@ -61,26 +60,26 @@ def group_return_variance(batch: TurnBatch) -> dict[int, float]:
     return out
 
 
-def group_signal(batch: TurnBatch, algo: Any, tol: float = SIGNAL_TOL) -> dict[int, bool]:
-    """group id -> whether algo.estimator gives any of its turns |A| > tol.
+def group_signal(batch: TurnBatch, estimator: AdvantageEstimator, tol: float = SIGNAL_TOL) -> dict[int, bool]:
+    """group id -> whether the run's advantage estimator gives any of its turns |A| > tol.
 
     grpo, rloo and gigpo compute each group's advantages from that group's rows alone, so running the
     estimator on a batch of whole groups gives every group exactly the advantages it gets in the update.
     (gae's come from the critic, which this batch has not been scored by: compose refuses it.)"""
-    if algo.estimator in ("gae", "none"):
-        raise ValueError(f"algo.group_filter=signal needs a group estimator, not '{algo.estimator}'")
-    adv, _ = compute_advantages(batch, algo)  # [N]
+    if estimator.name in ("gae", "none"):
+        raise ValueError(f"algo.group_filter=signal needs a group estimator, not '{estimator.name}'")
+    adv, _ = estimator(batch)  # [N]
     signal: dict[int, bool] = {}
     for g, a in zip(batch.group_id.tolist(), adv.abs().tolist()):
         signal[g] = signal.get(g, False) or a > tol
     return signal
 
 
-def group_stats(batch: TurnBatch, algo: Any) -> list[GroupStats]:
+def group_stats(batch: TurnBatch, group_filter: str, estimator: AdvantageEstimator | None) -> list[GroupStats]:
     """(group id, has signal, return variance) of every group in `batch`, by group id; `has signal` is
-    only computed for algo.group_filter=signal (False otherwise)."""
+    only computed for group_filter=signal (False otherwise), with the run's advantage `estimator`."""
     variance = group_return_variance(batch)
-    signal = group_signal(batch, algo) if algo.group_filter == "signal" else {}
+    signal = group_signal(batch, estimator) if group_filter == "signal" else {}
     return [(g, signal.get(g, False), variance[g]) for g in sorted(variance)]
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from epo_cli.algos.advantages import AdvantageEstimator
 from epo_cli.algos.dynamic_sampling import choose_groups, concat_batches, rows_of_groups
 from epo_cli.algos.group_filter import group_stats, passing_groups
 from epo_cli.algos.intrinsic import intrinsic_rewards
@@ -70,8 +71,8 @@ class GroupSamplerSettings:
     max_rounds: int  # algo.dynamic_sampling_max_rounds: extra rounds at most
     group_filter: str  # which groups pass (algo.group_filter)
     group_filter_keep: float
-    # the algo section group_filter=signal hands the advantage estimator (a group's signal is its advantages)
-    estimator_settings: Any
+    # group_filter=signal: a group's signal is its advantages under the run's estimator (None: estimator=none)
+    estimator: AdvantageEstimator | None
 
     @classmethod
     def from_config(cls, cfg: Any) -> GroupSamplerSettings:
@@ -81,7 +82,7 @@ class GroupSamplerSettings:
                    intrinsic=OmegaConf.to_object(algo.intrinsic), overlap=cfg.rollout.overlap,
                    dynamic_sampling=algo.dynamic_sampling, max_rounds=algo.dynamic_sampling_max_rounds,
                    group_filter=algo.group_filter, group_filter_keep=algo.group_filter_keep,
-                   estimator_settings=algo)
+                   estimator=AdvantageEstimator.from_config(algo) if algo.estimator != "none" else None)
 
 
 class GroupSampler:
@@ -111,7 +112,7 @@ class GroupSampler:
             for name in _ADDED_UP:
                 setattr(stats, name, getattr(stats, name) + getattr(round_.stats, name))
             # every rank's groups, by group id
-            gathered = all_gather_objects(group_stats(round_.batch, settings.estimator_settings))
+            gathered = all_gather_objects(group_stats(round_.batch, settings.group_filter, settings.estimator))
             round_stats = sorted(s for rank_stats in gathered for s in rank_stats)
             played += passing_groups(round_stats, settings.group_filter, settings.group_filter_keep)
             if sum(ok for _, ok in played) >= groups:

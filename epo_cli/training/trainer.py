@@ -11,7 +11,7 @@ One RL iteration (`rl_step`, numbered as there). Steps 1-5 are public methods th
     2 score        <- PolicyUpdate.score (training/update.py): old log-probs, entropy (sampling temperature),
                       reference log-probs, critic values. With algo.reuse_scoring_forward the update's own
                       first forward scores the first mini-batch instead: PolicyUpdate's business alone
-    3 advantages   <- compute_advantages: the estimator algo.estimator names  gae | grpo | rloo | gigpo
+    3 advantages   <- AdvantageEstimator: the estimator algo.estimator names  gae | grpo | rloo | gigpo
     4 coefficients <- schedules: lambda (entropy group), beta_k (algo.phase), KL weight; the entropy terms
                       scaled by algo.monitor.clamp_scale when the monitor clamps (its verdict in advance)
     5 update       <- PolicyUpdate.run: ppo_epochs x mini-batches x micro-batches:
@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from epo_cli.algos.advantages import compute_advantages
+from epo_cli.algos.advantages import AdvantageEstimator
 from epo_cli.algos.losses import LossStack, build_loss_terms, build_value_term, loss_coefficients
 from epo_cli.algos.schedules import build_kl_schedule, build_lr_schedule, build_phase_schedule
 from epo_cli.config import is_sft
@@ -121,6 +121,7 @@ class Trainer:
         self.entropy = EntropyControl.from_config(cfg)  # history, fluctuation monitor, lambda's schedule
         self.phase_schedule, self.kl_schedule = build_phase_schedule(algo.phase), build_kl_schedule(algo)
         self.lr_schedule = build_lr_schedule(algo)
+        self.estimator = AdvantageEstimator.from_config(algo) if algo.estimator != "none" else None
         self.builder = PromptBuilder(cfg.env.prompt_template, cfg.env.history_length,
                                      cfg.rollout.max_prompt_tokens, chat_encoder(self.models.tokenizer))
         self.state = TrainState()
@@ -280,9 +281,9 @@ class Trainer:
     def advantages(self, batch: TurnBatch) -> TurnBatch:
         """Step 3: a new batch with the advantages and returns of the estimator algo.estimator names
         (unchanged for estimator=none)."""
-        if self.cfg.algo.estimator == "none":
+        if self.estimator is None:
             return batch
-        advantages, returns = compute_advantages(batch, self.cfg.algo, all_reduce_sum)
+        advantages, returns = self.estimator(batch, all_reduce_sum)
         return replace(batch, advantages=advantages, returns=returns)
 
     def coefficients(self, step: int, total: int, batch: TurnBatch) -> Coefficients:
