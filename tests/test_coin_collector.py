@@ -187,3 +187,38 @@ def test_tw_make_cache_folders_are_unchanged_by_the_challenges(tmp_path: Path) -
            "textworld": version("textworld")}
     digest = hashlib.sha1(json.dumps(old, sort_keys=True).encode()).hexdigest()[:10]
     assert suite.split_folder("train") == tmp_path / f"r5-o10-q5-{digest}"
+
+
+def test_expert_thought_names_the_rooms_exits() -> None:
+    from epo_cli.envs.textworld_games import expert_thought
+
+    admissible = ["go east", "go north", "inventory", "look", "take coin"]
+    assert expert_thought("exits", admissible) == "exits: east, north"  # the list's order, `go` commands only
+    assert expert_thought("exits", ["look", "inventory"]) == "exits: none"
+    assert expert_thought(None, admissible) is None
+
+
+@pytest.mark.realenv
+def test_expert_thought_reaches_the_demonstrations(tmp_path: Path) -> None:
+    """With env.expert_thought=exits every step's info names the exits the admissible list offers."""
+    suite = coin_suite(tmp_path, 103, num_games=1, expert_thought="exits")
+    suite.check()
+    task = suite.sample_tasks("train", 1, random.Random(0))[0]
+    env = suite.make_env()
+    try:
+        _, info = env.reset(task)
+        for _ in range(4):
+            exits = [c[3:] for c in info["admissible_commands"] if c.startswith("go ")]
+            assert info["expert_thought"] == "exits: " + ", ".join(exits) and exits
+            result = env.step(info["expert_action"])
+            info = result.info
+            if result.done:
+                break
+    finally:
+        env.close()
+    plain = coin_suite(tmp_path, 103, num_games=1)
+    env = plain.make_env()
+    try:
+        assert env.reset(task)[1]["expert_thought"] is None  # the default: no thought
+    finally:
+        env.close()

@@ -31,7 +31,7 @@ the quest the expert plans from). Glulx (.ulx) games cannot be played by TextWor
 Info keys: goal (the quest text), admissible_commands, won, lost, task_type ("textworld"), task_id (the game
 path relative to its folder), subgoals ([]), progress (score / max_score), expert_action (the first of
 TextWorld's policy_commands, replanned from the current state; None when there is no plan), expert_thought
-(None), truncated (max_turns reached).
+(None, or with env.expert_thought=exits the room's exits: "exits: east, north"), truncated (max_turns reached).
 """
 
 from __future__ import annotations
@@ -93,6 +93,10 @@ class TextWorldConfig(EnvConfig):
     #: the level of eval_out_of_distribution; null: coin_collector a chain 20 rooms longer in the same mode,
     #: treasure_hunter level + 10 (both within what TextWorld 1.7 can build)
     challenge_ood_level: int | None = num(None, ge=1, le=300)
+    #: what the expert's <think> says (demonstrations only): null = nothing; exits = the room's exits, read
+    #: off the admissible list ("exits: east, north"), a copy a small clone can learn (docs/learning.md,
+    #: "Long horizon": without it the tiny model's clone ignored which exits a room has)
+    expert_thought: str | None = one_of(None, ("exits",))
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,15 @@ def ood_level(challenge: str, level: int) -> int:
     chain, rooms = coin_collector_rooms(level)
     per_room = rooms // chain
     return level + max(0, min(20, 100 // per_room - chain))
+
+
+def expert_thought(kind: str | None, admissible: list[str]) -> str | None:
+    """The expert's thought of env.expert_thought `kind`: None, or (exits) the directions of the room's `go`
+    commands in the admissible list's order: "exits: east, north" ("exits: none" in a room without any)."""
+    if kind is None:
+        return None
+    directions = [c[len("go "):] for c in admissible if c.startswith("go ")]
+    return "exits: " + (", ".join(directions) if directions else "none")
 
 
 def _clean(text: str) -> str:
@@ -400,7 +413,7 @@ class TextWorldGame(Env):
             "subgoals": [],
             "progress": max(0.0, min(1.0, (state["score"] or 0) / max_score)),
             "expert_action": plan[0] if plan else None,
-            "expert_thought": None,
+            "expert_thought": expert_thought(self.suite.cfg.expert_thought, state["admissible_commands"] or []),
             "truncated": truncated,
         }
 
