@@ -198,6 +198,9 @@ def test_expert_thought_names_the_rooms_exits() -> None:
     assert expert_thought(None, admissible) is None
     assert expert_thought("exits_back", admissible, "south") == "exits: east, north; back: north"
     assert expert_thought("exits_back", admissible, None) == "exits: east, north; back: none"  # no move yet
+    assert expert_thought("back_on", admissible, "west") == "back: east; on: north"
+    assert expert_thought("back_on", ["go west", "look"], "east") == "back: west; on: none"  # a dead end
+    assert expert_thought("back_on", admissible, None) == "back: none; on: east, north"
 
 
 @pytest.mark.realenv

@@ -32,7 +32,7 @@ Info keys: goal (the quest text), admissible_commands, won, lost, task_type ("te
 path relative to its folder), subgoals ([]), progress (score / max_score), expert_action (the first of
 TextWorld's policy_commands, replanned from the current state; None when there is no plan), expert_thought
 (None; with env.expert_thought=exits the room's exits: "exits: east, north"; exits_back adds the way back,
-"; back: north"), truncated (max_turns reached).
+"; back: north"; back_on: "back: north; on: east"), truncated (max_turns reached).
 """
 
 from __future__ import annotations
@@ -98,8 +98,10 @@ class TextWorldConfig(EnvConfig):
     #: off the admissible list ("exits: east, north"), a copy a small clone can learn (docs/learning.md,
     #: "Long horizon": without it the tiny model's clone ignored which exits a room has); exits_back = that
     #: and the way back, the reverse of the last move made ("exits: east, north; back: north"; "back: none"
-    #: before the first move), which the prompt's history shows
-    expert_thought: str | None = one_of(None, ("exits", "exits_back"))
+    #: before the first move), which the prompt's history shows; back_on = the way back and the exits that
+    #: do not go back ("back: north; on: east, west"; "on: none" in a dead end), so that the last direction
+    #: the thought names is one the expert may take (the clone copies the nearest direction it has written)
+    expert_thought: str | None = one_of(None, ("exits", "exits_back", "back_on"))
 
 
 @dataclass(frozen=True)
@@ -151,13 +153,18 @@ def expert_thought(kind: str | None, admissible: list[str], last_move: str | Non
     """The expert's thought of env.expert_thought `kind`: None; (exits) the directions of the room's `go`
     commands in the admissible list's order: "exits: east, north" ("exits: none" in a room without any);
     (exits_back) that and the reverse of `last_move` (the direction of the last move made, None before the
-    first): "exits: east, north; back: north"."""
+    first): "exits: east, north; back: north"; (back_on) the way back and the other exits: "back: north;
+    on: east" ("on: none" in a dead end)."""
     if kind is None:
         return None
     directions = [c[len("go "):] for c in admissible if c.startswith("go ")]
+    back = REVERSE.get(last_move or "", "none")
+    if kind == "back_on":
+        on = [d for d in directions if d != back]
+        return f"back: {back}; on: " + (", ".join(on) if on else "none")
     thought = "exits: " + (", ".join(directions) if directions else "none")
     if kind == "exits_back":
-        thought += "; back: " + REVERSE.get(last_move or "", "none")
+        thought += f"; back: {back}"
     return thought
 
 
