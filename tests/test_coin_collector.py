@@ -187,3 +187,50 @@ def test_tw_make_cache_folders_are_unchanged_by_the_challenges(tmp_path: Path) -
            "textworld": version("textworld")}
     digest = hashlib.sha1(json.dumps(old, sort_keys=True).encode()).hexdigest()[:10]
     assert suite.split_folder("train") == tmp_path / f"r5-o10-q5-{digest}"
+
+
+def test_expert_thought_names_the_rooms_exits() -> None:
+    from epo_cli.envs.textworld_games import expert_thought
+
+    admissible = ["go east", "go north", "inventory", "look", "take coin"]
+    assert expert_thought("exits", admissible) == "exits: east, north"  # the list's order, `go` commands only
+    assert expert_thought("exits", ["look", "inventory"]) == "exits: none"
+    assert expert_thought(None, admissible) is None
+    assert expert_thought("exits_back", admissible, "south") == "exits: east, north; back: north"
+    assert expert_thought("exits_back", admissible, None) == "exits: east, north; back: none"  # no move yet
+    assert expert_thought("back_on", admissible, "west") == "back: east; on: north"
+    assert expert_thought("back_on", ["go west", "look"], "east") == "back: west; on: none"  # a dead end
+    assert expert_thought("back_on", admissible, None) == "back: none; on: east, north"
+
+
+@pytest.mark.realenv
+def test_expert_thought_reaches_the_demonstrations(tmp_path: Path) -> None:
+    """With env.expert_thought=exits_back every step's info names the exits the admissible list offers and
+    the reverse of the last move made; a command into a wall is no move."""
+    suite = coin_suite(tmp_path, 105, num_games=1, expert_thought="exits_back")
+    suite.check()
+    task = suite.sample_tasks("train", 1, random.Random(0))[0]
+    env = suite.make_env()
+    reverse = {"north": "south", "south": "north", "east": "west", "west": "east"}
+    try:
+        _, info = env.reset(task)
+        back = "none"
+        for turn in range(6):
+            exits = [c[3:] for c in info["admissible_commands"] if c.startswith("go ")]
+            assert info["expert_thought"] == "exits: " + ", ".join(exits) + f"; back: {back}" and exits
+            wall = next(d for d in reverse if d not in exits)
+            action = f"go {wall}" if turn == 2 else info["expert_action"]
+            result = env.step(action)
+            if action.startswith("go ") and turn != 2:
+                back = reverse[action[3:]]
+            info = result.info
+            if result.done:
+                break
+    finally:
+        env.close()
+    plain = coin_suite(tmp_path, 105, num_games=1)  # the same games: the thought is no generator option
+    env = plain.make_env()
+    try:
+        assert env.reset(task)[1]["expert_thought"] is None  # the default: no thought
+    finally:
+        env.close()

@@ -31,7 +31,8 @@ the quest the expert plans from). Glulx (.ulx) games cannot be played by TextWor
 Info keys: goal (the quest text), admissible_commands, won, lost, task_type ("textworld"), task_id (the game
 path relative to its folder), subgoals ([]), progress (score / max_score), expert_action (the first of
 TextWorld's policy_commands, replanned from the current state; None when there is no plan), expert_thought
-(None), truncated (max_turns reached).
+(None; with env.expert_thought=exits the room's exits: "exits: east, north"; exits_back adds the way back,
+"; back: north"; back_on: "back: north; on: east"), truncated (max_turns reached).
 """
 
 from __future__ import annotations
@@ -92,6 +93,14 @@ class TextWorldConfig(EnvConfig):
     #: the level of eval_out_of_distribution; null: coin_collector a chain 20 rooms longer in the same mode,
     #: treasure_hunter level + 10 (both within what TextWorld 1.7 can build)
     challenge_ood_level: int | None = num(None, ge=1, le=300)
+    #: what the expert's <think> says (demonstrations only): null = nothing; exits = the room's exits, read
+    #: off the admissible list ("exits: east, north"), a copy a small clone can learn (docs/learning.md,
+    #: "Long horizon": without it the tiny model's clone ignored which exits a room has); exits_back = that
+    #: and the way back, the reverse of the last move made ("exits: east, north; back: north"; "back: none"
+    #: before the first move), which the prompt's history shows; back_on = the way back and the exits that
+    #: do not go back ("back: north; on: east, west"; "on: none" in a dead end), so that the last direction
+    #: the thought names is one the expert may take (the clone copies the nearest direction it has written)
+    expert_thought: str | None = one_of(None, ("exits", "exits_back", "back_on"))
 
 
 @dataclass(frozen=True)
@@ -133,6 +142,29 @@ def ood_level(challenge: str, level: int) -> int:
     chain, rooms = coin_collector_rooms(level)
     per_room = rooms // chain
     return level + max(0, min(20, 100 // per_room - chain))
+
+
+#: the way back after a move
+REVERSE = {"north": "south", "south": "north", "east": "west", "west": "east"}
+
+
+def expert_thought(kind: str | None, admissible: list[str], last_move: str | None = None) -> str | None:
+    """The expert's thought of env.expert_thought `kind`: None; (exits) the directions of the room's `go`
+    commands in the admissible list's order: "exits: east, north" ("exits: none" in a room without any);
+    (exits_back) that and the reverse of `last_move` (the direction of the last move made, None before the
+    first): "exits: east, north; back: north"; (back_on) the way back and the other exits: "back: north;
+    on: east" ("on: none" in a dead end)."""
+    if kind is None:
+        return None
+    directions = [c[len("go "):] for c in admissible if c.startswith("go ")]
+    back = REVERSE.get(last_move or "", "none")
+    if kind == "back_on":
+        on = [d for d in directions if d != back]
+        return f"back: {back}; on: " + (", ".join(on) if on else "none")
+    thought = "exits: " + (", ".join(directions) if directions else "none")
+    if kind == "exits_back":
+        thought += f"; back: {back}"
+    return thought
 
 
 def _clean(text: str) -> str:
@@ -353,6 +385,8 @@ class TextWorldGame(Env):
         self._task: Task | None = None
         self._goal = ""
         self._turn = 0
+        self._admissible: list[str] = []  # the current room's admissible commands
+        self._last_move: str | None = None  # the direction of the last move made (env.expert_thought)
 
     def reset(self, task: Task) -> tuple[str, dict[str, Any]]:
         import textworld
@@ -369,6 +403,7 @@ class TextWorldGame(Env):
             self._tw = textworld.start(str(path), request_infos=infos)
             state = self._tw.reset()
         self._task, self._turn = task, 0
+        self._admissible, self._last_move = list(state["admissible_commands"] or []), None
         objective = state["objective"] or ""
         feedback = state.feedback
         self._goal = objective
@@ -379,8 +414,12 @@ class TextWorldGame(Env):
     def step(self, action: str) -> StepResult:
         if self._task is None:
             raise RuntimeError("step() before reset()")
-        state, _, done = self._tw.step(game_command(action))
+        command = game_command(action)
+        state, _, done = self._tw.step(command)
         self._turn += 1
+        if command.startswith("go ") and command in self._admissible:  # an exit the room has: a move
+            self._last_move = command[len("go "):]
+        self._admissible = list(state["admissible_commands"] or [])
         won = bool(state["won"])
         truncated = not done and self._turn >= self.max_turns
         return StepResult(_clean(state.feedback), 1.0 if won else 0.0, bool(done) or truncated,
@@ -399,7 +438,8 @@ class TextWorldGame(Env):
             "subgoals": [],
             "progress": max(0.0, min(1.0, (state["score"] or 0) / max_score)),
             "expert_action": plan[0] if plan else None,
-            "expert_thought": None,
+            "expert_thought": expert_thought(self.suite.cfg.expert_thought, state["admissible_commands"] or [],
+                                             self._last_move),
             "truncated": truncated,
         }
 
