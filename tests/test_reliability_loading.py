@@ -418,10 +418,9 @@ DAMAGE = {
 }
 FOLDER_COMMANDS = {
     "eval run=": lambda run, tmp: ["eval", f"run={run}", "episodes=1"],
-    "eval model.path=": lambda run, tmp: ["eval", f"model.path={run / 'final'}", "env.level=tiny_open_pick_place",
-                                          "episodes=1", f"out={tmp / 'out'}"],
-    "train model.path=": lambda run, tmp: ["train", f"model.path={run / 'final'}", *SmallConfig().sft(*ONE_STEP),
-                                           f"run_dir={tmp / 'out'}"],
+    # the model.path= commands of the planted-weights test, given the run's exported model
+    **{name: (lambda run, tmp, command=command: command(run / "final", tmp))
+       for name, command in MODEL_PATH_COMMANDS.items()},
 }
 
 

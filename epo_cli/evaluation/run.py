@@ -75,7 +75,7 @@ from epo_cli.rollout.prompts import PromptBuilder, chat_encoder
 from epo_cli.rundir.checkpoint_paths import resolve_checkpoint
 from epo_cli.rundir.folder import load_run_config, override_keys
 from epo_cli.rundir.safe_load import load_tensors, refused_message, restricted_torch_load
-from epo_cli.rundir.writable import check_output_dir
+from epo_cli.rundir.writable import check_output_dir, json_ready
 from epo_cli.training.engine import pick_device
 from epo_cli.training.memory import check_memory, episodes_estimate
 
@@ -408,19 +408,8 @@ def evaluate_run(opts: EvalCommandConfig, overrides: Sequence[str] = (), command
         "duration_s": round(time.perf_counter() - started, 2),
     }
     path = out / f"{name}.json"
-    path.write_text(json.dumps(_strict_json(payload), indent=2, allow_nan=False, default=str))
+    path.write_text(json.dumps(json_ready(payload), indent=2, allow_nan=False, default=str))
     return EvalResult(payload, path, episodes)
-
-
-def _strict_json(value: Any) -> Any:
-    """NaN/inf are not JSON: write them as null (e.g. an interval over zero episodes)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _strict_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_strict_json(v) for v in value]
-    return value
 
 
 def print_eval(payload: dict[str, Any], path: Path) -> None:

@@ -75,7 +75,7 @@ from epo_cli.rundir.folder import (
     release_folders,
     write_status,
 )
-from epo_cli.rundir.writable import prepare_output_dir
+from epo_cli.rundir.writable import json_ready, prepare_output_dir
 
 log = logging.getLogger("epo.sweep")
 
@@ -181,16 +181,6 @@ def _error_line(tail: str) -> str | None:
     return lines[-1][:500] if lines else None
 
 
-def _finite(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
-
-
 def _now() -> str:
     return datetime.datetime.now().isoformat(timespec="seconds")
 
@@ -198,7 +188,7 @@ def _now() -> str:
 def _write_json(path: Path, payload: dict[str, Any]) -> None:
     """JSON as the standard has it: a non-finite number (a failed job's worst objective, -inf) is null."""
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(_finite(payload), indent=2, default=str, allow_nan=False))
+    tmp.write_text(json.dumps(json_ready(payload), indent=2, default=str, allow_nan=False))
     tmp.replace(path)
 
 

@@ -2,12 +2,15 @@
 
 A file where the folder should be, a read-only run directory (an `epo eval` or `epo report` of a run that
 someone shared read-only), or a full disk would otherwise surface as an OSError once the work is done.
+`json_ready` makes the values written into such a folder's JSON files strict JSON.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
+from typing import Any
 
 from epo_cli.errors import UserError
 
@@ -37,3 +40,15 @@ def prepare_output_dir(path: Path, key: str) -> Path:
     path = check_output_dir(path, key)
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def json_ready(value: Any) -> Any:
+    """`value` with every NaN/inf float as None, through dicts, lists and tuples: NaN/inf are not JSON (an
+    interval over zero episodes, a metric of a run that diverged), and json.dumps(allow_nan=False) refuses them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_ready(v) for v in value]
+    return value
