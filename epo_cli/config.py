@@ -7,7 +7,7 @@ values (`one_of(default, (...))`, or `one_of(default, registry=...)`: the names 
 which the caller passes in); `check_field_rules` walks a schema and checks them all. A section that holds a
 switch lists the settings it turns on in `switches` (`Switch`: compose warns when one is set while it is
 off). Composing conf/ with Hydra, merging into these schemas and the rules that span keys live one layer up,
-in epo_cli/compose.py.
+in epo_cli/compose/.
 
 Groups (conf/<group>/<option>.yaml) and their schemas:
     algo        AlgoConfig        sft | ppo | grpo | gigpo | epo | epo_ppo
@@ -693,7 +693,7 @@ class RunConfig:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Groups and field-rule checks (composition and the rules that span keys live in epo_cli/compose.py)
+# Groups and field-rule checks (composition and the rules that span keys live in epo_cli/compose/)
 # ----------------------------------------------------------------------------------------------------
 
 #: config groups a user selects with `group=option`

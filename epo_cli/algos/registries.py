@@ -18,7 +18,7 @@ The schedules (SCHEDULES, KL_SCHEDULES) and the weights a loss term's coefficien
 beta_k, the KL weight) live in schedules.py, which needs no torch either.
 
 A component's `check(cfg)` runs at compose time whenever the config names it (after algo.estimator=auto is
-resolved); the rules of a whole section (e.g. entropy.min_coef <= max_coef) stay in epo_cli/compose.py.
+resolved); the rules of a whole section (e.g. entropy.min_coef <= max_coef) stay in epo_cli/compose/.
 """
 
 from __future__ import annotations

@@ -61,10 +61,10 @@ from omegaconf import OmegaConf
 
 from epo_cli.analysis.sweep_summary import SweepSummaryConfig, is_run_dir, last_value, split_sweep_options, summarize
 from epo_cli.compose import compose, validate
+from epo_cli.compose.overrides import hydra_overrides
 from epo_cli.config import GROUPS, config_dir, group_options
 from epo_cli.errors import ConfigError, UserError
 from epo_cli.loggers.jsonl import read_metrics
-from epo_cli.overrides import hydra_overrides
 from epo_cli.rundir.folder import (
     LOCK_NAME,
     check_lengths,

@@ -9,7 +9,7 @@
     blame_preset            (blame_preset adds that note)
     check_required          a preset's ${required:...} value the command line did not give
 
-epo_cli/compose.py composes and validates; this module only reads overrides and explains Hydra. Nothing it
+epo_cli/compose/ composes and validates; this module only reads overrides and explains Hydra. Nothing it
 imports loads torch.
 """
 

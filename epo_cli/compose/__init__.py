@@ -1,7 +1,7 @@
 """Composition and validation of a run's config: Hydra over conf/, merged into the schemas of config.py.
 
 `compose(overrides)` runs Hydra's compose API over conf/ (the overrides are read, and Hydra's errors
-explained, by epo_cli/overrides.py), then `validate` merges the result into the dataclass schemas (the env
+explained, by epo_cli/compose/overrides.py), then `validate` merges the result into the dataclass schemas (the env
 section into the schema of env.name). Any unknown key, unknown group option or wrong type fails here, before
 any work starts, with one `ConfigError` that names the key and the valid choices. Then, in order:
     check_field_rules       each field's declared range and valid values (registry fields: the names the
@@ -11,7 +11,7 @@ any work starts, with one `ConfigError` that names the key and the valid choices
     _check_components       each component the config names: its registry entry's `check`; the schedules of
                             the loss's weights; algo.components.<name> against the component's settings dataclass
     warn_unused_settings    one line per reason when a changed setting is read by nothing this run uses
-                            (epo_cli/unused_settings.py: registry entries, the weights' schedules, and the
+                            (epo_cli/compose/unused_settings.py: registry entries, the weights' schedules, and the
                             schema sections' `switches`)
 No table here names a component: a new estimator, loss term or schedule is seen through its registry entry.
 
@@ -33,6 +33,16 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from epo_cli.algos import REGISTRIES
 from epo_cli.algos.registries import ESTIMATORS, LOSS_TERMS
 from epo_cli.algos.schedules import WEIGHTS, Weight, build_schedule, schedule_parameters, section_keys
+from epo_cli.compose.overrides import (
+    blame_preset,
+    check_override_forms,
+    check_required,
+    hydra_overrides,
+    preset_settings,
+    translate_hydra_error,
+    unknown_key_message,
+)
+from epo_cli.compose.unused_settings import warn_unused_settings
 from epo_cli.config import (
     TINY_SIZE_KEYS,
     ModelConfig,
@@ -47,20 +57,10 @@ from epo_cli.config import (
 )
 from epo_cli.envs import env_config_class
 from epo_cli.errors import ConfigError
-from epo_cli.overrides import (
-    blame_preset,
-    check_override_forms,
-    check_required,
-    hydra_overrides,
-    preset_settings,
-    translate_hydra_error,
-    unknown_key_message,
-)
 from epo_cli.registry import Registry
 from epo_cli.rollout.prompts import get_template
 from epo_cli.training.curriculum import CURRICULA, check_curriculum, check_levels_fit
 from epo_cli.training.memory import check_memory
-from epo_cli.unused_settings import warn_unused_settings
 
 #: every registry a `one_of(registry=...)` field may name
 _REGISTRIES: dict[str, Registry] = {**REGISTRIES, "curricula": CURRICULA}
