@@ -21,6 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -101,6 +102,13 @@ def fluctuation(rows: list[dict]) -> dict[str, float]:
 def mean_std(xs: list[float]) -> str:
     """`mean ± std` over seeds (sample std), the value alone for one seed, `-` for none (3 decimals)."""
     return mean_pm_std(xs, ".3f", ".3f")
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One arm of a study: its label in the tables and its overrides on top of the study's preset."""
+    label: str
+    overrides: tuple[str, ...]
 
 
 def study_parser(doc: str, out: str, arms: dict, warm_start_help: str, jobs_help: str) -> argparse.ArgumentParser:

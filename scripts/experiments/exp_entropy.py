@@ -34,10 +34,10 @@ import json
 import shutil
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from exp_common import (
+    Arm,
     check_arms,
     epo,
     eval_rate,
@@ -53,13 +53,7 @@ from omegaconf import OmegaConf
 EPO_TERMS = "algo.loss_terms=[policy_clip,kl,entropy,entropy_smoothing]"  # the preset's loss_terms lack it
 
 
-@dataclass(frozen=True)
-class Arm:
-    label: str
-    overrides: tuple[str, ...]  # on top of experiment=entropy_stress
-
-
-ARMS = {
+ARMS = {  # each arm's overrides go on top of experiment=entropy_stress
     "grpo": Arm("GRPO, no bonus", ("algo.loss_terms=[policy_clip,kl]",)),
     "grpo_bonus": Arm("GRPO + bonus", ()),
     "clip_higher": Arm("+ clip-higher 0.28", ("algo.policy_clip.clip_high=0.28",)),

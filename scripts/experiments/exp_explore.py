@@ -42,10 +42,10 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from exp_common import (
+    Arm,
     check_arms,
     eval_rate,
     finished_run,
@@ -62,13 +62,7 @@ from omegaconf import OmegaConf
 EXPERIMENT = "improve_on_teacher"  # the RL preset of `make demo`
 
 
-@dataclass(frozen=True)
-class Arm:
-    label: str
-    overrides: tuple[str, ...]  # on top of the RL preset
-
-
-ARMS = {
+ARMS = {  # each arm's overrides go on top of the RL preset (--experiment)
     "grpo": Arm("GRPO", ()),
     # the notebook's run P: a constant entropy bonus
     "grpo_bonus": Arm("GRPO + entropy bonus 0.1", ("algo.loss_terms=[policy_clip,kl,entropy]", "entropy.coef=0.1")),

@@ -49,10 +49,10 @@ import statistics
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from exp_common import (
+    Arm,
     check_arms,
     finished_run,
     rows_of,
@@ -74,14 +74,8 @@ COST_TURNS = (15, 30, 60)
 COST_ITERATIONS = 3
 
 
-@dataclass(frozen=True)
-class Arm:
-    label: str
-    overrides: tuple[str, ...]  # on top of experiment=coin_long_horizon
-
-
 COUNT = ("algo.intrinsic.kind=count", "algo.intrinsic.coef=3.0", "algo.intrinsic.decay=1.0")
-ARMS = {
+ARMS = {  # each arm's overrides go on top of experiment=coin_long_horizon (--experiment)
     "grpo": Arm("GRPO", ()),
     # exp_explore's bonus 0.1 destroyed the household policy in every seed; a tenth of it asks whether a
     # little more randomness helps where exploration is the bottleneck
