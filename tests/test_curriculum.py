@@ -148,6 +148,14 @@ def test_staged_config_checks():
         StagedCurriculum(CurriculumConfig(name="staged"), env_cfg(), ["a", "a"])
 
 
+@pytest.mark.parametrize("make, name", [(StagedCurriculum, "staged"), (AdaptiveCurriculum, "adaptive")])
+def test_staged_and_adaptive_need_a_level(make: type[Curriculum], name: str):
+    # the one check in Curriculum.__init__ (needs_levels); `none` with no levels keeps the env's own draw
+    with pytest.raises(ConfigError, match=rf"^curriculum={name} needs at least one level \(curriculum.levels\)\.$"):
+        make(CurriculumConfig(name=name), env_cfg(), [])
+    assert Curriculum(CurriculumConfig(name="none"), env_cfg(), []).levels == []
+
+
 # ----------------------------------------------------------------------------------------------------
 # adaptive
 # ----------------------------------------------------------------------------------------------------

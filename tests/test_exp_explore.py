@@ -103,20 +103,6 @@ def test_arms_compose_to_what_they_name() -> None:
     assert algo("grpo_count").algo.intrinsic.kind == "count"
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--arms", "grpo,nope"], "unknown arm(s) nope"),
-    (["--seeds", "0,x"], "comma-separated integers"),
-    (["--iterations", "0"], "--iterations must be >= 1"),
-    (["--episodes", "-1"], "--episodes must be >= 0"),
-])
-def test_bad_arguments_are_named(argv: list[str], message: str, tmp_path: Path,
-                                 capsys: pytest.CaptureFixture) -> None:
-    (tmp_path / "final").mkdir()  # parse_args only checks that the warm start holds a policy folder
-    with pytest.raises(SystemExit) as exit_:
-        exp_explore.parse_args(["--warm-start", str(tmp_path), *argv])
-    assert exit_.value.code == 2 and message in capsys.readouterr().err
-
-
 def test_missing_warm_start_is_named(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit):
         exp_explore.parse_args(["--warm-start", str(tmp_path)])

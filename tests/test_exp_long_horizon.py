@@ -68,20 +68,6 @@ def test_arms_compose_to_what_they_name() -> None:
     assert cfg("epo_count").algo.name == "epo" and cfg("gigpo").algo.estimator == "gigpo"
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--arms", "grpo,nope"], "unknown arm(s) nope"),
-    (["--seeds", "0,x"], "comma-separated integers"),
-    (["--iterations", "0"], "--iterations must be >= 1"),
-    (["--episodes", "-1"], "--episodes must be >= 0"),
-])
-def test_bad_arguments_are_named(argv: list[str], message: str, tmp_path: Path,
-                                 capsys: pytest.CaptureFixture) -> None:
-    (tmp_path / "final").mkdir()
-    with pytest.raises(SystemExit) as exit_:
-        lh.parse_args(["--warm-start", str(tmp_path), *argv])
-    assert exit_.value.code == 2 and message in capsys.readouterr().err
-
-
 @pytest.mark.slow
 @pytest.mark.realenv
 def test_quick_mode_writes_a_summary_and_redoes_nothing(tmp_path: Path) -> None:

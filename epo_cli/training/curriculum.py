@@ -200,6 +200,8 @@ class Curriculum:
         if dupes:
             raise ConfigError(f"curriculum.levels lists {dupes} more than once; each level must appear once.")
         check_curriculum(self.cfg, env_cfg.max_turns)
+        if self.needs_levels and not self.levels:
+            raise ConfigError(f"curriculum={self.name} needs at least one level (curriculum.levels).")
         self._levels_checked = False  # checked against the suite on the first draw (not state: cheap to redo)
 
     # -- what the trainer calls ------------------------------------------------------------------------------
@@ -325,8 +327,6 @@ class StagedCurriculum(Curriculum):
 
     def __init__(self, cfg: Any, env_cfg: Any, levels: Sequence[str] = ()) -> None:
         super().__init__(cfg, env_cfg, levels)
-        if not self.levels:
-            raise ConfigError("curriculum=staged needs at least one level (curriculum.levels).")
         self.stage = 0
         self.window: list[list[float]] = []  # [wins, episodes] of the current level, one entry per iteration
         self.promotions = 0
@@ -416,8 +416,6 @@ class AdaptiveCurriculum(Curriculum):
 
     def __init__(self, cfg: Any, env_cfg: Any, levels: Sequence[str] = ()) -> None:
         super().__init__(cfg, env_cfg, levels)
-        if not self.levels:
-            raise ConfigError("curriculum=adaptive needs at least one level (curriculum.levels).")
         #: per level: [wins, episodes] of the iterations it was played in, the last 2*window of them
         self.history: dict[str, list[list[float]]] = {lv: [] for lv in self.levels}
         self.weights = self._weights()

@@ -16,6 +16,8 @@ Serves two checks:
   |H_t - H_{t-1}| / H_{t-1}, its maximum, and the monitor's sigma; next to final success.
 The runs go through `epo sweep` (one subprocess per run, summary over seeds) and the curves through
 `epo report`; this script adds the evaluations, the comparison table (Markdown) and a combined PNG.
+It has no job loop of its own, so no exp_common study driver: the one `epo sweep` runs every (algo, seed)
+itself, --jobs at a time through Hydra's joblib launcher.
 """
 
 from __future__ import annotations

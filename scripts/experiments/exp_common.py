@@ -1,6 +1,9 @@
-"""Helpers the experiment scripts share (exp_algos.py, exp_entropy.py, exp_explore.py): running the CLI, evaluating
-a policy on fixed tasks (evaluate_run, in this process), reading a run's metrics, the entropy-fluctuation
-statistics and table cells, and the command-line options of a multi-arm x multi-seed study.
+"""Helpers the experiment scripts share (exp_*.py): running the CLI, evaluating a policy on fixed tasks
+(evaluate_run, in this process), reading a run's metrics, the entropy-fluctuation statistics and table cells,
+the command-line options of a multi-arm x multi-seed study, and the study driver every study trains its runs
+with: run_folder / finished_run (where an (arm, seed) run lives and whether it is done), train_once (train it
+unless done; an unfinished one is started over), train_logged (the one `epo train` subprocess, console in a
+.log) and run_jobs (the (arm, seed) jobs, --jobs at a time, seed-major, the first failure stops the study).
 
 The scripts import it as a sibling module (`python scripts/experiments/exp_*.py` puts scripts/experiments/ on sys.path).
 """
@@ -9,11 +12,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
 import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from epo_cli.analysis.sweep_summary import mean_pm_std
 from epo_cli.errors import UserError
@@ -22,14 +32,17 @@ from epo_cli.launch.libraries import quiet_libraries
 
 quiet_libraries()  # what every `epo` process does first: evaluations run in this one
 
+#: how a script starts the CLI: this interpreter, so the checkout being run is the one imported
+EPO = [sys.executable, "-m", "epo_cli"]
+
 
 def epo(*args: str, cwd: Path) -> None:
-    """Run `epo ARGS` (this interpreter, so the checkout being run is the one imported); exit on failure.
+    """Run `epo ARGS` (EPO: this interpreter, so the checkout being run is the one imported); exit on failure.
 
     Training and sweeps stay subprocesses: a run owns its process (its run-directory lock until it exits, its
     stop signals, torch's and DeepSpeed's process-wide state), and a study's arms train side by side."""
     print("$ epo " + " ".join(args), flush=True)
-    proc = subprocess.run([sys.executable, "-m", "epo_cli", *args], cwd=cwd)
+    proc = subprocess.run([*EPO, *args], cwd=cwd)
     if proc.returncode != 0:
         sys.exit(f"epo {args[0]} failed with exit code {proc.returncode}")
 
@@ -91,6 +104,13 @@ def mean_std(xs: list[float]) -> str:
     return mean_pm_std(xs, ".3f", ".3f")
 
 
+@dataclass(frozen=True)
+class Arm:
+    """One arm of a study: its label in the tables and its overrides on top of the study's preset."""
+    label: str
+    overrides: tuple[str, ...]
+
+
 def study_parser(doc: str, out: str, arms: dict, warm_start_help: str, jobs_help: str) -> argparse.ArgumentParser:
     """The options every multi-arm x multi-seed study takes: --out, --warm-start, --arms, --seeds, --jobs."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -109,25 +129,103 @@ def check_arms(p: argparse.ArgumentParser, chosen: str, arms: dict) -> None:
         p.error(f"unknown arm(s) {', '.join(unknown)}; choose from {', '.join(arms)}")
 
 
-def train_once(folder: Path, args: list[str], label: str) -> None:
-    """`epo train ARGS output_dir=folder` with its console in folder.log, unless folder holds a finished run
-    (a final policy and metrics); an unfinished one is deleted and started again, so a study that was
-    interrupted continues where it stopped. Exits with the log's path on failure."""
-    import shutil
-    import time
+# ----------------------------------------------------------------------------------------------------
+# the study driver: every (arm, seed) run of a study is trained, found and scheduled here
+# ----------------------------------------------------------------------------------------------------
 
-    done = [p for p in folder.glob("*/*") if (p / "final").is_dir() and (p / "metrics.jsonl").exists()]
-    if done:
-        return
+def say(line: str) -> None:
+    """One progress line, written at once (jobs report from parallel threads)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def run_folder(out: Path, arm: str, iterations: int, seed: int) -> Path:
+    """Where one (arm, seed) run of a study trains: OUT/runs/<arm>/it<N>-seed<S>/ (its console beside it,
+    it<N>-seed<S>.log); a later invocation with other --iterations gets its own folder."""
+    return out / "runs" / arm / f"it{iterations}-seed{seed}"
+
+
+def is_finished(run: Path) -> bool:
+    """A run directory that trained every step: the final policy is exported only then."""
+    return (run / "final").is_dir() and (run / "metrics.jsonl").exists()
+
+
+def finished_run(folder: Path) -> Path | None:
+    """The newest finished run `epo train output_dir=folder` made (folder/<date>/<time>-<name>/), or None."""
+    done = [p for p in folder.glob("*/*") if is_finished(p)]
+    return max(done, key=lambda p: p.stat().st_mtime) if done else None
+
+
+def run_logged(command: list[str], shown: str, log: Path, label: str, cwd: Path | None = None,
+               env: dict[str, str] | None = None) -> float:
+    """`command` (a study's training run or evaluation, a subprocess) with its console in `log`. Prints
+    `$ <shown>` and `done: <label> (<s> s)`; exits naming the log on failure. Returns the wall time (s)."""
+    say(f"$ {shown}")
+    t0 = time.perf_counter()
+    with log.open("w") as f:
+        proc = subprocess.run(command, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        sys.exit(f"{label} failed with exit code {proc.returncode}; see {log}")
+    wall = time.perf_counter() - t0
+    say(f"done: {label} ({wall:.0f} s)")
+    return wall
+
+
+def train_logged(args: list[str], log: Path, label: str, cwd: Path | None = None,
+                 env: dict[str, str] | None = None) -> float:
+    """`epo train ARGS` with its console in `log` (run_logged): the one place a study starts a training run."""
+    args = ["train", *args]
+    return run_logged([*EPO, *args], f"epo {' '.join(args)}", log, label, cwd, env)
+
+
+def train_once(folder: Path, args: list[str], label: str) -> Path:
+    """The finished run of `epo train ARGS output_dir=folder` (console in folder.log): trained unless folder
+    already holds one; an unfinished one is deleted and started again, so a study that was interrupted
+    continues where it stopped. Exits with the log's path on failure."""
+    run = finished_run(folder)
+    if run is not None:
+        return run
     if folder.exists():  # interrupted: its half-written run would be mistaken for a result
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
-    args = ["train", *args, f"output_dir={folder}"]
-    print(f"$ epo {' '.join(args)}", flush=True)
-    t0 = time.perf_counter()
-    log = folder.parent / f"{folder.name}.log"
-    with log.open("w") as f:
-        proc = subprocess.run([sys.executable, "-m", "epo_cli", *args], cwd=folder, stdout=f, stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
-        sys.exit(f"{label} failed with exit code {proc.returncode}; see {log}")
-    print(f"done: {label} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    train_logged([*args, f"output_dir={folder}"], folder.parent / f"{folder.name}.log", label, cwd=folder)
+    run = finished_run(folder)
+    if run is None:  # exit code 0 without a final policy: stopped early (trainer.stop_after, a stop signal)
+        sys.exit(f"{label} stopped before its last step; see {folder.parent / folder.name}.log")
+    return run
+
+
+Job = TypeVar("Job")
+Result = TypeVar("Result")
+
+
+def run_jobs(jobs: list[Job], work: Callable[[Job], Result], n_jobs: int) -> list[Result]:
+    """work(job) for every job, n_jobs at a time (threads: each job's heavy part is a subprocess), started
+    in the order given (a study passes seed-major (arm, seed) pairs: every arm gets seed 0 first); the
+    results in that order. The first failure (an exception, or a job's sys.exit with its message) stops the
+    study: no job starts after it, the running ones end, then it is raised here. Ctrl-C likewise."""
+    todo = deque(enumerate(jobs))
+    results: dict[int, Result] = {}
+    failure: BaseException | None = None
+    with ThreadPoolExecutor(max_workers=max(1, n_jobs)) as pool:  # leaving it waits for the running jobs
+        running: dict[Future, int] = {}
+        while todo or running:
+            while todo and len(running) < max(1, n_jobs):  # a job starts only when one ends, never queued
+                index, job = todo.popleft()
+                running[pool.submit(work, job)] = index
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in done:
+                index = running.pop(future)
+                if future.exception() is None:
+                    results[index] = future.result()
+                elif failure is None:
+                    failure = future.exception()
+                    todo.clear()
+    if failure is not None:
+        raise failure
+    return [results[index] for index in range(len(jobs))]
+
+
+def seed_major(arms: list[str], seeds: list[int]) -> list[tuple[str, int]]:
+    """A study's (arm, seed) jobs, seed-major: every arm's seed 0 first, so a stopped study has all arms."""
+    return [(arm, seed) for seed in seeds for arm in arms]

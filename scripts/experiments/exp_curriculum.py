@@ -11,7 +11,9 @@ curriculum/level_success/<target>.
 
 Every run is a real `epo train` subprocess (its own run directory under OUT/runs/); the script reads the
 runs' metrics.jsonl and writes OUT/results.md (table + per-iteration curves) and OUT/curves.png. Runs that
-already finished are not repeated, so an interrupted experiment continues where it stopped.
+already finished are not repeated and an unfinished one is started over, so an interrupted experiment
+continues where it stopped (exp_common's study driver runs the jobs, seed-major, --jobs at a time; this
+study keeps its own flat run folders, OUT/runs/<arm>-s<seed>/, with their logs in OUT/logs/).
 
     python scripts/experiments/exp_curriculum.py --out outputs/exp_curriculum                 # full: 3 seeds
     python scripts/experiments/exp_curriculum.py --quick --out /tmp/exp_curriculum_quick      # smoke test, ~3 min
@@ -29,13 +31,12 @@ import argparse
 import json
 import math
 import os
+import shutil
 import statistics
-import subprocess
-import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+
+from exp_common import is_finished, run_jobs, seed_major, train_logged
 
 from epo_cli.analysis.sweep_summary import mean_pm_std
 
@@ -65,12 +66,6 @@ class RunResult:
 # ----------------------------------------------------------------------------------------------------
 
 
-def say(message: str) -> None:
-    """One line, written at once (runs report from parallel threads with --jobs)."""
-    sys.stdout.write(message + "\n")
-    sys.stdout.flush()
-
-
 def cli_env() -> dict[str, str]:
     env = os.environ.copy()
     env.update({"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -81,24 +76,15 @@ def cli_env() -> dict[str, str]:
     return env
 
 
-def epo_train(args: list[str], run_dir: Path, log: Path) -> float:
-    """Run `epo train ARGS run_dir=RUN_DIR` (output in LOG); returns the wall time. Raises on failure."""
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "epo_cli", "train", *args, f"run_dir={run_dir}"]
-    t0 = time.perf_counter()
-    with open(log, "w") as out:
-        out.write(" ".join(cmd) + "\n\n")
-        out.flush()
-        done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=cli_env())
-    if done.returncode != 0:
-        tail = log.read_text()[-3000:]
-        raise SystemExit(f"epo train failed (exit {done.returncode}) for {run_dir}; log {log}:\n{tail}")
-    return time.perf_counter() - t0
-
-
-def finished(run_dir: Path) -> bool:
-    status = run_dir / "status.json"
-    return status.exists() and json.loads(status.read_text()).get("status") == "finished"
+def train_into(run: Path, args: list[str], log: Path, label: str) -> float:
+    """`epo train ARGS run_dir=RUN` (exp_common.train_logged, console in LOG, this script's environment);
+    returns its wall time. This study names its run directories itself (OUT/runs/<arm>-s<seed>, not
+    exp_common.run_folder's layout), so an unfinished one of an interrupted invocation is deleted here first
+    (`epo train` refuses a run_dir that holds a run)."""
+    if run.exists():
+        shutil.rmtree(run)
+    run.parent.mkdir(parents=True, exist_ok=True)
+    return train_logged([*args, f"run_dir={run}"], log, label, env=cli_env())
 
 
 def ensure_warm_start(given: str | None, out: Path, quick: bool) -> Path:
@@ -110,12 +96,11 @@ def ensure_warm_start(given: str | None, out: Path, quick: bool) -> Path:
             raise SystemExit(f"--warm-start {given}: no model there (expected <run>/final with config.json)")
         return path
     run = out / "warm_start"
-    if not finished(run):
+    if not is_finished(run):
         args = list(WARM_START_ARGS)
         if quick:  # a weaker but quick warm start, enough to smoke-test the pipeline
             args += ["trainer.total_steps=30", "algo.demo_episodes=40"]
-        say(f"training the warm start -> {run}")
-        epo_train([*args, "name=warm_start"], run, out / "logs" / "warm_start.log")
+        train_into(run, [*args, "name=warm_start"], out / "logs" / "warm_start.log", "warm start")
     return run / "final"
 
 
@@ -294,6 +279,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--replay-share", type=float, default=0.2)
     p.add_argument("--subgoal-coef", type=float, default=1.0)
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    # two CPU-bound runs give ~1.4x the throughput of one on a 2-core machine
     p.add_argument("--jobs", type=int, default=1, help="runs trained at the same time")
     p.add_argument("--quick", action="store_true",
                    help="smoke test: 1 seed, 3 tiny iterations, promote after every iteration")
@@ -308,13 +294,10 @@ def run_one(arm: str, seed: int, a: argparse.Namespace, out: Path, warm: Path) -
     """Train one (arm, seed) unless it already finished; returns its wall time in seconds."""
     run = out / "runs" / f"{arm}-s{seed}"
     timing = run / "wall_s.txt"
-    if finished(run) and timing.exists():
-        say(f"{arm} seed {seed}: already finished ({run})")
+    if is_finished(run) and timing.exists():
         return float(timing.read_text())
-    say(f"{arm} seed {seed}: training -> {run}")
-    wall = epo_train(arm_args(arm, a, warm, seed), run, out / "logs" / f"{arm}-s{seed}.log")
+    wall = train_into(run, arm_args(arm, a, warm, seed), out / "logs" / f"{arm}-s{seed}.log", f"{arm} seed {seed}")
     timing.write_text(f"{wall:.1f}")
-    say(f"{arm} seed {seed}: done in {wall / 60:.1f} min")
     return wall
 
 
@@ -323,12 +306,8 @@ def main(argv: list[str] | None = None) -> None:
     out = a.out.resolve()
     (out / "logs").mkdir(parents=True, exist_ok=True)
     warm = ensure_warm_start(a.warm_start, out, a.quick)
-    jobs = [(arm, seed) for seed in a.seeds for arm in a.arms]
-    walls = {job: run_one(*job, a, out, warm) for job in jobs} if a.jobs <= 1 else {}
-    if a.jobs > 1:  # two CPU-bound runs give ~1.4x the throughput of one on a 2-core machine
-        with ThreadPoolExecutor(max_workers=a.jobs) as pool:
-            futures = {job: pool.submit(run_one, *job, a, out, warm) for job in jobs}
-            walls = {job: f.result() for job, f in futures.items()}
+    jobs = seed_major(a.arms, a.seeds)
+    walls = dict(zip(jobs, run_jobs(jobs, lambda job: run_one(*job, a, out, warm), a.jobs)))
     results = [read_run(arm, seed, out / "runs" / f"{arm}-s{seed}", a.level, walls[(arm, seed)])
                for arm, seed in jobs]
 

@@ -14,6 +14,8 @@ on the same fixed eval_in_distribution tasks (drawn with `seed=--eval-seed` for 
 seed) under the runs' turn limit, at T=1.0 and greedily. Written: OUT/results.md (table), OUT/results.json
 (per run), OUT/entropy_curves.png.
 Sweeps with a summary and evaluations already on disk are reused, so an interrupted study continues.
+Its jobs are arms, not (arm, seed) runs: each arm is one `epo sweep` over all its seeds in Hydra's sweep folders,
+so the arms go through exp_common.run_jobs but not its per-run train_once/run_folder.
 
 Table columns (per run, then mean ± std over seeds): eval success; the batch entropy H_k (policy/entropy,
 token mean at the sampling temperature) at the first iteration, over the last 5, its min and max; the
@@ -32,23 +34,26 @@ import json
 import shutil
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
-from exp_common import check_arms, epo, eval_rate, fluctuation, mean_std, rows_of, study_parser, warm_start_run
+from exp_common import (
+    Arm,
+    check_arms,
+    epo,
+    eval_rate,
+    fluctuation,
+    mean_std,
+    rows_of,
+    run_jobs,
+    study_parser,
+    warm_start_run,
+)
 from omegaconf import OmegaConf
 
 EPO_TERMS = "algo.loss_terms=[policy_clip,kl,entropy,entropy_smoothing]"  # the preset's loss_terms lack it
 
 
-@dataclass(frozen=True)
-class Arm:
-    label: str
-    overrides: tuple[str, ...]  # on top of experiment=entropy_stress
-
-
-ARMS = {
+ARMS = {  # each arm's overrides go on top of experiment=entropy_stress
     "grpo": Arm("GRPO, no bonus", ("algo.loss_terms=[policy_clip,kl]",)),
     "grpo_bonus": Arm("GRPO + bonus", ()),
     "clip_higher": Arm("+ clip-higher 0.28", ("algo.policy_clip.clip_high=0.28",)),
@@ -224,8 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     warm = warm_start_run(a.warm_start, out)
     arms = a.arms.split(",")
 
-    with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:  # each sweep is its own subprocess
-        runs = [r for rs in pool.map(lambda key: run_arm(key, a, out, warm), arms) for r in rs]
+    runs = [r for rs in run_jobs(arms, lambda key: run_arm(key, a, out, warm), a.jobs) for r in rs]
     if not runs:
         raise SystemExit(f"no finished run under {out / 'sweeps'}; see the sweeps' summary.md and train.log files")
     # the warm start plays the same tasks under the same turn limit as the trained policies

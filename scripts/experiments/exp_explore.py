@@ -39,29 +39,30 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shutil
 import statistics
-import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
-from exp_common import check_arms, eval_rate, rows_of, study_parser
+from exp_common import (
+    Arm,
+    check_arms,
+    eval_rate,
+    finished_run,
+    rows_of,
+    run_folder,
+    run_jobs,
+    seed_major,
+    study_parser,
+    train_once,
+)
 from exp_entropy import mean_curve, reference
 from omegaconf import OmegaConf
 
 EXPERIMENT = "improve_on_teacher"  # the RL preset of `make demo`
 
 
-@dataclass(frozen=True)
-class Arm:
-    label: str
-    overrides: tuple[str, ...]  # on top of the RL preset
-
-
-ARMS = {
+ARMS = {  # each arm's overrides go on top of the RL preset (--experiment)
     "grpo": Arm("GRPO", ()),
     # the notebook's run P: a constant entropy bonus
     "grpo_bonus": Arm("GRPO + entropy bonus 0.1", ("algo.loss_terms=[policy_clip,kl,entropy]", "entropy.coef=0.1")),
@@ -173,34 +174,11 @@ def run_stats(rows: list[dict], kappa: tuple[float, float]) -> dict:
 # running
 # ----------------------------------------------------------------------------------------------------
 
-def run_dir(out: Path, key: str, iterations: int, seed: int) -> Path:
-    return out / "runs" / key / f"it{iterations}-seed{seed}"
-
-
-def finished(folder: Path) -> Path | None:
-    """The run under folder (<date>/<time>-<name>/) if it has a final policy."""
-    done = [p for p in folder.glob("*/*") if (p / "final").is_dir() and (p / "metrics.jsonl").exists()]
-    return max(done, key=lambda p: p.stat().st_mtime) if done else None
-
-
 def train(key: str, seed: int, a: argparse.Namespace, out: Path, warm: Path) -> None:
-    """One run of one arm, unless it finished in an earlier invocation."""
-    folder = run_dir(out, key, a.iterations, seed)
-    if finished(folder):
-        return
-    if folder.exists():  # interrupted: its half-written run would be mistaken for a result
-        shutil.rmtree(folder)
-    folder.mkdir(parents=True)
-    args = ["train", f"experiment={a.experiment}", *ARMS[key].overrides, f"model.path={warm / 'final'}", f"seed={seed}",
-            f"trainer.total_steps={a.iterations}", "logger=none", f"output_dir={folder}", *a.overrides]
-    print(f"$ epo {' '.join(args)}", flush=True)
-    t0 = time.perf_counter()
-    with (folder.parent / f"{folder.name}.log").open("w") as log:
-        proc = subprocess.run([sys.executable, "-m", "epo_cli", *args], cwd=folder, stdout=log,
-                              stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
-        sys.exit(f"{key} seed {seed} failed with exit code {proc.returncode}; see {folder.parent / folder.name}.log")
-    print(f"done: {key} seed {seed} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    """One run of one arm (exp_common.train_once: unless it finished in an earlier invocation)."""
+    train_once(run_folder(out, key, a.iterations, seed),
+               [f"experiment={a.experiment}", *ARMS[key].overrides, f"model.path={warm / 'final'}", f"seed={seed}",
+                f"trainer.total_steps={a.iterations}", "logger=none", *a.overrides], f"{key} seed {seed}")
 
 
 def evaluate(run: Path, target: Path, episodes: int, env: tuple[str, int]) -> float:
@@ -215,7 +193,7 @@ def collect(out: Path, arms: list[str], iterations: int, seeds: list[int]) -> li
     runs = []
     for key in arms:
         for seed in seeds:
-            run = finished(run_dir(out, key, iterations, seed))
+            run = finished_run(run_folder(out, key, iterations, seed))
             if run is None:
                 continue
             config = OmegaConf.load(run / "config.yaml")
@@ -378,9 +356,7 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     arms = a.arms.split(",")
-    jobs = [(key, seed) for seed in a.seed_list for key in arms]  # seed-major: every arm gets seed 0 first
-    with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:  # each run is its own subprocess
-        list(pool.map(lambda job: train(*job, a, out, warm), jobs))
+    run_jobs(seed_major(arms, a.seed_list), lambda job: train(*job, a, out, warm), a.jobs)
 
     runs = collect(out, arms, a.iterations, a.seed_list)
     warm_eval = None

@@ -49,11 +49,20 @@ import statistics
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
-from exp_common import check_arms, rows_of, study_parser, train_once
+from exp_common import (
+    Arm,
+    check_arms,
+    finished_run,
+    rows_of,
+    run_folder,
+    run_jobs,
+    run_logged,
+    seed_major,
+    study_parser,
+    train_once,
+)
 from exp_entropy import mean_curve
 from exp_explore import GAIN, fmt, iterations_to, run_stats
 
@@ -65,14 +74,8 @@ COST_TURNS = (15, 30, 60)
 COST_ITERATIONS = 3
 
 
-@dataclass(frozen=True)
-class Arm:
-    label: str
-    overrides: tuple[str, ...]  # on top of experiment=coin_long_horizon
-
-
 COUNT = ("algo.intrinsic.kind=count", "algo.intrinsic.coef=3.0", "algo.intrinsic.decay=1.0")
-ARMS = {
+ARMS = {  # each arm's overrides go on top of experiment=coin_long_horizon (--experiment)
     "grpo": Arm("GRPO", ()),
     # exp_explore's bonus 0.1 destroyed the household policy in every seed; a tenth of it asks whether a
     # little more randomness helps where exploration is the bottleneck
@@ -259,28 +262,14 @@ def evaluate(run: Path, split: str, level: int, a: argparse.Namespace) -> dict:
         args = ["--eval-one", str(run), "--split", split, "--levels", *map(str, a.levels), "--episodes",
                 str(a.episodes), "--max-turns", str(a.eval_turns), "--entropy-episodes", str(a.entropy_episodes),
                 "--json", str(path), *(f"--override={o}" for o in a.overrides if o.startswith(GAME_KEYS))]
-        import subprocess
-
-        print(f"$ eval {run.name} {split} level {level}", flush=True)
-        with (path.parent / f"{path.stem}.log").open("w") as log:
-            proc = subprocess.run([sys.executable, __file__, *args], stdout=log, stderr=subprocess.STDOUT)
-        if proc.returncode != 0:
-            sys.exit(f"evaluation of {run} on {split} failed; see {path.parent / path.stem}.log")
+        run_logged([sys.executable, __file__, *args], f"eval {run.name} {split} level {level}",
+                   path.parent / f"{path.stem}.log", f"evaluation of {run} on {split}")
     return json.loads(path.read_text())
 
 
 # ----------------------------------------------------------------------------------------------------
 # the study
 # ----------------------------------------------------------------------------------------------------
-
-def run_folder(out: Path, key: str, iterations: int, seed: int) -> Path:
-    return out / "runs" / key / f"it{iterations}-seed{seed}"
-
-
-def finished(folder: Path) -> Path | None:
-    done = [p for p in folder.glob("*/*") if (p / "final").is_dir() and (p / "metrics.jsonl").exists()]
-    return max(done, key=lambda p: p.stat().st_mtime) if done else None
-
 
 def levels(a: argparse.Namespace) -> tuple[int, int]:
     """(target level, longer-chain level) of the study's runs (the RL preset with the overrides)."""
@@ -295,12 +284,11 @@ def levels(a: argparse.Namespace) -> tuple[int, int]:
 
 def job(key: str, seed: int, a: argparse.Namespace, out: Path, warm: Path) -> None:
     """Train one arm's seed (unless done), evaluate its policy on both eval splits, rewrite the summary."""
-    folder = run_folder(out, key, a.iterations, seed)
-    train_once(folder, [f"experiment={a.experiment}", *ARMS[key].overrides, f"model.path={warm / 'final'}",
-                        f"seed={seed}", f"trainer.total_steps={a.iterations}", "logger=none", *a.overrides],
-               f"{key} seed {seed}")
+    run = train_once(run_folder(out, key, a.iterations, seed),
+                     [f"experiment={a.experiment}", *ARMS[key].overrides, f"model.path={warm / 'final'}",
+                      f"seed={seed}", f"trainer.total_steps={a.iterations}", "logger=none", *a.overrides],
+                     f"{key} seed {seed}")
     if a.episodes:
-        run = finished(folder)
         for split, level in zip((TARGET_SPLIT, LONGER_SPLIT), a.levels):
             evaluate(run, split, level, a)
     with _summary_lock:
@@ -311,7 +299,7 @@ def collect(out: Path, arms: list[str], a: argparse.Namespace) -> list[dict]:
     runs = []
     for key in arms:
         for seed in a.seed_list:
-            run = finished(run_folder(out, key, a.iterations, seed))
+            run = finished_run(run_folder(out, key, a.iterations, seed))
             if run is None:
                 continue
             from omegaconf import OmegaConf
@@ -490,11 +478,11 @@ def cost(a: argparse.Namespace, out: Path, warm: Path) -> None:
     """GRPO for COST_ITERATIONS iterations at each turn limit; the mean time of each part per iteration."""
     rows_out = []
     for turns in COST_TURNS:
-        folder = out / "cost" / f"T{turns}"
-        train_once(folder, [f"experiment={a.experiment}", f"model.path={warm / 'final'}", "seed=0",
-                            f"trainer.total_steps={COST_ITERATIONS}", "logger=none", f"env.max_turns={turns}",
-                            *a.overrides], f"cost at {turns} turns")
-        rows = rows_of(finished(folder))
+        run = train_once(out / "cost" / f"T{turns}",
+                         [f"experiment={a.experiment}", f"model.path={warm / 'final'}", "seed=0",
+                          f"trainer.total_steps={COST_ITERATIONS}", "logger=none", f"env.max_turns={turns}",
+                          *a.overrides], f"cost at {turns} turns")
+        rows = rows_of(run)
         part = {k: statistics.fmean(r[f"perf/{k}_s"] for r in rows) for k in ("rollout", "generate", "env", "score",
                                                                                "update")}
         turns_done = statistics.fmean(r["rollout/samples"] for r in rows)
@@ -579,9 +567,7 @@ def main(argv: list[str] | None = None) -> None:
         if a.episodes:  # the warm start first: every later summary has its row
             for split, level in zip((TARGET_SPLIT, LONGER_SPLIT), a.levels):
                 evaluate(warm, split, level, a)
-        jobs = [(key, seed) for seed in a.seed_list for key in a.arms.split(",")]  # seed-major
-        with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:  # each run and evaluation is a subprocess
-            list(pool.map(lambda j: job(*j, a, out, warm), jobs))
+        run_jobs(seed_major(a.arms.split(","), a.seed_list), lambda j: job(*j, a, out, warm), a.jobs)
     payload = summarize(a, out, warm)
     print((out / "summary.md").read_text() if payload else "no finished runs yet")
     print(f"written: {out / 'summary.md'} ({(time.perf_counter() - start) / 60:.1f} min)")
