@@ -192,14 +192,17 @@ class Curriculum:
     #: staged/adaptive need levels: with curriculum.levels empty they take the suite's curriculum_levels()
     needs_levels = False
 
-    def __init__(self, cfg: Any, env_cfg: Any, levels: Sequence[str] = ()) -> None:
-        self.cfg = self.settings_class.of(cfg)
-        self.env_cfg = env_cfg
+    def __init__(self, section: Any, env_section: Any, levels: Sequence[str] = ()) -> None:
+        """section: the curriculum's config section (read once into its frozen settings); env_section: the
+        env's, of which only the train split and the turn limit are kept."""
+        self.settings = self.settings_class.of(section)
+        self.train_split: str = env_section.train_split
+        self.env_max_turns: int = int(env_section.max_turns)
         self.levels = [str(level).strip() for level in levels]
         dupes = sorted({lv for lv in self.levels if self.levels.count(lv) > 1})
         if dupes:
             raise ConfigError(f"curriculum.levels lists {dupes} more than once; each level must appear once.")
-        check_curriculum(self.cfg, env_cfg.max_turns)
+        check_curriculum(self.settings, self.env_max_turns)
         if self.needs_levels and not self.levels:
             raise ConfigError(f"curriculum={self.name} needs at least one level (curriculum.levels).")
         self._levels_checked = False  # checked against the suite on the first draw (not state: cheap to redo)
@@ -207,7 +210,7 @@ class Curriculum:
     # -- what the trainer calls ------------------------------------------------------------------------------
     def sample_tasks(self, suite: EnvSuite, n: int, rng: random.Random, step: int, total: int) -> list[Task]:
         if not self.levels:
-            return suite.sample_tasks(self.env_cfg.train_split, n, rng)
+            return suite.sample_tasks(self.train_split, n, rng)
         return self._draw(suite, self._choose_levels(n, rng), rng)
 
     def max_turns(self, step: int, total: int) -> int:
@@ -215,22 +218,22 @@ class Curriculum:
         env.max_turns (at horizon_share of training), rounded to the nearest turn: short episodes first, so
         the early, mostly random policy gets its (rare) successes from short solutions and the rollout
         costs less while little is learned. Otherwise env.max_turns."""
-        start, end = self.cfg.start_turns, self.env_cfg.max_turns
-        if not self.cfg.horizon:
+        start, end = self.settings.start_turns, self.env_max_turns
+        if not self.settings.horizon:
             return end
-        span = self.cfg.horizon_share * total
+        span = self.settings.horizon_share * total
         progress = 1.0 if span <= 0 else min(1.0, step / span)
         return int(math.floor(start + (end - start) * progress + 0.5))
 
     def subgoal_coef(self, step: int, total: int) -> float:
         """Linear decay to 0 at `subgoal_decay_share` of training, so the final objective is sparse."""
-        if not self.cfg.subgoal_rewards:
+        if not self.settings.subgoal_rewards:
             return 0.0
-        share = self.cfg.subgoal_decay_share
+        share = self.settings.subgoal_decay_share
         if share is None:
-            return self.cfg.subgoal_coef
+            return self.settings.subgoal_coef
         progress = step / max(total, 1)
-        return self.cfg.subgoal_coef * max(0.0, 1.0 - progress / share) if share > 0 else 0.0
+        return self.settings.subgoal_coef * max(0.0, 1.0 - progress / share) if share > 0 else 0.0
 
     def observe(self, step: int, success_by_level: dict[str, Stats]) -> None:
         """Global (wins, episodes) per level for this iteration (levels not in the list are ignored)."""
@@ -288,7 +291,7 @@ class Curriculum:
         for i, level in enumerate(self.levels):
             count = slots.count(i)
             if count:
-                tasks = suite.sample_tasks(self.env_cfg.train_split, count, rng, level=level)
+                tasks = suite.sample_tasks(self.train_split, count, rng, level=level)
                 # suites whose levels are task types leave Task.level unset: tag it so per-level success
                 # comes back under the curriculum's names
                 drawn[i] = [t if t.level is not None else dataclasses.replace(t, level=level) for t in tasks]
@@ -300,7 +303,7 @@ class Curriculum:
             return
         for level in self.levels:
             try:
-                (task,) = suite.sample_tasks(self.env_cfg.train_split, 1, random.Random(0), level=level)
+                (task,) = suite.sample_tasks(self.train_split, 1, random.Random(0), level=level)
             except UserError as err:
                 raise ConfigError(f"curriculum level '{level}' is not valid for env={suite.name}: {err}") \
                     from None
@@ -325,8 +328,8 @@ class StagedCurriculum(Curriculum):
     settings_class = StagedCurriculumConfig
     needs_levels = True
 
-    def __init__(self, cfg: Any, env_cfg: Any, levels: Sequence[str] = ()) -> None:
-        super().__init__(cfg, env_cfg, levels)
+    def __init__(self, section: Any, env_section: Any, levels: Sequence[str] = ()) -> None:
+        super().__init__(section, env_section, levels)
         self.stage = 0
         self.window: list[list[float]] = []  # [wins, episodes] of the current level, one entry per iteration
         self.promotions = 0
@@ -335,7 +338,7 @@ class StagedCurriculum(Curriculum):
 
     def level_weights(self) -> list[float]:
         weights = [0.0] * len(self.levels)
-        replay = self.cfg.replay_share if self.stage > 0 else 0.0
+        replay = self.settings.replay_share if self.stage > 0 else 0.0
         weights[self.stage] = 1.0 - replay
         for i in range(self.stage):
             weights[i] = replay / self.stage
@@ -346,8 +349,8 @@ class StagedCurriculum(Curriculum):
 
     def _choose_levels(self, n: int, rng: random.Random) -> list[int]:
         slots = [self.stage] * n
-        if self.stage > 0 and self.cfg.replay_share > 0:
-            k = min(n, math.floor(self.cfg.replay_share * n + rng.random()))
+        if self.stage > 0 and self.settings.replay_share > 0:
+            k = min(n, math.floor(self.settings.replay_share * n + rng.random()))
             for pos in rng.sample(range(n), k):
                 slots[pos] = rng.randrange(self.stage)
         return slots
@@ -359,13 +362,13 @@ class StagedCurriculum(Curriculum):
         wins, episodes = success_by_level.get(self.levels[self.stage], (0.0, 0.0))
         if episodes <= 0:  # only replay this iteration (possible for tiny batches): nothing to judge
             return
-        self.window = [*self.window, [float(wins), float(episodes)]][-self.cfg.window:]
-        if len(self.window) < self.cfg.window:
+        self.window = [*self.window, [float(wins), float(episodes)]][-self.settings.window:]
+        if len(self.window) < self.settings.window:
             return
         success = _rate(self.window)
-        if success >= self.cfg.promote_at and self.stage < len(self.levels) - 1:
+        if success >= self.settings.promote_at and self.stage < len(self.levels) - 1:
             self.stage, self.window, self.promotions = self.stage + 1, [], self.promotions + 1
-        elif self.cfg.demote_at is not None and success < self.cfg.demote_at and self.stage > 0:
+        elif self.settings.demote_at is not None and success < self.settings.demote_at and self.stage > 0:
             self.stage, self.window, self.demotions = self.stage - 1, [], self.demotions + 1
 
     def metrics(self) -> dict[str, float]:
@@ -414,16 +417,16 @@ class AdaptiveCurriculum(Curriculum):
     settings_class = AdaptiveCurriculumConfig
     needs_levels = True
 
-    def __init__(self, cfg: Any, env_cfg: Any, levels: Sequence[str] = ()) -> None:
-        super().__init__(cfg, env_cfg, levels)
+    def __init__(self, section: Any, env_section: Any, levels: Sequence[str] = ()) -> None:
+        super().__init__(section, env_section, levels)
         #: per level: [wins, episodes] of the iterations it was played in, the last 2*window of them
         self.history: dict[str, list[list[float]]] = {lv: [] for lv in self.levels}
         self.weights = self._weights()
 
     def score(self, level: str) -> float | None:
         """The level's score, or None while its history is too short to tell."""
-        h, window = self.history[level], self.cfg.window
-        if self.cfg.adaptive_signal == "closeness":
+        h, window = self.history[level], self.settings.window
+        if self.settings.adaptive_signal == "closeness":
             if not h:
                 return None
             p = _rate(h[-window:])
@@ -436,7 +439,7 @@ class AdaptiveCurriculum(Curriculum):
     def _weights(self) -> list[float]:
         scores = [self.score(lv) for lv in self.levels]
         scores = [1.0 if s is None else s for s in scores]
-        total, floor, k = sum(scores), self.cfg.exploration_floor, len(self.levels)
+        total, floor, k = sum(scores), self.settings.exploration_floor, len(self.levels)
         if total <= 0:
             return [1.0 / k] * k
         return [floor / k + (1.0 - floor) * s / total for s in scores]
@@ -448,7 +451,7 @@ class AdaptiveCurriculum(Curriculum):
         for level, (wins, episodes) in success_by_level.items():
             if episodes > 0 and level in self.history:
                 entries = [*self.history[level], [float(wins), float(episodes)]]
-                self.history[level] = entries[-2 * self.cfg.window:]
+                self.history[level] = entries[-2 * self.settings.window:]
         self.weights = self._weights()
 
     def metrics(self) -> dict[str, float]:
