@@ -97,8 +97,11 @@ def test_quick_mode_writes_a_summary_and_redoes_nothing(tmp_path: Path) -> None:
     for arm in summary["arms"].values():
         assert arm["runs"] == 1 and arm["seeds"] == [0] and 0.0 <= arm["target_success"] <= 1.0
         assert 0.0 <= arm["longer_success"] <= 1.0 and arm["target_revisits"] >= 0 and arm["iteration_s"] > 0
+        assert arm["target_revisits"] <= arm["target_moves"] <= arm["target_episode_len"]
+        assert abs(sum(arm["target_action_shares"].values()) - 1.0) < 1e-6
     md = (out / "summary.md").read_text()
     assert "| GRPO | 1 |" in md and "| warm start |" in md and "Definitions" in md and "1-10:" in md
+    assert "Eval actions by kind" in md and "| diversity drop after iteration 12, GRPO | 73% |" in md
     assert (out / "long_horizon.png").stat().st_size > 5000 and (out / "entropy_by_turn.png").stat().st_size > 3000
     again = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert again.returncode == 0 and "$ epo train" not in again.stdout and "$ eval" not in again.stdout

@@ -229,12 +229,13 @@ def ratio(a: float | None, b: float | None) -> float:
     return a / b if a is not None and b and not math.isnan(a) else float("nan")
 
 
-def claims(summary: dict[str, dict]) -> list[dict]:
-    """The literature's figures next to this study's, where the arms they compare ran."""
+def claims(summary: dict[str, dict], arms: dict[str, Arm] = ARMS) -> list[dict]:
+    """The literature's figures next to this study's, where the arms they compare ran (`arms`: the study's
+    table, for the labels; exp_long_horizon.py passes its own)."""
     rows = []
     for key in ("grpo", "gigpo"):
         if key in summary:
-            rows.append({"claim": f"diversity drop after iteration {CLAIM_ITERATION}, {ARMS[key].label}",
+            rows.append({"claim": f"diversity drop after iteration {CLAIM_ITERATION}, {arms[key].label}",
                          "claimed": "73%", "measured": fmt(summary[key]["diversity_drop_after_12"], ".0%"),
                          "definition": f"1 - mean(rollout/diversity, iterations > {CLAIM_ITERATION}) "
                                        "/ mean(first 20%)"})
@@ -242,7 +243,7 @@ def claims(summary: dict[str, dict]) -> list[dict]:
         if epo not in summary or base not in summary:
             continue
         e, b = summary[epo], summary[base]
-        versus = f"{ARMS[epo].label} vs {ARMS[base].label}"
+        versus = f"{arms[epo].label} vs {arms[base].label}"
         rows.append({"claim": f"early diversity, {versus}", "claimed": "2.3x",
                      "measured": fmt(ratio(e["diversity_early"], b["diversity_early"]), ".2f") + "x",
                      "definition": "ratio of mean rollout/diversity over the first 20% of iterations"})

@@ -64,7 +64,7 @@ from exp_common import (
     train_once,
 )
 from exp_entropy import mean_curve
-from exp_explore import GAIN, fmt, iterations_to, run_stats
+from exp_explore import GAIN, claims, claims_table, fmt, iterations_to, run_stats
 
 EXPERIMENT = "coin_long_horizon"
 TARGET_SPLIT, LONGER_SPLIT = "eval_in_distribution", "eval_out_of_distribution"
@@ -341,9 +341,12 @@ def arm_summary(rs: list[dict], threshold: float) -> dict:
               "diversity_drop_after_12", "success_step_change"):
         s[k] = statistics.fmean(r[k] for r in rs)
     for split in ("target", "longer"):
-        for k in ("success", "episode_len", "revisits", "dead_end_visits", "entropy"):
+        for k in ("success", "episode_len", "moves", "revisits", "dead_end_visits", "entropy"):
             s[f"{split}_{k}"], s[f"{split}_{k}_std"] = mean_sd([r[split][k] for r in rs if split in r])
         s[f"{split}_per_seed"] = [r[split]["success"] for r in rs if split in r]
+        shares = [r[split]["action_shares"] for r in rs if split in r]
+        s[f"{split}_action_shares"] = ({kind: statistics.fmean(sh[kind] for sh in shares) for kind in ACTION_KINDS}
+                                       if shares else None)
     return s
 
 
@@ -361,20 +364,22 @@ def table(summary: dict, warm: dict, threshold: float) -> str:
         return "-" if s.get(key) is None else f"{s[key]:{spec}} ± {s[key + '_std']:{spec}}"
 
     lines = ["| arm | seeds | eval success, target level | eval success, longer chains | episode length (target) "
-             "| revisits / dead-end visits per episode (target) | training success, last 5 "
+             "| moves / revisits / dead-end visits per episode (target) | training success, last 5 "
              f"| to W + {GAIN} = {threshold:.3f} (seeds; mean iteration) | entropy first / last | entropy swing mean "
              "| diversity early / late | success collapses | entropy events |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     if warm:
         t, lo = warm.get("target", {}), warm.get("longer", {})
         lines.append(f"| warm start | | {fmt(t.get('success'))} | {fmt(lo.get('success'))} "
-                     f"| {fmt(t.get('episode_len'), '.1f')} | {fmt(t.get('revisits'), '.1f')} / "
+                     f"| {fmt(t.get('episode_len'), '.1f')} | {fmt(t.get('moves'), '.1f')} / "
+                     f"{fmt(t.get('revisits'), '.1f')} / "
                      f"{fmt(t.get('dead_end_visits'), '.1f')} | W = {threshold - GAIN:.3f} "
                      f"| | {fmt(t.get('entropy'), '.3f')} (eval) | | | | |")
     for key, s in summary.items():
         to = f"{s['reached']}/{s['runs']}" + (f"; {s['iterations_to_gain']:.1f}" if s["iterations_to_gain"] else "")
         lines.append(f"| {ARMS[key].label} | {s['runs']} | {pm(s, 'target_success')} | {pm(s, 'longer_success')} "
-                     f"| {fmt(s['target_episode_len'], '.1f')} | {fmt(s['target_revisits'], '.1f')} / "
+                     f"| {fmt(s['target_episode_len'], '.1f')} | {fmt(s['target_moves'], '.1f')} / "
+                     f"{fmt(s['target_revisits'], '.1f')} / "
                      f"{fmt(s['target_dead_end_visits'], '.1f')} | {s['final_success']:.3f} | {to} "
                      f"| {s['entropy_first']:.3f} / {s['entropy_last']:.3f} | {fmt(s['swing_mean'], '.2f')} "
                      f"| {fmt(s['diversity_early'])} / {fmt(s['diversity_late'])} | {s['success_collapses']} "
@@ -453,11 +458,19 @@ def summarize(a: argparse.Namespace, out: Path, warm: Path) -> dict:
         f"| {ARMS[k].label} | {when} | " + " | ".join(f"{t}: {h:.3f}" for t, h in entropy_curve(
             [{"entropy_by_turn": r["train_entropy_by_turn"][when]} for r in runs if r["arm"] == k])) + " |"
         for k in summary for when in ("first", "last"))
+    shares = [("warm start", warm_evals["target"].get("action_shares"))] if "target" in warm_evals else []
+    shares += [(ARMS[k].label, s["target_action_shares"]) for k, s in summary.items()]
+    action_table = "\n".join(f"| {label} | " + " | ".join(fmt(sh[kind], ".0%") for kind in ACTION_KINDS) + " |"
+                             for label, sh in shares if sh)
     definitions = __doc__.split("Definitions", 1)[1].split("\n", 1)[1].strip()
     md = (f"{settings}\n\n{table(summary, warm_evals, threshold)}\n\nEntropy per turn index (eval, target level, "
           f"mean over seeds):\n\n| policy | turns: nats/token |\n|---|---|\n{by_turn}\n\n"
           "Training entropy per turn index (policy/entropy_turn/<t>, first and last 5 iterations, mean over seeds):"
           f"\n\n| arm | iterations | turns: nats/token |\n|---|---|---|\n{train_turns}\n\n"
+          "Eval actions by kind (target level, mean over seeds):\n\n"
+          f"| policy | {' | '.join(ACTION_KINDS)} |\n|---|{'---|' * len(ACTION_KINDS)}\n{action_table}\n\n"
+          "The literature's claims measured again (exp_explore.py's definitions, on these runs; where both arms "
+          f"ran):\n\n{claims_table(claims(summary, ARMS))}\n\n"
           f"Definitions:\n\n{definitions}\n\n"
           "![success and entropy](long_horizon.png)\n![entropy per turn index](entropy_by_turn.png)\n")
     (out / "summary.md").write_text(md)
