@@ -128,6 +128,7 @@ def test_run_jobs_runs_n_at_a_time_and_returns_results_in_job_order() -> None:
     (["--seeds", "0,x"], "comma-separated integers"),
     (["--iterations", "0"], "--iterations must be >= 1"),
     (["--episodes", "-1"], "--episodes must be >= 0"),
+    (["--jobs", "0"], "--jobs must be >= 1"),
 ])
 def test_bad_study_arguments_are_named(study, argv: list[str], message: str, tmp_path: Path,
                                        capsys: pytest.CaptureFixture) -> None:
@@ -135,3 +136,11 @@ def test_bad_study_arguments_are_named(study, argv: list[str], message: str, tmp
     with pytest.raises(SystemExit) as exit_:
         study.parse_args(["--warm-start", str(tmp_path), *argv])
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("study", [exp_explore, exp_long_horizon], ids=lambda m: m.__name__)
+def test_a_missing_or_empty_warm_start_is_named(study, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    for argv, message in (([], "--warm-start is required"), (["--warm-start", str(tmp_path)], "holds no final/")):
+        with pytest.raises(SystemExit) as exit_:
+            study.parse_args(argv)
+        assert exit_.value.code == 2 and message in capsys.readouterr().err

@@ -122,6 +122,24 @@ def study_parser(doc: str, out: str, arms: dict, warm_start_help: str, jobs_help
     return p
 
 
+def check_study_args(p: argparse.ArgumentParser, a: argparse.Namespace, arms: dict, warm_start_recipe: str) -> None:
+    """The checks every study's options get, each failure one message (exit code 2): known arms, integer
+    seeds (kept as a.seed_list), --iterations and --jobs >= 1, --episodes >= 0, a warm start holding final/."""
+    check_arms(p, a.arms, arms)
+    try:
+        a.seed_list = [int(s) for s in a.seeds.split(",")]
+    except ValueError:
+        p.error(f"--seeds takes comma-separated integers, got {a.seeds!r}")
+    for name, least in (("iterations", 1), ("jobs", 1), ("episodes", 0)):
+        if getattr(a, name) < least:
+            p.error(f"--{name} must be >= {least}, got {getattr(a, name)}")
+    recipe = f"the run dir of an `epo train {warm_start_recipe}` (holding final/)"
+    if a.warm_start is None:
+        p.error(f"--warm-start is required: {recipe}")
+    if not (Path(a.warm_start) / "final").is_dir():
+        p.error(f"--warm-start {a.warm_start} holds no final/ policy; give {recipe}")
+
+
 def check_arms(p: argparse.ArgumentParser, chosen: str, arms: dict) -> None:
     """Exit with one message naming every unknown arm and the valid ones."""
     unknown = [k for k in chosen.split(",") if k not in arms]

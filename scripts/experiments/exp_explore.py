@@ -46,7 +46,7 @@ from pathlib import Path
 
 from exp_common import (
     Arm,
-    check_arms,
+    check_study_args,
     eval_rate,
     finished_run,
     rows_of,
@@ -334,20 +334,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.quick:
         a.arms, a.seeds, a.iterations, a.episodes = QUICK_ARMS, a.seeds.split(",")[0], 2, 4
         a.overrides = [*QUICK_OVERRIDES, *a.overrides]
-    check_arms(p, a.arms, ARMS)
-    try:
-        a.seed_list = [int(s) for s in a.seeds.split(",")]
-    except ValueError:
-        p.error(f"--seeds takes comma-separated integers, got {a.seeds!r}")
-    if a.episodes < 0:
-        p.error(f"--episodes must be >= 0, got {a.episodes}")
-    if a.iterations < 1:
-        p.error(f"--iterations must be >= 1, got {a.iterations}")
-    if a.warm_start is None:
-        p.error("--warm-start is required: the run dir of an `epo train experiment=noisy_warm_start` (holding final/)")
-    if not (Path(a.warm_start) / "final").is_dir():
-        p.error(f"--warm-start {a.warm_start} holds no final/ policy; give the run dir of an "
-                "`epo train experiment=noisy_warm_start`")
+    check_study_args(p, a, ARMS, "experiment=noisy_warm_start")
     return a
 
 

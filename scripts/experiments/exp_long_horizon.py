@@ -53,7 +53,7 @@ from pathlib import Path
 
 from exp_common import (
     Arm,
-    check_arms,
+    check_study_args,
     finished_run,
     rows_of,
     run_folder,
@@ -535,19 +535,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.quick:
         a.arms, a.seeds, a.iterations, a.episodes, a.entropy_episodes = QUICK_ARMS, a.seeds.split(",")[0], 2, 2, 2
         a.overrides = [*QUICK_OVERRIDES, *a.overrides]
-    check_arms(p, a.arms, ARMS)
-    try:
-        a.seed_list = [int(s) for s in a.seeds.split(",")]
-    except ValueError:
-        p.error(f"--seeds takes comma-separated integers, got {a.seeds!r}")
-    for name in ("iterations", "entropy_episodes"):
-        if getattr(a, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
-    if a.episodes < 0:
-        p.error(f"--episodes must be >= 0, got {a.episodes}")
-    if a.warm_start is None or not (Path(a.warm_start) / "final").is_dir():
-        p.error(f"--warm-start {a.warm_start} holds no final/ policy; give the run dir of an "
-                "`epo train experiment=coin_warm_start`")
+    check_study_args(p, a, ARMS, "experiment=coin_warm_start")
+    if a.entropy_episodes < 1:
+        p.error(f"--entropy-episodes must be >= 1, got {a.entropy_episodes}")
     return a
 
 
