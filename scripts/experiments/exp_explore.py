@@ -289,7 +289,10 @@ def claims_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(runs: list[dict], arms: list[str], path: Path) -> None:
+def plot(runs: list[dict], arms: list[str], path: Path, labels: dict[str, Arm] = ARMS,
+         title: str = "mean over seeds, band = min-max over seeds") -> None:
+    """Training success and policy entropy per iteration, one line per arm (mean over seeds) with its min-max
+    band; `labels`: the study's arm table (exp_long_horizon.py passes its own)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -305,14 +308,15 @@ def plot(runs: list[dict], arms: list[str], path: Path) -> None:
             curves = [r[metric] for r in rs]
             n = min(len(c) for c in curves)
             steps = range(1, n + 1)
-            ax.plot(steps, mean_curve(curves), color=colors(i), lw=1.5, label=f"{ARMS[key].label} ({len(rs)} seeds)")
+            ax.plot(steps, mean_curve([c[:n] for c in curves]), color=colors(i), lw=1.5,
+                    label=f"{labels[key].label} ({len(rs)} seeds)")
             ax.fill_between(steps, [min(c[k] for c in curves) for k in range(n)],
                             [max(c[k] for c in curves) for k in range(n)], color=colors(i), alpha=0.1)
     axes[0].set_ylabel("training success (rollout/success)")
     axes[1].set_ylabel("policy/entropy (nats/token, log scale)")
     axes[1].set_yscale("log")  # an entropy bonus can multiply the entropy tenfold; the others differ by percent
     axes[1].set_xlabel("iteration")
-    axes[0].set_title("mean over seeds, band = min-max over seeds", fontsize=10)
+    axes[0].set_title(title, fontsize=10)
     axes[0].legend(fontsize=7, ncol=2)
     fig.savefig(path, dpi=80, bbox_inches="tight")
     plt.close(fig)

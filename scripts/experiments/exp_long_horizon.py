@@ -63,8 +63,8 @@ from exp_common import (
     study_parser,
     train_once,
 )
-from exp_entropy import mean_curve
 from exp_explore import GAIN, claims, claims_table, fmt, iterations_to, run_stats
+from exp_explore import plot as plot_training
 
 EXPERIMENT = "coin_long_horizon"
 TARGET_SPLIT, LONGER_SPLIT = "eval_in_distribution", "eval_out_of_distribution"
@@ -388,34 +388,15 @@ def table(summary: dict, warm: dict, threshold: float) -> str:
 
 
 def plot(runs: list[dict], arms: list[str], summary_evals: dict, warm: dict, out: Path) -> None:
+    """long_horizon.png (exp_explore's training curves) and entropy_by_turn.png (eval entropy per turn index)."""
+    plot_training(runs, arms, out / "long_horizon.png", ARMS,
+                  "Coin Collector: mean over seeds, band = min-max over seeds")
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     colors = plt.get_cmap("tab10")
-    fig, axes = plt.subplots(2, 1, figsize=(9, 7.5), sharex=True)
-    for i, key in enumerate(arms):
-        rs = [r for r in runs if r["arm"] == key]
-        if not rs:
-            continue
-        for ax, metric in zip(axes, ("success", "entropy")):
-            curves = [r[metric] for r in rs]
-            n = min(len(c) for c in curves)
-            steps = range(1, n + 1)
-            ax.plot(steps, mean_curve([c[:n] for c in curves]), color=colors(i), lw=1.5,
-                    label=f"{ARMS[key].label} ({len(rs)} seeds)")
-            ax.fill_between(steps, [min(c[k] for c in curves) for k in range(n)],
-                            [max(c[k] for c in curves) for k in range(n)], color=colors(i), alpha=0.1)
-    axes[0].set_ylabel("training success (rollout/success)")
-    axes[1].set_ylabel("policy/entropy (nats/token, log scale)")
-    axes[1].set_yscale("log")
-    axes[1].set_xlabel("iteration")
-    axes[0].set_title("Coin Collector: mean over seeds, band = min-max over seeds", fontsize=10)
-    axes[0].legend(fontsize=7, ncol=2)
-    fig.savefig(out / "long_horizon.png", dpi=80, bbox_inches="tight")
-    plt.close(fig)
-
     fig, ax = plt.subplots(figsize=(8, 4))
     series = [("warm start", [warm["target"]])] if warm.get("target") else []
     series += [(ARMS[k].label, v) for k, v in summary_evals.items() if v]
