@@ -183,6 +183,7 @@ def _env() -> dict[str, str]:
 
 
 def _launch_harness(root: Path, runs: dict[str, list[str]], ranks: int, warm: Path) -> dict[str, Any]:
+    from epo_cli.launch.deepspeed import remove_allreduce_buffers
     from epo_cli.training.deepspeed_config import PORT_ATTEMPTS, free_port, port_taken
 
     spec = {"root": str(root), "facts": str(root / "facts.json"),
@@ -193,10 +194,15 @@ def _launch_harness(root: Path, runs: dict[str, list[str]], ranks: int, warm: Pa
         if ranks == 1:  # a plain process: a world of one (init_distributed sets it up)
             cmd = [sys.executable, __file__, str(root / "spec.json")]
         else:
+            port = free_port()
             cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks),
-                   "--master_port", str(free_port()), "--no_local_rank", "--log_level", "warning",
+                   "--master_port", str(port), "--no_local_rank", "--log_level", "warning",
                    __file__, str(root / "spec.json")]
-        proc = subprocess.run(cmd, cwd=root, env=_env(), capture_output=True, text=True, timeout=900)
+        try:
+            proc = subprocess.run(cmd, cwd=root, env=_env(), capture_output=True, text=True, timeout=900)
+        finally:
+            if ranks > 1:  # DeepSpeed leaves its CPU allreduce buffers in /dev/shm, as `epo train` would
+                remove_allreduce_buffers(port)
         # the harness starts its ranks itself (its own script, not epo_cli.launch.rank), so it does what
         # `epo train launcher=deepspeed` does when another process took the free port it picked before rank 0
         # listened on it: that fails in the first init, before anything is written; start again on a new port
@@ -471,6 +477,10 @@ def test_a_picked_port_taken_before_rank_0_listens_starts_the_ranks_again(
     assert json.loads((run / "status.json").read_text())["status"] == "finished"
     assert [m["step"] for m in _metrics(run)] == [1]
     assert not list((run / "ranks").glob("*.error"))  # the first attempt's record went with it
+    # DeepSpeed's CPU allreduce buffers (one per rank in /dev/shm, never unlinked by DeepSpeed) went with
+    # both attempts' ranks (epo_cli.launch.deepspeed.remove_allreduce_buffers)
+    left = [p.name for port in picked for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*")]
+    assert left == [], left
 
 
 def test_a_taken_master_port_given_by_the_user_is_one_message(tmp_path: Path, epo_cache: Path) -> None:

@@ -104,7 +104,7 @@ def launch_ranks(cfg: DictConfig, overrides: list[str]) -> None:
         clear_rank_records(run)
         record_status(run, "running")  # not an earlier attempt's `stopped`/`failed`, whatever happens next
         ports.append(master_port(cfg, layout))
-        code = _run_ranks(deepspeed_command(cfg, run, layout, ports[-1]), layout, run)
+        code = _run_ranks(deepspeed_command(cfg, run, layout, ports[-1]), layout, run, ports[-1])
         taken = code != 0 and master_port_was_taken(run) and latest_tag(run) == checkpoint_before
         again = taken and port_picked_here(cfg, layout) and len(ports) < PORT_ATTEMPTS
         if not again or STOP.signum is not None:  # a stop signal during the attempt is the user's answer
@@ -126,7 +126,23 @@ def launch_ranks(cfg: DictConfig, overrides: list[str]) -> None:
         raise UserError(message, exit_code=code if 0 < code < 126 else 1)
 
 
-def _run_ranks(cmd: list[str], layout: Layout, run: Path) -> int:
+#: where DeepSpeed's CPU allreduce keeps its POSIX shared-memory buffers (shm_open: a tmpfs, i.e. RAM)
+SHM_DIR = Path("/dev/shm")
+
+
+def remove_allreduce_buffers(port: int) -> None:
+    """Remove the shared-memory buffers of the ranks that used master port `port`.
+
+    With every rank on one node, DeepSpeed's CPU allreduce maps one ~69 MB buffer per rank,
+    deepspeed_allreduce_buffer_<uid>_<master addr>_<port>_<rank>, and never unlinks it (its shm.cpp
+    unlinks only on a failed create): each 2-rank run left ~140 MB of RAM behind until reboot, and a day
+    of tests filled a 24 GB machine's /dev/shm. Only this attempt's port is matched: another job's live
+    buffers stay."""
+    for path in SHM_DIR.glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"):
+        path.unlink(missing_ok=True)
+
+
+def _run_ranks(cmd: list[str], layout: Layout, run: Path, port: int | None = None) -> int:
     """Run the deepspeed launcher and its ranks in their own session, so that a terminal's Ctrl-C (or a
     SIGTERM to `epo train`) reaches this process only: the first signal is relayed to every rank through
     <run>/ranks/stop.json (the deepspeed launcher would kill the ranks mid-step); a second one kills the
@@ -134,13 +150,16 @@ def _run_ranks(cmd: list[str], layout: Layout, run: Path) -> int:
 
     The ranks' temp files go to a folder of their own, removed once they are gone: DeepSpeed probes its ops
     at start-up by compiling in mkdtemp() folders, and a rank killed meanwhile (a taken port, a second
-    signal, a dead rank's job) would leave them in the system temp directory."""
+    signal, a dead rank's job) would leave them in the system temp directory. The allreduce buffers of
+    master port `port` go too (remove_allreduce_buffers)."""
     scratch = tempfile.mkdtemp(prefix="epo-ranks-")
     try:
         proc = subprocess.Popen(cmd, env={**rank_environment(layout), "TMPDIR": scratch}, start_new_session=True)
         return _wait_for_ranks(proc, run)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+        if port is not None:
+            remove_allreduce_buffers(port)
 
 
 def _wait_for_ranks(proc: subprocess.Popen, run: Path) -> int:

@@ -150,6 +150,7 @@ def child(args: argparse.Namespace) -> None:
 
 
 def run_world(args: argparse.Namespace, model: str, stage: int) -> list[dict[str, Any]]:
+    from epo_cli.launch.deepspeed import remove_allreduce_buffers  # DeepSpeed leaves them in /dev/shm
     from epo_cli.training.deepspeed_config import free_port
 
     with tempfile.TemporaryDirectory(prefix="bench_plan") as tmp:
@@ -158,12 +159,16 @@ def run_world(args: argparse.Namespace, model: str, stage: int) -> list[dict[str
         # heap: a cache, as PyTorch's CUDA allocator keeps reserved memory, which max_memory_allocated leaves out)
         env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                    MALLOC_MMAP_THRESHOLD_="65536")
+        port = free_port()
         cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.ranks),
-               "--master_port", str(free_port()), "--no_local_rank", "--log_level", "error",
+               "--master_port", str(port), "--no_local_rank", "--log_level", "error",
                str(Path(__file__).resolve()), "--child", "--out", tmp, "--model", model, "--stage", str(stage),
                "--micro", str(args.micro), "--accumulation", str(args.accumulation), "--prompt", str(args.prompt),
                "--response", str(args.response), "--ranks", str(args.ranks), "--algo", args.algo]
-        subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+        try:
+            subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+        finally:
+            remove_allreduce_buffers(port)
         return [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(args.ranks)]
 
 
