@@ -323,7 +323,7 @@ NO_JOBS = ("import epo_cli.launch.sweep as sweep\n"
            "def fail(cmd, out):\n    out.write('error: not run in this test\\n')\n    return 1\n"
            "sweep._run_job = fail\n")
 #: the deepspeed launcher's ranks (and the launcher itself) are child processes: here they "fail" at once
-NO_RANKS = "import epo_cli.launch.deepspeed as ds\nds._run_ranks = lambda cmd, layout, run: 1\n"
+NO_RANKS = "import epo_cli.launch.deepspeed as ds\nds._run_ranks = lambda cmd, layout, run, port=None: 1\n"
 GRPO_2 = ["algo=grpo", "algo.tasks_per_step=2", "trainer.total_steps=1"]
 
 COMMANDS = [  # (what, argv after `epo`, set-up code, where torch may first be imported: None = nowhere)
