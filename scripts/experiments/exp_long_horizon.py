@@ -398,12 +398,12 @@ def plot(runs: list[dict], arms: list[str], summary_evals: dict, warm: dict, out
 
     colors = plt.get_cmap("tab10")
     fig, ax = plt.subplots(figsize=(8, 4))
-    series = [("warm start", [warm["target"]])] if warm.get("target") else []
-    series += [(ARMS[k].label, v) for k, v in summary_evals.items() if v]
-    for i, (label, evals) in enumerate(series):
+    # each arm in the color of its training curve (long_horizon.png), the warm start in black
+    series = [("warm start", [warm["target"]], "black")] if warm.get("target") else []
+    series += [(ARMS[k].label, v, colors(arms.index(k))) for k, v in summary_evals.items() if v]
+    for label, evals, color in series:
         curve = entropy_curve(evals)
-        ax.plot([t for t, _ in curve], [h for _, h in curve], marker="o", color="black" if i == 0 and warm else
-                colors(i), label=label)
+        ax.plot([t for t, _ in curve], [h for _, h in curve], marker="o", color=color, label=label)
     ax.set_xlabel("turn index (eval episodes, target level)")
     ax.set_ylabel("response entropy (nats/token)")
     ax.legend(fontsize=7)
