@@ -246,8 +246,10 @@ def failure_message(run: Path, code: int, world_size: int) -> str:
         why = (f"rank(s) {waiting} waited longer than launcher.timeout_s for {silent_text}, which is hung (a "
                "deadlock, a stuck environment) or was killed without an error")
     else:
-        why = (f"{silent_text} exited with code {code}{_signal_note(code)} without a Python error (a crash, "
-               "a kill signal or running out of memory)")
+        # the launcher's code is that of the first failed rank its poll found, which may be a rank that
+        # lost the connection to this one a moment later: it is named as the launcher's, not this rank's
+        why = (f"{silent_text} ended without a Python error (a crash, a kill signal or running out of memory; "
+               f"the launcher exited with code {code}{_signal_note(code)}, the first failed rank's it saw)")
         if records:
             why += f"; rank(s) {', '.join(str(r['rank']) for r in records)} then lost the connection to it"
     latest = latest_tag(run)
