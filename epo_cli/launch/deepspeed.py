@@ -142,6 +142,20 @@ def remove_allreduce_buffers(port: int) -> None:
         path.unlink(missing_ok=True)
 
 
+def run_cpu_world(script: list[str], ranks: int, env: dict[str, str], log_level: str = "error",
+                  **run_options: Any) -> subprocess.CompletedProcess:
+    """`script` (a Python file and its arguments) as `ranks` CPU ranks of one world, started by DeepSpeed's
+    launcher on a free master port, its allreduce buffers removed afterwards: for the benchmarks and the
+    distributed tests' harness, whose ranks run their own code. subprocess.run's result (run_options go to it)."""
+    port = free_port()
+    cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks),
+           "--master_port", str(port), "--no_local_rank", "--log_level", log_level, *script]
+    try:
+        return subprocess.run(cmd, env={**env, "DS_ACCELERATOR": "cpu"}, **run_options)
+    finally:
+        remove_allreduce_buffers(port)
+
+
 def _run_ranks(cmd: list[str], layout: Layout, run: Path, port: int | None = None) -> int:
     """Run the deepspeed launcher and its ranks in their own session, so that a terminal's Ctrl-C (or a
     SIGTERM to `epo train`) reaches this process only: the first signal is relayed to every rank through

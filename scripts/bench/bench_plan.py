@@ -150,25 +150,18 @@ def child(args: argparse.Namespace) -> None:
 
 
 def run_world(args: argparse.Namespace, model: str, stage: int) -> list[dict[str, Any]]:
-    from epo_cli.launch.deepspeed import remove_allreduce_buffers  # DeepSpeed leaves them in /dev/shm
-    from epo_cli.training.deepspeed_config import free_port
+    from epo_cli.launch.deepspeed import run_cpu_world
 
     with tempfile.TemporaryDirectory(prefix="bench_plan") as tmp:
         # MALLOC_MMAP_THRESHOLD_: every block above 64 KiB is its own mapping, returned to the system when freed,
         # so the peak RSS is the peak of live memory (glibc's default keeps freed blocks of up to 32 MiB in its
         # heap: a cache, as PyTorch's CUDA allocator keeps reserved memory, which max_memory_allocated leaves out)
-        env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                    MALLOC_MMAP_THRESHOLD_="65536")
-        port = free_port()
-        cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.ranks),
-               "--master_port", str(port), "--no_local_rank", "--log_level", "error",
-               str(Path(__file__).resolve()), "--child", "--out", tmp, "--model", model, "--stage", str(stage),
-               "--micro", str(args.micro), "--accumulation", str(args.accumulation), "--prompt", str(args.prompt),
-               "--response", str(args.response), "--ranks", str(args.ranks), "--algo", args.algo]
-        try:
-            subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
-        finally:
-            remove_allreduce_buffers(port)
+        script = [str(Path(__file__).resolve()), "--child", "--out", tmp, "--model", model, "--stage", str(stage),
+                  "--micro", str(args.micro), "--accumulation", str(args.accumulation), "--prompt", str(args.prompt),
+                  "--response", str(args.response), "--ranks", str(args.ranks), "--algo", args.algo]
+        run_cpu_world(script, args.ranks, env, check=True, stdout=subprocess.DEVNULL)
         return [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(args.ranks)]
 
 

@@ -189,22 +189,15 @@ def child(args: argparse.Namespace) -> None:
 
 
 def run_world(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
-    from epo_cli.launch.deepspeed import remove_allreduce_buffers  # DeepSpeed leaves them in /dev/shm
-    from epo_cli.training.engine import free_port
+    from epo_cli.launch.deepspeed import run_cpu_world
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        port = free_port()
-        cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks),
-               "--master_port", str(port), "--no_local_rank", "--log_level", "error",
-               str(Path(__file__).resolve()), "--child", "--out", str(out)]
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        script = [str(Path(__file__).resolve()), "--child", "--out", str(out)]
         for key in ("hidden", "layers", "vocab", "seq", "mini_batch", "micro_batch", "steps", "stages"):
-            cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
-        try:
-            subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
-        finally:
-            remove_allreduce_buffers(port)
+            script += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+        run_cpu_world(script, ranks, env, check=True, stdout=subprocess.DEVNULL)
         return json.loads(out.read_text())
 
 
