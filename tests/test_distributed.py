@@ -183,26 +183,19 @@ def _env() -> dict[str, str]:
 
 
 def _launch_harness(root: Path, runs: dict[str, list[str]], ranks: int, warm: Path) -> dict[str, Any]:
-    from epo_cli.launch.deepspeed import remove_allreduce_buffers
-    from epo_cli.training.deepspeed_config import PORT_ATTEMPTS, free_port, port_taken
+    from epo_cli.launch.deepspeed import run_cpu_world
+    from epo_cli.training.deepspeed_config import PORT_ATTEMPTS, port_taken
 
     spec = {"root": str(root), "facts": str(root / "facts.json"),
             "runs": {name: [*args, *RL_ARGS, f"model.path={warm / 'final'}"] for name, args in runs.items()}}
     root.mkdir(parents=True, exist_ok=True)
     (root / "spec.json").write_text(json.dumps(spec))
+    run = {"cwd": root, "capture_output": True, "text": True, "timeout": 900}
     for _attempt in range(PORT_ATTEMPTS):
         if ranks == 1:  # a plain process: a world of one (init_distributed sets it up)
-            cmd = [sys.executable, __file__, str(root / "spec.json")]
-        else:
-            port = free_port()
-            cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks),
-                   "--master_port", str(port), "--no_local_rank", "--log_level", "warning",
-                   __file__, str(root / "spec.json")]
-        try:
-            proc = subprocess.run(cmd, cwd=root, env=_env(), capture_output=True, text=True, timeout=900)
-        finally:
-            if ranks > 1:  # DeepSpeed leaves its CPU allreduce buffers in /dev/shm, as `epo train` would
-                remove_allreduce_buffers(port)
+            proc = subprocess.run([sys.executable, __file__, str(root / "spec.json")], env=_env(), **run)
+        else:  # DeepSpeed's launcher on a free port; the allreduce buffers it leaves in /dev/shm are removed
+            proc = run_cpu_world([__file__, str(root / "spec.json")], ranks, _env(), log_level="warning", **run)
         # the harness starts its ranks itself (its own script, not epo_cli.launch.rank), so it does what
         # `epo train launcher=deepspeed` does when another process took the free port it picked before rank 0
         # listened on it: that fails in the first init, before anything is written; start again on a new port
