@@ -19,7 +19,8 @@ import exp_explore  # noqa: E402
 import exp_long_horizon  # noqa: E402
 
 #: `epo train KEY=VALUE...`: records its call, prints to its console, then per its overrides: exit=N fails
-#: with N, stop=1 ends with exit 0 before its last step (no final/), else writes a finished run under output_dir
+#: with N, trainer.resume=RUN finishes RUN, stop=1 ends with exit 0 before its last step (no final/), else
+#: writes a finished run under output_dir
 FAKE_EPO = '''
 import pathlib, sys
 args = dict(a.split("=", 1) for a in sys.argv[2:])
@@ -28,6 +29,12 @@ with open(pathlib.Path(__file__).with_name("calls.txt"), "a") as calls:
 print("fake epo console:", sys.argv[1], args.get("seed"))
 if "exit" in args:
     sys.exit(int(args["exit"]))
+if "trainer.resume" in args:  # continues the run in that folder: one more metrics row, then its final policy
+    run = pathlib.Path(args["trainer.resume"])
+    with open(run / "metrics.jsonl", "a") as metrics:
+        metrics.write("{}\\n")
+    (run / "final").mkdir()
+    sys.exit(0)
 run = pathlib.Path(args["output_dir"]) / "2026-12-03" / "20-00-00-fake"
 run.mkdir(parents=True)
 (run / "metrics.jsonl").write_text("{}\\n")
@@ -97,6 +104,38 @@ def test_a_run_that_stops_early_is_no_result(tmp_path: Path, calls: Path) -> Non
     assert str(stopped.value.code) == f"epo seed 1 stopped before its last step; see {folder}.log"
 
 
+def test_continue_once_resumes_a_copy_at_the_last_learning_rate_once(tmp_path: Path, calls: Path) -> None:
+    def finished(iterations: int, lrs: list[float]) -> Path:
+        run = exp_common.run_folder(tmp_path / "study", "gigpo", iterations, 0) / "2026-12-03" / f"1{iterations}-x"
+        (run / "checkpoints" / "step_2").mkdir(parents=True)
+        (run / "final").mkdir()
+        (run / "long_horizon").mkdir()  # the study's evaluations of this policy, not the continued one's
+        (run / "metrics.jsonl").write_text("".join(f'{{"perf/lr": {lr}}}\n' for lr in lrs))
+        return run
+
+    finished(1, [5e-4])
+    source = finished(2, [5e-4, 1e-4])
+    finished(5, [5e-4] * 5)  # not fewer iterations than the continuation's 4
+    unfinished = exp_common.run_folder(tmp_path / "study", "gigpo", 3, 0) / "2026-12-03" / "13-x"
+    unfinished.mkdir(parents=True)
+    (unfinished / "metrics.jsonl").write_text("{}\n")
+    assert exp_common.longest_shorter_run(tmp_path / "study", "gigpo", 0, below=4) == source
+    assert exp_common.longest_shorter_run(tmp_path / "study", "gigpo", 1, below=4) is None
+
+    folder = exp_common.run_folder(tmp_path / "more", "gigpo", 4, 0)
+    run = exp_common.continue_once(folder, source, 4, "gigpo seed 0", leave_out=("long_horizon",))
+    assert run == folder / "2026-12-03" / "12-x" == exp_common.finished_run(folder)
+    assert lines(calls) == [f"train trainer.resume={run} trainer.total_steps=4 algo.lr=0.0001 "
+                            "algo.min_lr_ratio=1.0 algo.warmup_ratio=0"]
+    assert (run / "checkpoints" / "step_2").is_dir() and not (run / "long_horizon").exists()
+    assert len(lines(run / "metrics.jsonl")) == 3  # the source's 2 rows and the continuation's
+    assert (source / "final").is_dir() and (source / "long_horizon").is_dir()  # the source is left as it was
+    assert len(lines(source / "metrics.jsonl")) == 2
+
+    assert exp_common.continue_once(folder, source, 4, "gigpo seed 0") == run  # done: not continued again
+    assert len(lines(calls)) == 1
+
+
 def test_run_jobs_runs_n_at_a_time_and_returns_results_in_job_order() -> None:
     both_running = threading.Barrier(2, timeout=30)  # passes only if the first two jobs run at the same time
     started = []
@@ -136,6 +175,20 @@ def test_bad_study_arguments_are_named(study, argv: list[str], message: str, tmp
     with pytest.raises(SystemExit) as exit_:
         study.parse_args(["--warm-start", str(tmp_path), *argv])
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_continue_from_needs_an_earlier_study_and_its_own_out(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "final").mkdir()
+    (tmp_path / "study" / "runs").mkdir(parents=True)
+    warm = ["--warm-start", str(tmp_path)]
+    for argv, message in ((["--continue-from", str(tmp_path / "nowhere")], "holds no runs/: give the --out"),
+                          (["--continue-from", str(tmp_path / "study"), "--out", str(tmp_path / "study")],
+                           "--continue-from needs its own --out")):
+        with pytest.raises(SystemExit) as exit_:
+            exp_long_horizon.parse_args([*warm, *argv])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
+    a = exp_long_horizon.parse_args([*warm, "--continue-from", str(tmp_path / "study"), "--out", str(tmp_path / "b")])
+    assert a.continue_from == tmp_path / "study"
 
 
 @pytest.mark.parametrize("study", [exp_explore, exp_long_horizon], ids=lambda m: m.__name__)

@@ -106,6 +106,24 @@ def test_quick_mode_writes_a_summary_and_redoes_nothing(tmp_path: Path) -> None:
     again = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert again.returncode == 0 and "$ epo train" not in again.stdout and "$ eval" not in again.stdout
 
+    # --continue-from: the study's runs continued by one iteration (quick: 2 -> 3) in a new folder, resumed
+    # through the real CLI at the learning rate they ended with; the earlier study is left as it was
+    more = tmp_path / "more"
+    proc = subprocess.run([*command[:command.index("--out")], "--out", str(more), "--continue-from", str(out), games],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    continued = json.loads((more / "summary.json").read_text())
+    assert continued["iterations"] == 3 and set(continued["arms"]) == {"grpo", "epo_count"}
+    assert "continued to 3 at the learning rate" in continued["settings"]
+    for arm in ("grpo", "epo_count"):
+        before = [json.loads(r) for r in next((out / "runs" / arm / "it2-seed0").glob("*/*/metrics.jsonl"))
+                  .read_text().splitlines()]
+        after = [json.loads(r) for r in next((more / "runs" / arm / "it3-seed0").glob("*/*/metrics.jsonl"))
+                 .read_text().splitlines()]
+        assert [r["step"] for r in before] == [1, 2] and [r["step"] for r in after] == [1, 2, 3]
+        assert after[:2] == before and after[2]["perf/lr"] == before[1]["perf/lr"]
+        assert continued["arms"][arm]["runs"] == 1 and 0.0 <= continued["arms"][arm]["target_success"] <= 1.0
+
 
 def test_training_entropy_by_turn_reads_the_last_iterations() -> None:
     rows = [{"policy/entropy_turn/0": 9.0}] + [{"policy/entropy_turn/0": 1.0, "policy/entropy_turn/10": 0.5,

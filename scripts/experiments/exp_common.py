@@ -2,8 +2,9 @@
 (evaluate_run, in this process), reading a run's metrics, the entropy-fluctuation statistics and table cells,
 the command-line options of a multi-arm x multi-seed study, and the study driver every study trains its runs
 with: run_folder / finished_run (where an (arm, seed) run lives and whether it is done), train_once (train it
-unless done; an unfinished one is started over), train_logged (the one `epo train` subprocess, console in a
-.log) and run_jobs (the (arm, seed) jobs, --jobs at a time, seed-major, the first failure stops the study).
+unless done; an unfinished one is started over), continue_once (a finished run continued to more
+iterations), train_logged (the one `epo train` subprocess, console in a .log) and run_jobs (the (arm, seed)
+jobs, --jobs at a time, seed-major, the first failure stops the study).
 
 The scripts import it as a sibling module (`python scripts/experiments/exp_*.py` puts scripts/experiments/ on sys.path).
 """
@@ -200,17 +201,55 @@ def train_once(folder: Path, args: list[str], label: str) -> Path:
     """The finished run of `epo train ARGS output_dir=folder` (console in folder.log): trained unless folder
     already holds one; an unfinished one is deleted and started again, so a study that was interrupted
     continues where it stopped. Exits with the log's path on failure."""
+    return _once(folder, label, lambda: train_logged([*args, f"output_dir={folder}"],
+                                                     folder.parent / f"{folder.name}.log", label, cwd=folder))
+
+
+def _once(folder: Path, label: str, start: Callable[[], object]) -> Path:
+    """folder's finished run, made by start() unless there is one; a half-written folder (interrupted) is
+    deleted first, since it would be mistaken for a result."""
     run = finished_run(folder)
     if run is not None:
         return run
-    if folder.exists():  # interrupted: its half-written run would be mistaken for a result
+    if folder.exists():
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
-    train_logged([*args, f"output_dir={folder}"], folder.parent / f"{folder.name}.log", label, cwd=folder)
+    start()
     run = finished_run(folder)
     if run is None:  # exit code 0 without a final policy: stopped early (trainer.stop_after, a stop signal)
         sys.exit(f"{label} stopped before its last step; see {folder.parent / folder.name}.log")
     return run
+
+
+def longest_shorter_run(study: Path, arm: str, seed: int, below: int) -> Path | None:
+    """The finished run of (arm, seed) with the most iterations under `below` in another study's folder
+    (study/runs/<arm>/it<N>-seed<S>/), or None."""
+    found = []
+    for folder in (study / "runs" / arm).glob(f"it*-seed{seed}"):
+        iterations = folder.name[2:].split("-", 1)[0]
+        run = finished_run(folder) if iterations.isdigit() and int(iterations) < below else None
+        if run is not None:
+            found.append((int(iterations), run))
+    return max(found)[1] if found else None
+
+
+def continue_once(folder: Path, source: Path, iterations: int, label: str, leave_out: tuple[str, ...] = ()) -> Path:
+    """The finished run `source` continued to `iterations` in folder/ (console in folder.log): a copy of it
+    (without its final policy and the folders named in `leave_out`, e.g. a study's evaluations) resumed from
+    its last checkpoint with trainer.total_steps=iterations, at the learning rate of its last step held
+    constant (its cosine ended there; starting the schedule over would put it back up). Other schedules that
+    span total_steps (EPO's phase weights, an annealed coefficient) are stretched over the new total. The
+    copy keeps the source's metrics, so curves and statistics span every iteration. Done once, as train_once."""
+    copy = folder / source.parent.name / source.name  # the same <date>/<time>-<name> layout
+
+    def start() -> None:
+        shutil.copytree(source, copy, ignore=lambda where, names: [n for n in names if n in ("final", *leave_out)]
+                        if Path(where) == source else [])
+        train_logged([f"trainer.resume={copy}", f"trainer.total_steps={iterations}",
+                      f"algo.lr={rows_of(source)[-1]['perf/lr']}", "algo.min_lr_ratio=1.0", "algo.warmup_ratio=0"],
+                     folder.parent / f"{folder.name}.log", label, cwd=folder)
+
+    return _once(folder, label, start)
 
 
 Job = TypeVar("Job")

@@ -7,6 +7,8 @@ and GiGPO do from the clone of a slipping teacher?
     python scripts/experiments/exp_long_horizon.py --cost --warm-start RUN --out DIR   # iteration cost, 15/30/60 turns
     python scripts/experiments/exp_long_horizon.py --summary --warm-start RUN --out DIR   # tables of what is done
     python scripts/experiments/exp_long_horizon.py --quick --warm-start RUN --out DIR     # smoke test (tests/)
+    python scripts/experiments/exp_long_horizon.py --warm-start RUN --out DIR2 --continue-from DIR --iterations 80
+        --arms gigpo [...]   # DIR's finished runs continued to 80 iterations (at the lr they ended with), in DIR2
 
 RUN: an `epo train experiment=coin_warm_start` run. Every run is `epo train experiment=coin_long_horizon
 model.path=<RUN>/final seed=S trainer.total_steps=N` plus its arm's overrides (ARMS) and OVERRIDES, in
@@ -54,7 +56,9 @@ from pathlib import Path
 from exp_common import (
     Arm,
     check_study_args,
+    continue_once,
     finished_run,
+    longest_shorter_run,
     rows_of,
     run_folder,
     run_jobs,
@@ -284,10 +288,17 @@ def levels(a: argparse.Namespace) -> tuple[int, int]:
 
 def job(key: str, seed: int, a: argparse.Namespace, out: Path, warm: Path) -> None:
     """Train one arm's seed (unless done), evaluate its policy on both eval splits, rewrite the summary."""
-    run = train_once(run_folder(out, key, a.iterations, seed),
-                     [f"experiment={a.experiment}", *ARMS[key].overrides, f"model.path={warm / 'final'}",
-                      f"seed={seed}", f"trainer.total_steps={a.iterations}", "logger=none", *a.overrides],
-                     f"{key} seed {seed}")
+    folder, label = run_folder(out, key, a.iterations, seed), f"{key} seed {seed}"
+    if a.continue_from:  # the other study's run of this arm and seed, continued to a.iterations
+        source = longest_shorter_run(a.continue_from, key, seed, below=a.iterations)
+        if source is None:
+            sys.exit(f"--continue-from {a.continue_from}: no finished run of {label} with fewer than "
+                     f"{a.iterations} iterations in {a.continue_from / 'runs' / key}; train it there first")
+        run = continue_once(folder, source, a.iterations, label, leave_out=("long_horizon",))
+    else:
+        run = train_once(folder, [f"experiment={a.experiment}", *ARMS[key].overrides, f"model.path={warm / 'final'}",
+                                  f"seed={seed}", f"trainer.total_steps={a.iterations}", "logger=none", *a.overrides],
+                         label)
     if a.episodes:
         for split, level in zip((TARGET_SPLIT, LONGER_SPLIT), a.levels):
             evaluate(run, split, level, a)
@@ -428,9 +439,11 @@ def summarize(a: argparse.Namespace, out: Path, warm: Path) -> dict:
     evals = {k: [r["target"] for r in runs if r["arm"] == k and "target" in r] for k in summary}
     plot(runs, arms, evals, warm_evals, out)
     done = ", ".join(f"{k} {s['runs']}" for k, s in summary.items())
-    settings = (f"`experiment={a.experiment}` from `{warm}/final`, {a.iterations} iterations, seeds {a.seeds}, "
-                f"overrides {a.overrides or 'none'}; eval: {a.episodes} fixed unseen games per policy at level "
-                f"{a.levels[0]} (target) and {a.levels[1]} (longer chains), {a.eval_turns} turns, T=1.0, seed 0. "
+    continued = (f" (the runs of `{a.continue_from}` continued to {a.iterations} at the learning rate they ended "
+                 "with)" if a.continue_from else "")
+    settings = (f"`experiment={a.experiment}` from `{warm}/final`, {a.iterations} iterations{continued}, seeds "
+                f"{a.seeds}, overrides {a.overrides or 'none'}; eval: {a.episodes} fixed unseen games per policy at "
+                f"level {a.levels[0]} (target) and {a.levels[1]} (longer chains), {a.eval_turns} turns, T=1.0, seed 0. "
                 f"Runs done per arm: {done}.")
     by_turn = "\n".join(f"| {label} | " + " | ".join(f"{t}: {h:.3f}" for t, h in entropy_curve(ev)) + " |"
                         for label, ev in ([("warm start", [warm_evals["target"]])] if "target" in warm_evals else [])
@@ -511,12 +524,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "iterations on chains of 3; its numbers mean nothing")
     p.add_argument("--cost", action="store_true", help=f"only measure one iteration's parts at {COST_TURNS} turns")
     p.add_argument("--summary", action="store_true", help="only rewrite the summary from what is done")
+    p.add_argument("--continue-from", type=Path, help="another study's --out: continue each of its finished runs "
+                   "(the one with the most iterations below --iterations) to --iterations here, at the learning "
+                   "rate it ended with (exp_common.continue_once)")
     p.add_argument("overrides", nargs="*", help="extra overrides for every run")
     a = p.parse_args(argv)
     if a.quick:
-        a.arms, a.seeds, a.iterations, a.episodes, a.entropy_episodes = QUICK_ARMS, a.seeds.split(",")[0], 2, 2, 2
+        a.arms, a.seeds, a.episodes, a.entropy_episodes = QUICK_ARMS, a.seeds.split(",")[0], 2, 2
+        a.iterations = 3 if a.continue_from else 2  # a quick study continued: one iteration more
         a.overrides = [*QUICK_OVERRIDES, *a.overrides]
     check_study_args(p, a, ARMS, "experiment=coin_warm_start")
+    if a.continue_from is not None:
+        a.continue_from = a.continue_from.resolve()
+        if not (a.continue_from / "runs").is_dir():
+            p.error(f"--continue-from {a.continue_from} holds no runs/: give the --out of an earlier study")
+        if a.continue_from == a.out.resolve():
+            p.error("--continue-from needs its own --out: the continued runs and their summary go to a new folder")
     if a.entropy_episodes < 1:
         p.error(f"--entropy-episodes must be >= 1, got {a.entropy_episodes}")
     return a
