@@ -190,12 +190,12 @@ def _launch_harness(root: Path, runs: dict[str, list[str]], ranks: int, warm: Pa
             "runs": {name: [*args, *RL_ARGS, f"model.path={warm / 'final'}"] for name, args in runs.items()}}
     root.mkdir(parents=True, exist_ok=True)
     (root / "spec.json").write_text(json.dumps(spec))
-    run = {"cwd": root, "capture_output": True, "text": True, "timeout": 900}
+    options = {"cwd": root, "capture_output": True, "text": True, "timeout": 900}
     for _attempt in range(PORT_ATTEMPTS):
         if ranks == 1:  # a plain process: a world of one (init_distributed sets it up)
-            proc = subprocess.run([sys.executable, __file__, str(root / "spec.json")], env=_env(), **run)
+            proc = subprocess.run([sys.executable, __file__, str(root / "spec.json")], env=_env(), **options)
         else:  # DeepSpeed's launcher on a free port; the allreduce buffers it leaves in /dev/shm are removed
-            proc = run_cpu_world([__file__, str(root / "spec.json")], ranks, _env(), log_level="warning", **run)
+            proc = run_cpu_world([__file__, str(root / "spec.json")], ranks, _env(), log_level="warning", **options)
         # the harness starts its ranks itself (its own script, not epo_cli.launch.rank), so it does what
         # `epo train launcher=deepspeed` does when another process took the free port it picked before rank 0
         # listened on it: that fails in the first init, before anything is written; start again on a new port

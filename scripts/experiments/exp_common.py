@@ -201,23 +201,23 @@ def train_once(folder: Path, args: list[str], label: str) -> Path:
     """The finished run of `epo train ARGS output_dir=folder` (console in folder.log): trained unless folder
     already holds one; an unfinished one is deleted and started again, so a study that was interrupted
     continues where it stopped. Exits with the log's path on failure."""
-    return _once(folder, label, lambda: train_logged([*args, f"output_dir={folder}"],
-                                                     folder.parent / f"{folder.name}.log", label, cwd=folder))
+    return _once(folder, label, lambda log: train_logged([*args, f"output_dir={folder}"], log, label, cwd=folder))
 
 
-def _once(folder: Path, label: str, start: Callable[[], object]) -> Path:
-    """folder's finished run, made by start() unless there is one; a half-written folder (interrupted) is
-    deleted first, since it would be mistaken for a result."""
+def _once(folder: Path, label: str, start: Callable[[Path], object]) -> Path:
+    """folder's finished run, made by start(<its console log: folder.log>) unless there is one; a half-written
+    folder (interrupted) is deleted first, since it would be mistaken for a result."""
     run = finished_run(folder)
     if run is not None:
         return run
     if folder.exists():
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
-    start()
+    log = folder.parent / f"{folder.name}.log"
+    start(log)
     run = finished_run(folder)
     if run is None:  # exit code 0 without a final policy: stopped early (trainer.stop_after, a stop signal)
-        sys.exit(f"{label} stopped before its last step; see {folder.parent / folder.name}.log")
+        sys.exit(f"{label} stopped before its last step; see {log}")
     return run
 
 
@@ -242,12 +242,12 @@ def continue_once(folder: Path, source: Path, iterations: int, label: str, leave
     copy keeps the source's metrics, so curves and statistics span every iteration. Done once, as train_once."""
     copy = folder / source.parent.name / source.name  # the same <date>/<time>-<name> layout
 
-    def start() -> None:
+    def start(log: Path) -> None:
         shutil.copytree(source, copy, ignore=lambda where, names: [n for n in names if n in ("final", *leave_out)]
                         if Path(where) == source else [])
         train_logged([f"trainer.resume={copy}", f"trainer.total_steps={iterations}",
                       f"algo.lr={rows_of(source)[-1]['perf/lr']}", "algo.min_lr_ratio=1.0", "algo.warmup_ratio=0"],
-                     folder.parent / f"{folder.name}.log", label, cwd=folder)
+                     log, label, cwd=folder)
 
     return _once(folder, label, start)
 
