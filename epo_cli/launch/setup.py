@@ -16,7 +16,8 @@ from omegaconf import DictConfig, OmegaConf
 from epo_cli.compose import compose, validate
 from epo_cli.config import GROUPS
 from epo_cli.envs import EnvSuite, make_suite
-from epo_cli.errors import ConfigError, UserError
+from epo_cli.errors import ConfigError, UserError, err_console
+from epo_cli.models.packaged import resolve_source
 from epo_cli.rundir.checkpoint_paths import ResumeTarget, latest_tag, locate_resume, resolve_checkpoint
 from epo_cli.rundir.folder import check_lengths, load_run_config, new_run_dir, override_keys, write_config
 from epo_cli.rundir.saved_state import check_resume_step, groups_that_disagree, read_trainer_state
@@ -92,6 +93,10 @@ def prepare_run_dir(cfg: DictConfig, overrides: list[str], suite: EnvSuite | Non
     the run's env suite where this process built it already (launch.local: one per run, handed down)."""
     run = new_run_dir(cfg)
     cfg.run_dir = str(run)
+    if cfg.model.source == "auto":  # decided once, saved below: every rank and every resume loads the same copy
+        cfg.model.source = resolve_source(cfg.model)
+        err_console.print(f"model.source=auto: loading {cfg.model.name} from the "
+                          + ("hub" if cfg.model.source == "hub" else f"package {cfg.model.package}"))
     versions = (suite or make_suite(cfg.env)).versions()
     try:
         write_config(run, cfg, overrides, versions)

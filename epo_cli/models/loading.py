@@ -22,6 +22,7 @@ from torch import nn
 
 from epo_cli.envs.base import EnvSuite
 from epo_cli.errors import UserError
+from epo_cli.models.packaged import packaged_folder, resolve_source
 from epo_cli.models.tiny import build_tiny, cache_root
 from epo_cli.rundir.safe_load import refused_message, restricted_torch_load
 from epo_cli.rundir.saved_state import check_model_folder
@@ -41,7 +42,15 @@ def _looks_local(path: str) -> bool:
 
 
 def model_source(model_cfg: Any, suite: EnvSuite, seed: int) -> str:
-    """The folder or hub id the policy loads from (building the tiny model if needed)."""
+    """The folder or hub id the policy loads from (building the tiny model, or a packaged model's folder, if
+    needed)."""
+    if model_cfg.get("source", "hub") == "package" and not (model_cfg.get("package") and model_cfg.get("package_file")):
+        raise UserError("model.source=package needs model.package (a PyPI package) and model.package_file (the GGUF "
+                        "file inside it), as conf/model/smollm2-135m.yaml sets them; or use model.source=hub.")
+    if model_cfg.get("source", "hub") != "hub" and model_cfg.get("package"):
+        if resolve_source(model_cfg) == "package":  # a run resolved `auto` when it was composed (launch/setup.py)
+            check_output_dir(cache_root(model_cfg), "model.cache_dir (or $EPO_CACHE)")
+            return str(packaged_folder(model_cfg, cache_root(model_cfg)))
     if model_cfg.path:
         path = str(model_cfg.path)
         if _looks_local(path):
