@@ -73,9 +73,10 @@ from epo_cli.models.loading import (
 from epo_cli.rollout.episodes import Episode, ExpertPolicy, ModelPolicy, Policy
 from epo_cli.rollout.prompts import PromptBuilder, chat_encoder
 from epo_cli.rundir.checkpoint_paths import resolve_checkpoint
-from epo_cli.rundir.folder import load_run_config, override_keys
+from epo_cli.rundir.folder import load_run_config, lock_folder, override_keys
 from epo_cli.rundir.safe_load import load_tensors, refused_message, restricted_torch_load
-from epo_cli.rundir.writable import check_output_dir, json_ready
+from epo_cli.rundir.saved_state import check_model_path
+from epo_cli.rundir.writable import check_output_dir, json_ready, write_file
 from epo_cli.training.engine import pick_device
 from epo_cli.training.memory import check_memory, episodes_estimate
 
@@ -346,6 +347,8 @@ def evaluate_run(opts: EvalCommandConfig, overrides: Sequence[str] = (), command
     if split not in suite.splits:
         raise ConfigError(f"Unknown split '{split}' for env={cfg.env.name}. Valid splits: "
                           f"{', '.join(suite.splits)}. Fix: split=<one of them>.")
+    if opts.run is None and opts.policy == "model":
+        check_model_path(cfg.model)  # a model folder from elsewhere (or a file): checked before any work
     if opts.policy == "model" and opts.run is None and not cfg.model.path:
         raise UserError("Nothing to evaluate: pass run=<run dir> (a trained run) or model.path=<HF folder>; "
                         "policy=expert|look|random evaluates a scripted baseline.")
@@ -357,6 +360,8 @@ def evaluate_run(opts: EvalCommandConfig, overrides: Sequence[str] = (), command
 
     out = check_output_dir(opts.out or ((opts.run / "eval") if opts.run is not None else Path(cfg.output_dir)
                              / "eval" / datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")), "out")
+    # one writer per output folder, as for run dirs: a second `epo eval` into it is refused, not mixed in
+    lock_folder(out, "eval output folder", walk=False)
     device = pick_device(cfg, local_rank=0)
     if opts.policy == "model":
         check_attention(cfg.model, device.type)
@@ -408,7 +413,7 @@ def evaluate_run(opts: EvalCommandConfig, overrides: Sequence[str] = (), command
         "duration_s": round(time.perf_counter() - started, 2),
     }
     path = out / f"{name}.json"
-    path.write_text(json.dumps(json_ready(payload), indent=2, allow_nan=False, default=str))
+    write_file(path, json.dumps(json_ready(payload), indent=2, allow_nan=False, default=str))  # no symlink followed
     return EvalResult(payload, path, episodes)
 
 

@@ -20,6 +20,7 @@ from typing import Any
 from epo_cli.envs.base import EnvSuite, Task
 from epo_cli.rollout.episodes import Episode, PlayConfig, Policy, episode_metrics, episode_slots, run_episodes
 from epo_cli.rollout.prompts import format_response
+from epo_cli.rundir.writable import write_file
 from epo_cli.seeding import derive_seed
 
 #: z for a two-sided 95% interval
@@ -153,4 +154,4 @@ def write_samples(path: Path, episodes: list[Episode]) -> None:
         for t, turn in enumerate(ep.turns):
             lines.append(f"**Turn {t + 1}** observation: {turn.observation}\n\n"
                          f"response{'' if turn.valid else ' (invalid)'}: `{turn.response_text}`\n")
-    path.write_text("\n".join(lines))
+    write_file(path, "\n".join(lines))  # never through a planted symlink (epo_cli/rundir/writable.py)

@@ -5,27 +5,43 @@ Written by epo_cli.loggers.logger.MetricsLogger; read back by `epo report`, swee
 
 from __future__ import annotations
 
-import json
 import math
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
+
+from epo_cli.rundir.received import loads, read_text
+from epo_cli.rundir.writable import open_for_writing, write_file
 
 
 def row_line(step: int, metrics: dict[str, float]) -> str:
     """One line of metrics.jsonl; inf and nan are written as strings (JSON has no such numbers)."""
-    return json.dumps({"step": step, **{k: _json_num(v) for k, v in metrics.items()}}) + "\n"
+    return _dumps({"step": step, **{k: _json_num(v) for k, v in metrics.items()}}) + "\n"
+
+
+def _dumps(row: dict[str, Any]) -> str:
+    import json  # only the writer needs it: the reader goes through received.loads (its nesting cap)
+
+    return json.dumps(row)
+
+
+def open_metrics(run: Path) -> IO[Any]:
+    """<run>/metrics.jsonl opened to append one row, never through a planted symlink, FIFO or hard link
+    (epo_cli/rundir/writable.open_for_writing: one message naming it)."""
+    return open_for_writing(Path(run) / "metrics.jsonl", append=True)
 
 
 def _parse_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
-    """(line, row) of every readable line of a metrics.jsonl. A line that is not a JSON object with an
-    integer `step` (a write cut short by a kill or a full disk, a hand edit) is skipped with one warning."""
+    """(line, row) of every readable line of a metrics.jsonl, read as bounded data (a regular file inside
+    its run, at most its cap: epo_cli/rundir/received.py, else one UserError naming it). A line that is not a
+    JSON object with an integer `step` (a write cut short by a kill or a full disk, a hand edit, a nesting
+    beyond the cap) is skipped with one warning."""
     rows, bad = [], []
-    for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+    for n, line in enumerate(read_text(path, "metrics", within=path.parent, errors="replace").splitlines(), 1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = loads(line)
             if not isinstance(row, dict) or isinstance(row.get("step"), bool) or not isinstance(row.get("step"), int):
                 raise ValueError("no integer 'step'")
         except ValueError:  # json.JSONDecodeError is a ValueError
@@ -46,9 +62,8 @@ def truncate_metrics_file(run: Path, after_step: int) -> None:
     if not path.exists():
         return
     kept = [line for line, row in _parse_rows(path) if row["step"] <= after_step]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    tmp.replace(path)  # a crash while rewriting leaves the old file, not half of it
+    # metrics.jsonl.tmp, renamed over it: a crash while rewriting leaves the old file, not half of it
+    write_file(path, "".join(line + "\n" for line in kept))
 
 
 def read_metrics(run: Path) -> list[dict[str, Any]]:

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from epo_cli.loggers.jsonl import row_line
+from epo_cli.loggers.jsonl import open_metrics, row_line
 from epo_cli.loggers.mlflow import start_mlflow
 from epo_cli.loggers.wandb import start_wandb
 
@@ -53,7 +53,7 @@ class MetricsLogger:
             return
         clean = {k: float(v) for k, v in metrics.items() if v is not None and not isinstance(v, str)}
         if self.cfg.logger.jsonl:
-            with open(self.run / "metrics.jsonl", "a") as f:
+            with open_metrics(self.run) as f:  # never through a planted symlink (loggers/jsonl.py)
                 f.write(row_line(step, clean))
         if self._tb is not None:
             for k, v in clean.items():

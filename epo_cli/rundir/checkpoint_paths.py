@@ -20,19 +20,27 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from epo_cli.errors import ConfigError, UserError
+from epo_cli.rundir.received import ReceivedFileError, read_text
+from epo_cli.rundir.writable import write_file
 
 COMPLETE = "COMPLETE"
 
 
 def write_pointer(root: Path, name: str, tag: str) -> None:
-    """checkpoints/<name> (latest | best) := tag, replaced atomically."""
-    tmp = root / f".{name}.tmp"
-    tmp.write_text(tag)
-    tmp.replace(root / name)
+    """checkpoints/<name> (latest | best) := tag, replaced atomically, never written through a planted entry."""
+    write_file(root / name, tag)
 
 
 def read_pointer(path: Path) -> str | None:
-    return path.read_text().strip() if path.exists() else None
+    """What a pointer file (checkpoints/latest, best) names; None when it is missing. Read as bounded data: a
+    pointer that is not a small regular file inside checkpoints/ is one UserError naming it."""
+    try:
+        tag = read_text(path, "pointer", within=Path(path).parent, errors="replace").strip()
+    except FileNotFoundError:
+        return None
+    if Path(tag).name != tag or tag in (".", ".."):  # a pointer names a folder beside it, never a path
+        raise ReceivedFileError(path, f"names {tag[:80]!r}, not a checkpoint folder beside it", "pointer")
+    return tag
 
 
 def complete_checkpoints(run: Path) -> list[Path]:
@@ -57,7 +65,7 @@ def resolve_checkpoint(path: str | Path, which: str = "latest") -> Path:
             hint = "" if which == "latest" else " (no evaluation improved trainer.best_metric yet)"
             raise UserError(f"No '{which}' checkpoint in '{path}'{hint}. Complete checkpoints: "
                             f"{listing(path)}.")
-        candidate = root / pointer.read_text().strip()
+        candidate = root / (read_pointer(pointer) or "")
     else:
         candidate = root / which
     if not (candidate / COMPLETE).exists():

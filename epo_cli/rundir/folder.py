@@ -36,8 +36,17 @@ from omegaconf import DictConfig, OmegaConf
 from epo_cli.compose import validate
 from epo_cli.config import RENAMED_KEYS
 from epo_cli.errors import ConfigError, UserError
+from epo_cli.rundir.received import ReceivedFileError, read_json
 from epo_cli.rundir.saved_state import check_saved_config, load_yaml
 from epo_cli.rundir.trust import drop_saved_settings
+from epo_cli.rundir.writable import (
+    UnsafeEntryError,
+    check_entries,
+    check_opened,
+    open_for_writing,
+    refuse_unsafe,
+    write_file,
+)
 
 CORE_PACKAGES = ("epo", "torch", "transformers", "deepspeed", "hydra-core", "omegaconf", "tokenizers")
 
@@ -115,7 +124,7 @@ def write_config(run: Path, cfg: DictConfig, overrides: list[str], env_versions:
         "command": " ".join(["epo", *sys.argv[1:]]) if sys.argv else "",
         "created": datetime.datetime.now().isoformat(timespec="seconds"),
     }
-    (run / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(data)))
+    write_file(run / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(data)))
 
 
 #: keys that earlier versions saved in config.yaml and that no longer exist: dropped when a run is read,
@@ -185,15 +194,13 @@ def write_status(run: Path, status: str, **fields: Any) -> None:
     if alerts and "alerts" not in payload:
         payload["alerts"] = alerts
     text = json.dumps(payload, indent=2)
-    tmp = run / "status.json.tmp"
     try:
-        tmp.write_text(text)
-        tmp.replace(run / "status.json")
+        write_file(run / "status.json", text)  # status.json.tmp, renamed over it; never through a symlink
     except OSError as err:
         if err.errno not in (errno.ENOSPC, errno.EDQUOT) or not (run / "status.json").is_file():
             raise
-        tmp.unlink(missing_ok=True)
-        with open(run / "status.json", "r+") as f:
+        (run / "status.json.tmp").unlink(missing_ok=True)
+        with open_for_writing(run / "status.json", truncate=False) as f:
             f.write(text)
             f.truncate()
 
@@ -213,9 +220,9 @@ def record_alert(run: Path, kind: str, step: int, reasons: list[str]) -> None:
 def read_status(run: Path) -> dict[str, Any]:
     """status.json as a mapping; {"status": "unknown"} when it is missing or damaged (also a JSON value that
     is not an object, or a status that is not a string)."""
-    try:
-        data = json.loads((Path(run) / "status.json").read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    try:  # bounded: a FIFO, /dev/zero or a deep nesting is damage like any other
+        data = read_json(Path(run) / "status.json", "status", within=Path(run))
+    except (OSError, ReceivedFileError):
         return {"status": "unknown"}
     if not isinstance(data, dict) or not isinstance(data.get("status"), str):
         return {"status": "unknown"}
@@ -252,10 +259,14 @@ class Claim:
 _CLAIMS: dict[Path, Claim] = {}
 
 
-def lock_folder(path: Path, what: str) -> Claim:
+def lock_folder(path: Path, what: str, walk: bool = True) -> Claim:
     """Create `path` if needed and take its lock (an exclusive, non-blocking flock on path/.epo.lock, which
     the kernel releases when the process ends, however it ends). A second process is refused with the pid
-    and command of the one that holds it. `what`: "run directory" or "sweep directory", for the messages."""
+    and command of the one that holds it. `what`: "run directory", "sweep directory" or "eval output
+    folder", for the messages. The lock file is opened without following a symlink and must be a regular
+    file; with `walk`, every entry in the folder must be a real folder or a regular file (check_entries: a
+    received run whose checkpoints/latest is a symlink would otherwise be written through by a resume).
+    Either is one UnsafeEntryError naming the entry."""
     path = Path(path).expanduser().absolute()
     if path in _CLAIMS:
         return _CLAIMS[path]
@@ -286,18 +297,37 @@ def lock_folder(path: Path, what: str) -> Claim:
     os.pwrite(fd, f"pid {os.getpid()}: {' '.join(['epo', *sys.argv[1:]])[:1000]}\n".encode(), 0)
     claim = Claim(path, fd, created)
     _CLAIMS[path] = claim
+    try:  # a received folder's planted symlinks, FIFOs or devices: refused before anything writes there
+        if walk:
+            check_entries(path)
+    except UnsafeEntryError:
+        release(claim)
+        raise
     return claim
 
 
 def _open_lock(path: Path, what: str) -> int:
+    """The lock file, opened read-write without following a symlink or blocking on a FIFO: a regular file of
+    one link, or UnsafeEntryError naming it (a received folder's .epo.lock -> a file outside it would be
+    truncated and overwritten with this process's pid)."""
+    lock = path / LOCK_NAME
     try:
-        return os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC,
+                     0o644)
     except OSError as err:
         if err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
             raise UserError(f"The {what} '{path}' is read-only ({err.strerror}): epo writes its lock, "
                             "checkpoints, metrics and status there. Copy it to a writable folder and use the "
                             f"copy (cp -r '{path}' NEW_DIR), or make it writable.") from None
+        refuse_unsafe(lock, err)  # a symlink (ELOOP), a FIFO, a folder: named
         raise
+    try:
+        check_opened(lock, fd)
+        os.set_blocking(fd, True)
+    except UnsafeEntryError:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _is_current(fd: int, lock: Path) -> bool:

@@ -11,6 +11,7 @@ YAML or safetensors. A file that needs more is refused with one message naming i
 from __future__ import annotations
 
 import contextlib
+import functools
 import pickle
 import re
 import warnings
@@ -23,19 +24,34 @@ import torch
 
 from epo_cli.errors import UserError
 
+#: torch's own advice around a refusal (its message tells the user to unpickle: epo never repeats that)
+_TORCH_ADVICE = ("weights_only", "Weights only load failed", "torch.serialization", "safe_globals",
+                 "trust the source", "pytorch.org", "Please file an issue", "In PyTorch 2.6")
+
+
+def _reason(text: str) -> str:
+    """What the restricted unpickler objected to, in a few words, without torch's advice (which says that
+    loading with weights_only=False "will likely succeed": a received file is never fully unpickled)."""
+    found = re.search(r"GLOBAL (\S+) was not an allowed global", text)
+    if found:
+        return f"it refers to {found.group(1)}"
+    text = text.split("WeightsUnpickler error:")[-1]
+    for line in (part.strip() for part in text.splitlines()):
+        if line and not any(advice in line for advice in _TORCH_ADVICE):
+            if line.startswith("Unsupported operand"):  # a pickle protocol or opcode beyond tensors and values
+                return f"its pickle uses an instruction the restricted unpickler does not allow: {line[:200]}"
+            return line[:300]
+    return "it is not a file of tensors and plain values"
+
 
 def refused_message(path: Path, err: Exception) -> str:
-    """The one message for a file the restricted unpickler refused."""
-    text = str(err)
-    found = re.search(r"GLOBAL (\S+) was not an allowed global", text)
-    detail = f"it refers to {found.group(1)}" if found else \
-        (text.split("WeightsUnpickler error:")[-1].strip().splitlines() or [type(err).__name__])[0]
-    if detail.startswith("Unsupported operand"):  # a pickle protocol or opcode beyond tensors and plain values
-        detail = f"its pickle uses an instruction the restricted unpickler does not allow: {detail}"
+    """The one message for a file the restricted unpickler refused, in epo's words (never torch's advice)."""
+    detail = _reason(str(err)) if isinstance(err, pickle.UnpicklingError) else \
+        f"reading it failed with {type(err).__name__}: {_reason(str(err))}"
     return (f"'{path}' holds objects other than tensors and plain values ({detail}); "
             "epo loads files from run directories with torch.load(weights_only=True) and never unpickles "
             "them, since unpickling can run code. It was written by something other than this version of "
-            "epo (or by an older epo); nothing was loaded or modified.")
+            "epo (or by an older epo), or damaged; nothing was loaded or modified.")
 
 
 @contextlib.contextmanager
@@ -59,6 +75,29 @@ def deepspeed_state_classes() -> list[type]:
     return [LossScaler, ZeroStageEnum, fragment_address]
 
 
+def _enum_classes() -> list[type[Enum]]:
+    return [c for c in deepspeed_state_classes() if isinstance(c, type) and issubclass(c, Enum)]
+
+
+@functools.cache
+def _enum_lookup(enum_class: type[Enum]) -> Any:
+    """What the restricted unpickler gets for an allowed Enum class's name: a function that returns a member
+    by value (`EnumClass(value)`, the pickle form of Python 3.12+ and 3.11.5+), not the class itself. The
+    unpickler's BUILD opcode sets the state of objects whose type is allowed: with the class allowed, a
+    crafted BUILD on a member renamed and revalued that member for the whole process. The function's
+    members are of no allowed type, so BUILD on them is refused. Cached: one function per class, so that
+    torch's list of allowed globals holds it once."""
+    def member(value: Any) -> Enum:
+        try:
+            return enum_class(value)
+        except (ValueError, TypeError):
+            raise pickle.UnpicklingError(f"{enum_class.__qualname__}({value!r}) is no member of that Enum") from None
+
+    member.__qualname__ = member.__name__ = enum_class.__qualname__
+    member._epo_enum = enum_class  # type: ignore[attr-defined]
+    return member
+
+
 def enum_member(owner: Any, name: Any) -> Enum:
     """What `builtins.getattr` means inside the restricted unpickler: a member of an allowed Enum, nothing else.
 
@@ -66,17 +105,26 @@ def enum_member(owner: Any, name: Any) -> Enum:
     `getattr(EnumClass, "NAME")`; later versions as `EnumClass(value)`. DeepSpeed's ZeRO shards hold one
     (ZeroStageEnum), so both forms must load, but a general getattr would reach any attribute of any
     allowed object (a function's __globals__, a class's methods): only an allowed Enum class's own member
-    names are looked up here, and anything else is refused like a disallowed global."""
-    allowed = [c for c in deepspeed_state_classes() if isinstance(c, type) and issubclass(c, Enum)]
-    if owner in allowed and isinstance(name, str) and name in owner.__members__:
-        return owner.__members__[name]
-    shown = getattr(owner, "__qualname__", type(owner).__name__)
+    names are looked up here, and anything else is refused like a disallowed global. The owner the
+    unpickler hands over is _enum_lookup's function for the class."""
+    allowed = _enum_classes()
+    enum_class = getattr(owner, "_epo_enum", owner) if callable(owner) else owner
+    if enum_class in allowed and isinstance(name, str) and name in enum_class.__members__:
+        return enum_class.__members__[name]
+    shown = getattr(enum_class, "__qualname__", type(owner).__name__)
     raise pickle.UnpicklingError(f"getattr({shown}, {name!r}): only the members of an allowed Enum "
                                  f"({', '.join(c.__name__ for c in allowed)}) may be read that way")
 
 
 def _allowed_globals() -> list[Any]:
-    return [*deepspeed_state_classes(), (enum_member, "builtins.getattr")]
+    classes = [c for c in deepspeed_state_classes() if c not in _enum_classes()]
+    enums = [(_enum_lookup(c), f"{c.__module__}.{c.__qualname__}") for c in _enum_classes()]
+    return [*classes, *enums, (enum_member, "builtins.getattr")]
+
+
+#: what a failed restricted load of a damaged or crafted file raises besides UnpicklingError (a REDUCE of an
+#: allowed class with wrong arguments, a rebuild with an odd storage, a truncated stream)
+_LOAD_FAILURES = (pickle.UnpicklingError, ValueError, TypeError, AttributeError, IndexError, KeyError, EOFError)
 
 
 @contextlib.contextmanager
@@ -96,7 +144,7 @@ def restricted_torch_load() -> Iterator[None]:
         kwargs["weights_only"] = True
         try:
             return original(f, *args, **kwargs)
-        except pickle.UnpicklingError as err:
+        except _LOAD_FAILURES as err:  # a refused or damaged file: epo's one message, naming it
             raise UserError(refused_message(Path(f) if isinstance(f, (str, Path)) else Path(str(f)), err)) from None
 
     load._epo_restricted = True  # type: ignore[attr-defined]

@@ -24,6 +24,7 @@ import contextlib
 import io
 import json
 import math
+import os
 import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import MISSING, fields, is_dataclass
@@ -37,6 +38,15 @@ from epo_cli.compose import compose
 from epo_cli.config import RunConfig
 from epo_cli.envs import ENV_SUITES, env_config_class
 from epo_cli.errors import ConfigError, UserError
+from epo_cli.rundir.received import (
+    LIMITS,
+    ReceivedFileError,
+    check_regular,
+    loads,
+    read_json,
+    read_prefix,
+    read_text,
+)
 
 #: written into trainer_state.json by epo_cli.training.checkpoint.save
 CHECKPOINT_FORMAT = "epo-checkpoint/2"
@@ -81,7 +91,7 @@ def check_saved_config(raw: DictConfig, path: Path) -> None:
 # ---- YAML files from elsewhere --------------------------------------------------------------------------------
 
 #: the largest YAML file of a run epo reads (a run's config.yaml is about 10 KB)
-MAX_YAML_BYTES = 4 * 1024 * 1024
+MAX_YAML_BYTES = LIMITS["run config"]
 #: the most values (mappings, lists, keys and scalars) a YAML file may stand for once its aliases are expanded
 MAX_YAML_VALUES = 200_000
 
@@ -112,10 +122,10 @@ def load_yaml(path: Path) -> DictConfig | ListConfig:
     strings) would otherwise keep OmegaConf copying values for minutes, memory growing. The size is counted
     on the composed node graph, where an alias is one shared node, so counting costs what the file's text
     does. Raises ValueError (or yaml's own error) naming what is wrong; callers add the file and the fix."""
-    size = Path(path).stat().st_size
-    if size > MAX_YAML_BYTES:
-        raise ValueError(f"it is {size} bytes long, more than the {MAX_YAML_BYTES} epo reads")
-    text = Path(path).read_text()
+    try:  # a regular file of at most MAX_YAML_BYTES (a FIFO would hang, /dev/zero never end)
+        text = read_text(path, "run config", within=Path(path).parent)
+    except ReceivedFileError as err:
+        raise ValueError(err.reason) from None
     root = yaml.compose(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # libyaml where built
     values = _expanded_values(root, {}, set()) if root is not None else 0
     if values > MAX_YAML_VALUES:
@@ -179,10 +189,12 @@ def read_trainer_state(folder: Path) -> dict[str, Any]:
     """trainer_state.json of a checkpoint folder, checked whole (see the module docstring); UserError naming
     the file and the problem. Returns the payload without its `format` entry."""
     path = Path(folder) / "trainer_state.json"
-    try:
-        payload = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise UserError(f"'{path}' is unreadable ({type(err).__name__}: {str(err).splitlines()[0][:200]}); the "
+    try:  # bounded: a regular file inside the checkpoint, at most its cap, nested at most MAX_JSON_DEPTH
+        payload = read_json(path, "trainer state", within=Path(folder))
+    except (OSError, ReceivedFileError) as err:
+        why = err.reason if isinstance(err, ReceivedFileError) else \
+            f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        raise UserError(f"'{path}' is unreadable ({why}); the "
                         "checkpoint cannot be resumed. Resume from another checkpoint of the run "
                         "(trainer.resume=<run>/checkpoints/step_N); nothing was modified.") from None
     if not isinstance(payload, dict):
@@ -202,7 +214,7 @@ def read_trainer_state(folder: Path) -> dict[str, Any]:
         step = payload["trainer"]["step"]
         named = _folder_step(Path(folder))
         marker = Path(folder) / "COMPLETE"
-        marked = marker.read_text().strip() if marker.is_file() else ""
+        marked = _marker_text(marker)
         if named is not None and step != named:
             problem = f"`trainer.step` is {step} but the folder is {Path(folder).name}"
         elif marked.isdigit() and int(marked) != step:
@@ -220,6 +232,14 @@ def read_trainer_state(folder: Path) -> dict[str, Any]:
                         "Nothing was loaded or modified.")
     payload.pop("format")
     return payload
+
+
+def _marker_text(marker: Path) -> str:
+    """A COMPLETE marker's text ("" when missing or not a small regular file: then it says nothing)."""
+    try:
+        return read_text(marker, "pointer", within=marker.parent, errors="replace").strip()
+    except (OSError, ReceivedFileError):
+        return ""
 
 
 @contextlib.contextmanager
@@ -278,48 +298,102 @@ def groups_that_disagree(groups: list[str], saved: DictConfig, overridden: set[s
 
 # ---- a model folder (model.path=, a run's final/) -------------------------------------------------------------
 
-def _json_object(path: Path) -> dict[str, Any]:
-    """A JSON file that must hold an object; ValueError saying what it holds instead."""
+def _json_object(path: Path, kind: str = "model config", within: Path | None = None) -> dict[str, Any]:
+    """A JSON file that must hold an object, read as bounded data (epo_cli/rundir/received.py); ValueError
+    saying what it holds instead."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        data = read_json(path, kind, within=within if within is not None else path.parent)
+    except ReceivedFileError as err:
+        raise ValueError(err.reason) from None
+    except OSError as err:
         raise ValueError(f"is not readable JSON ({type(err).__name__}: {str(err).splitlines()[0][:200]})") from None
     if not isinstance(data, dict):
         raise ValueError(f"holds a JSON {type(data).__name__}, not an object")
     return data
 
 
-def safetensors_shapes(path: Path) -> dict[str, list[int]]:
+#: bytes per element of each safetensors dtype (the format's own list)
+SAFETENSORS_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
+                      "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8}
+
+
+def _unique_names(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json object_pairs_hook: a name given twice is a lie of the header (which tensor is it?)."""
+    names = [k for k, _ in pairs]
+    twice = sorted({k for k in names if names.count(k) > 1})
+    if twice:
+        raise ValueError(f"names {twice[0]!r} twice")
+    return dict(pairs)
+
+
+def safetensors_shapes(path: Path, within: Path | None = None) -> dict[str, list[int]]:
     """The tensors' shapes in a safetensors file's header (an 8-byte length, then JSON), read without its
-    data; ValueError when the header is missing, cut short or does not fit the file."""
-    size = path.stat().st_size
+    data, bounded (a regular file inside `within`, a header of at most 100 MB nested at most MAX_JSON_DEPTH),
+    and checked as the safetensors library does before it maps anything: each entry's dtype known, its shape
+    whole numbers >= 0, its data offsets exactly its shape's bytes, the tensors' data back to back from the
+    header's end to the file's end (no gap, overlap or trailing bytes), no name twice. ValueError naming
+    the first lie."""
+    try:
+        head, size = read_prefix(path, "safetensors header", 8, within=within or path.parent)
+    except ReceivedFileError as err:
+        raise ValueError(err.reason) from None
     if size == 0:
         raise ValueError("is empty (0 bytes)")
-    with path.open("rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError(f"is {size} bytes long, too short for a safetensors header")
-        (length,) = struct.unpack("<Q", head)
-        if length > size - 8:
-            raise ValueError(f"announces a {length}-byte header in a {size}-byte file (it was cut short)")
-        try:
-            header = json.loads(f.read(length))
-        except (UnicodeDecodeError, json.JSONDecodeError):
+    if len(head) < 8:
+        raise ValueError(f"is {size} bytes long, too short for a safetensors header")
+    (length,) = struct.unpack("<Q", head)
+    if length > size - 8:
+        raise ValueError(f"announces a {length}-byte header in a {size}-byte file (it was cut short)")
+    if length > LIMITS["safetensors header"]:
+        raise ValueError(f"announces a {length}-byte header, more than the {LIMITS['safetensors header']} bytes "
+                         "safetensors allows")
+    try:
+        raw, _ = read_prefix(path, "safetensors header", 8 + length, within=within or path.parent)
+        header = loads(raw[8:], object_pairs_hook=_unique_names)
+    except ReceivedFileError as err:
+        raise ValueError(err.reason) from None
+    except UnicodeDecodeError:
+        raise ValueError("has a header that is not JSON (not a safetensors file, or damaged)") from None
+    except ValueError as err:  # json.JSONDecodeError, a name twice, nesting beyond the cap
+        if isinstance(err, json.JSONDecodeError):
             raise ValueError("has a header that is not JSON (not a safetensors file, or damaged)") from None
+        raise ValueError(f"has a header that {err}") from None
     if not isinstance(header, dict):
         raise ValueError("has a header that is not a JSON object (not a safetensors file)")
-    shapes, end = {}, 0
+    shapes, spans = {}, []
     for name, entry in header.items():
         if name == "__metadata__":
+            if not (isinstance(entry, dict) and all(isinstance(v, str) for v in entry.values())):
+                raise ValueError("has a `__metadata__` that is not an object of strings")
             continue
         offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
         shape = entry.get("shape") if isinstance(entry, dict) else None
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
-                and isinstance(shape, list) and all(isinstance(d, int) for d in shape)):
+        dtype = entry.get("dtype") if isinstance(entry, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)
+                and isinstance(shape, list) and all(_is_int(d) for d in shape)):
             raise ValueError(f"has a header entry for {name!r} without a shape and data offsets")
-        shapes[name], end = shape, max(end, offsets[1])
-    if 8 + length + end > size:
-        raise ValueError(f"holds {size} bytes but its header describes {8 + length + end} (it was cut short)")
+        if dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"gives {name!r} the dtype {dtype!r}, which safetensors does not have")
+        if any(d < 0 for d in shape):
+            raise ValueError(f"gives {name!r} the shape {shape}, with a negative size")
+        begin, end = offsets
+        need = math.prod(shape) * SAFETENSORS_DTYPES[dtype]
+        if not 0 <= begin <= end or end - begin != need:
+            raise ValueError(f"gives {name!r} the data offsets {offsets}, but its shape {shape} of {dtype} needs "
+                             f"{need} bytes")
+        shapes[name] = shape
+        spans.append((begin, end, name))
+    at = 0
+    for begin, end, name in sorted(spans):
+        if begin != at:
+            raise ValueError(f"places {name!r} at byte {begin} of the data, where {at} was expected (the "
+                             "tensors' data overlap or leave a gap)")
+        at = end
+    if 8 + length + at > size:
+        raise ValueError(f"holds {size} bytes but its header describes {8 + length + at} (it was cut short)")
+    if 8 + length + at < size:
+        raise ValueError(f"holds {size} bytes but its header describes {8 + length + at} (bytes follow the "
+                         "last tensor)")
     return shapes
 
 
@@ -336,35 +410,90 @@ class _FolderProblem(Exception):
         self.fix = fix
 
 
-def _weight_files(folder: Path) -> list[Path]:
-    """The safetensors files of a model folder: model.safetensors, or those its index lists."""
+def _weight_files(folder: Path, within: Path) -> list[Path]:
+    """The safetensors files of a model folder: model.safetensors, or those its index lists (each a plain
+    file name inside the folder)."""
     index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = _json_object(index).get("weight_map")
+    if os.path.lexists(index):
+        weight_map = _json_object(index, within=within).get("weight_map")
         if not isinstance(weight_map, dict):
             raise _FolderProblem(index, "has no `weight_map` object")
-        return [folder / name for name in sorted({str(v) for v in weight_map.values()})]
-    return [folder / "model.safetensors"] if (folder / "model.safetensors").exists() else []
+        names = sorted({str(v) for v in weight_map.values()})
+        odd = next((n for n in names if Path(n).name != n or n in ("", ".", "..")), None)
+        if odd is not None:
+            raise _FolderProblem(index, f"names the weights file {odd!r}, which is not a file name in the folder")
+        return [folder / name for name in names]
+    return [folder / "model.safetensors"] if os.path.lexists(folder / "model.safetensors") else []
 
 
+#: the tokenizer's and the model's other files transformers reads from a folder when they are there (JSON ones
+#: are parsed here too); each must be a regular file, or transformers would skip it and use another tokenizer
+TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                  "vocab.json", "generation_config.json", "chat_template.json", "preprocessor_config.json")
+TOKENIZER_OTHER = ("merges.txt", "vocab.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
+                   "chat_template.jinja")
+#: weights transformers reads when the folder has no safetensors (through the restricted unpickler)
+PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+#: config.json's counts that size the model: whole numbers >= 1 where present (0 heads divides by zero)
+CONFIG_COUNTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "max_position_embeddings", "head_dim")
+#: a tokenizer's special tokens: a string, an AddedToken object ({"content": ...}) or null
+SPECIAL_TOKENS = ("eos_token", "bos_token", "pad_token", "unk_token")
+
+
+def model_folder_root(folder: Path) -> Path:
+    """The folder a model folder's symlinks may point into: the folder itself, or for a Hugging Face cache
+    snapshot (models--org--name/snapshots/<rev>/, whose files link to ../../blobs/) its repository folder."""
+    folder = Path(folder)
+    return folder.parent.parent if folder.parent.name == "snapshots" else folder
+
+
+def _config_problem(config: dict[str, Any]) -> str | None:
+    """What in config.json cannot build a model (a count of 0 would divide by zero deep in transformers)."""
+    for key in CONFIG_COUNTS:
+        value = config.get(key)
+        if key in config and not (value is None and key == "head_dim") and not (_is_int(value) and value >= 1):
+            return f"gives {key}={value!r}, not a whole number >= 1"
+    heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if _is_int(heads) and _is_int(kv) and heads % kv:
+        return f"gives num_attention_heads={heads}, not a multiple of num_key_value_heads={kv}"
+    hidden = config.get("hidden_size")
+    if _is_int(heads) and _is_int(hidden) and config.get("head_dim") is None and hidden % heads:
+        return f"gives hidden_size={hidden}, not a multiple of num_attention_heads={heads} (and no head_dim)"
+    for key in ("hidden_act", "hidden_activation"):
+        if key in config and not isinstance(config[key], str):
+            return f"gives {key}={config[key]!r}, not the name of an activation"
+    for key in ("rope_scaling", "rope_parameters"):
+        value = config.get(key)
+        if value is not None and not isinstance(value, dict):
+            return f"gives {key}={value!r}, not an object or null"
+    return None
 
 
 def check_model_path(model_cfg: Any) -> None:
-    """`model.path=<local folder>` checked (check_model_folder) before `epo train` writes a run directory."""
+    """`model.path=<local folder>` checked (check_model_folder) before `epo train` writes a run directory; a
+    path that is a file is one message saying so."""
     path = Path(str(model_cfg.path)).expanduser() if model_cfg.path else None
+    if path is not None and path.exists() and not path.is_dir():
+        raise UserError(f"model.path='{model_cfg.path}' is a file, not a model folder. Pass the folder written by "
+                        "save_pretrained (the one holding config.json), e.g. <run>/final, or a hub id.")
     if path is not None and path.is_dir():
         check_model_folder(path, bool(model_cfg.trust_remote_code))
 
 
 def check_model_folder(folder: Path, trust_remote_code: bool, weights: bool = True) -> None:
-    """A model folder is checked before anything loads from it (or a run directory is written for it):
-    config.json and the tokenizer files must be JSON objects of the shape transformers reads (tokenizer.json
-    with its `model` and `added_tokens`), no auto_map (the folder's own code) unless model.trust_remote_code
-    =true is on this command line, every safetensors file whole, and the embedding in the weights the shape
-    config.json gives (vocab_size x hidden_size). One UserError naming the file and what is wrong; nothing is
-    loaded or written. `weights=False`: the tokenizer's files and the folder's code only (a scripted policy
-    reads the tokenizer alone). Hub ids and pytorch_model.bin weights are left to transformers (loaded with
-    the restricted unpickler, epo_cli/models/loading.py)."""
+    """A model folder is checked before anything loads from it (or a run directory is written for it), every
+    file read as bounded data (epo_cli/rundir/received.py: regular files, symlinks only inside the folder or,
+    for a hub cache snapshot, its repository folder): config.json and the tokenizer files must be JSON objects
+    of the shape transformers reads (tokenizer.json with its `model` and `added_tokens`, special tokens
+    strings), every tokenizer file there a regular file (else transformers would skip it and use another
+    tokenizer), config.json's counts whole numbers >= 1, no auto_map (the folder's own code) unless
+    model.trust_remote_code=true is on this command line, every safetensors header true to its file
+    (safetensors_shapes), and the embedding in the weights the shape config.json gives (vocab_size x
+    hidden_size). One UserError naming the file and what is wrong; nothing is loaded or written.
+    `weights=False`: the tokenizer's files and the folder's code only (a scripted policy reads the tokenizer
+    alone). Hub ids are left to transformers; the weights' names are checked against the model's own when it
+    loads (epo_cli/models/loading.py), pytorch_model.bin through the restricted unpickler."""
     try:
         _check_model_folder(Path(folder), trust_remote_code, weights)
     except _FolderProblem as err:
@@ -372,22 +501,44 @@ def check_model_folder(folder: Path, trust_remote_code: bool, weights: bool = Tr
 
 
 def _check_model_folder(folder: Path, trust_remote_code: bool, weights: bool) -> None:
-    def read(name: str) -> dict[str, Any]:
+    root = model_folder_root(folder)
+
+    def read(name: str, kind: str = "model config") -> dict[str, Any]:
         try:
-            return _json_object(folder / name)
+            return _json_object(folder / name, kind, within=root)
         except ValueError as err:
             raise _FolderProblem(folder / name, str(err)) from None
 
+    def regular(name: str, kind: str) -> None:
+        try:
+            check_regular(folder / name, kind, within=root)
+        except ReceivedFileError as err:
+            raise _FolderProblem(folder / name, err.reason) from None
+
     config = read("config.json")
+    problem = _config_problem(config)
+    if problem is not None:
+        raise _FolderProblem(folder / "config.json", problem)
+    present = [name for name in TOKENIZER_JSON if os.path.lexists(folder / name)]
+    files = {name: read(name, "tokenizer" if name == "tokenizer.json" else "model config") for name in present}
+    for name in TOKENIZER_OTHER:
+        if os.path.lexists(folder / name):
+            regular(name, "tokenizer")
     for name in ("config.json", "tokenizer_config.json"):
-        data = config if name == "config.json" else read(name) if (folder / name).is_file() else {}
+        data = config if name == "config.json" else files.get(name, {})
         if "auto_map" in data and not trust_remote_code:
             raise _FolderProblem(folder / name, "has an auto_map: the folder holds its own model code, which "
                                  "runs when it loads, and epo runs a model folder's code only when this command "
                                  "line says model.trust_remote_code=true (a saved config cannot)",
                                  "pass model.trust_remote_code=true if you trust that code, or use another model")
-    if (folder / "tokenizer.json").is_file():
-        tokenizer = read("tokenizer.json")
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        for key in SPECIAL_TOKENS:
+            value = files.get(name, {}).get(key)
+            if not (value is None or isinstance(value, str)
+                    or (isinstance(value, dict) and isinstance(value.get("content"), str))):
+                raise _FolderProblem(folder / name, f"gives {key}={str(value)[:80]!r}, not a token (a string)")
+    if "tokenizer.json" in files:
+        tokenizer = files["tokenizer.json"]
         for key, kind in (("model", dict), ("added_tokens", list)):
             if not isinstance(tokenizer.get(key), kind):
                 state = "has no" if key not in tokenizer else "has a damaged"
@@ -398,16 +549,20 @@ def _check_model_folder(folder: Path, trust_remote_code: bool, weights: bool) ->
         return
     shapes: dict[str, list[int]] = {}
     try:
-        files = _weight_files(folder)
+        weight_files = _weight_files(folder, root)
     except ValueError as err:
         raise _FolderProblem(folder / "model.safetensors.index.json", str(err)) from None
-    for path in files:
-        if not path.is_file():
+    for path in weight_files:
+        if not os.path.lexists(path):
             raise _FolderProblem(path, "is missing (model.safetensors.index.json lists it)")
         try:
-            shapes.update(safetensors_shapes(path))
+            shapes.update(safetensors_shapes(path, within=root))
         except ValueError as err:
             raise _FolderProblem(path, str(err)) from None
+    if not weight_files:
+        for name in PICKLED_WEIGHTS:
+            if os.path.lexists(folder / name):
+                regular(name, "safetensors header" if name.endswith(".json") else "weights")
     embedding = next((name for name in shapes if name.endswith("embed_tokens.weight")), None)
     vocab, hidden = config.get("vocab_size"), config.get("hidden_size")
     if embedding is not None and isinstance(vocab, int) and isinstance(hidden, int) \

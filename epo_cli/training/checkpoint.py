@@ -18,6 +18,7 @@ unpickler (epo_cli/rundir/safe_load.py: its checkpoint engine's loader asks for 
 
 from __future__ import annotations
 
+import io
 import json
 import warnings
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from epo_cli.errors import UserError
 from epo_cli.rundir.checkpoint_paths import COMPLETE, check_world_size, listing, prune, read_pointer, write_pointer
 from epo_cli.rundir.safe_load import load_tensors, restricted_torch_load
 from epo_cli.rundir.saved_state import CHECKPOINT_FORMAT, read_trainer_state
+from epo_cli.rundir.writable import check_entries, check_entry, write_file
 from epo_cli.training import rng_state
 from epo_cli.training.engine import barrier
 
@@ -70,15 +72,21 @@ def save(run: Path, step: int, engine: Any, critic_engine: Any, payload: dict[st
         if rank == 0 and best_step == step:
             write_pointer(root, "best", tag)
         return folder
+    check_entry(root, folder=True)  # DeepSpeed's torch.save follows symlinks: a leftover save's entries first
+    if folder.exists():
+        check_entry(folder, folder=True)
+        check_entries(folder)
     engine.save_checkpoint(str(root), tag=tag, save_latest=False)
     if critic_engine is not None:
         critic_engine.save_checkpoint(str(folder), tag="critic", save_latest=False)
-    torch.save(rng_state.capture(), folder / f"rng_rank{rank}.pt")
+    rng = io.BytesIO()  # epo's own files: written without following a planted entry (writable.write_file)
+    torch.save(rng_state.capture(), rng)
+    write_file(folder / f"rng_rank{rank}.pt", rng.getvalue())
     barrier()
     if rank == 0:
         state = {"format": CHECKPOINT_FORMAT, **payload, "written_by": written_by(algo, engine, critic_engine)}
-        (folder / "trainer_state.json").write_text(json.dumps(state, indent=1))
-        (folder / COMPLETE).write_text(str(step))
+        write_file(folder / "trainer_state.json", json.dumps(state, indent=1))
+        write_file(folder / COMPLETE, str(step))
         write_pointer(root, "latest", tag)
         if best_step == step:
             write_pointer(root, "best", tag)
