@@ -42,6 +42,7 @@ from omegaconf import DictConfig, OmegaConf
 from epo_cli.compose import compose
 from epo_cli.config import ModelConfig, config_dir
 from epo_cli.errors import ConfigError
+from epo_cli.rundir.received import loads, read_text
 
 GIB = 1024**3
 
@@ -119,7 +120,7 @@ def architecture(model: Any) -> tuple[Architecture, int]:
     config_json = Path(str(model.path)).expanduser() / "config.json"
     if config_json.is_file():
         try:
-            hf = json.loads(config_json.read_text())
+            hf = loads(read_text(config_json, "model config"))  # bounded: epo_cli/rundir/received.py
             arch = Architecture(int(hf["hidden_size"]), int(hf["intermediate_size"]), int(hf["num_hidden_layers"]),
                                 int(hf["num_attention_heads"]),
                                 int(hf.get("num_key_value_heads", hf["num_attention_heads"])), int(hf["vocab_size"]),
@@ -412,7 +413,7 @@ def read_throughput(path: str | None, arch_params: int) -> tuple[dict[str, float
         return {"update_tokens_per_s": update, "rollout_tokens_per_s": 0.0}, "default"
     file = Path(path).expanduser()
     try:
-        data = json.loads(file.read_text())
+        data = loads(read_text(file, "throughput"))  # bounded: epo_cli/rundir/received.py
         measured = {k: float(data[k]) for k in ("rollout_tokens_per_s", "update_tokens_per_s")}
     except FileNotFoundError:
         raise ConfigError(f"--throughput {path}: no such file. Write one with `python scripts/gpu_check.py "
@@ -444,7 +445,7 @@ def throughput_device(path: str | None) -> str | None:
     if path is None:
         return None
     try:
-        device = json.loads(Path(path).expanduser().read_text()).get("device")
+        device = loads(read_text(Path(path).expanduser(), "throughput")).get("device")
     except (OSError, ValueError, AttributeError):
         return None
     return str(device).split(":")[0] if device else None

@@ -18,7 +18,6 @@ Means and sample standard deviations (n - 1) are over the finished runs of a con
 from __future__ import annotations
 
 import csv
-import json
 import math
 import re
 import warnings
@@ -33,6 +32,7 @@ from rich.table import Table
 from epo_cli.errors import ConfigError, UserError
 from epo_cli.loggers.jsonl import read_metrics
 from epo_cli.rundir.folder import read_status, read_yaml_data
+from epo_cli.rundir.received import read_json
 
 NON_CONFIG_KEYS = ("seed", "run_dir", "output_dir", "name", "trainer.resume")
 SUCCESS_KEYS = ("eval/success", "rollout/success")
@@ -153,8 +153,8 @@ def read_json_file(path: Path, what: str) -> dict[str, Any] | None:
     """A JSON object that a sweep wrote (sweep.json, sweep_job.json), or None with a one-line warning when it
     is damaged: the summary goes on without it."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        data = read_json(path, "sweep record", within=path.parent)  # bounded: epo_cli/rundir/received.py
+    except (OSError, UserError) as err:
         warnings.warn(f"'{path}' is unreadable ({type(err).__name__}); {what}.", stacklevel=2)
         return None
     if not isinstance(data, dict):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from epo_cli.errors import UserError
 from epo_cli.models.packaged import packaged_folder, resolve_source
 from epo_cli.models.tiny import build_tiny, cache_root
 from epo_cli.rundir.safe_load import refused_message, restricted_torch_load
-from epo_cli.rundir.saved_state import check_model_folder
+from epo_cli.rundir.saved_state import COPY_AGAIN, check_model_folder, model_folder_root
 from epo_cli.rundir.writable import check_output_dir
 
 
@@ -97,16 +98,19 @@ def load_tokenizer(source: str, model_cfg: Any):
 def load_causal_lm(source: str, model_cfg: Any, dtype: torch.dtype) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
-    if Path(source).is_dir():
+    local = Path(source).is_dir()
+    if local:
         check_model_folder(Path(source), model_cfg.trust_remote_code)
+        check_model_config(Path(source))
     try:
         with restricted_torch_load():  # a pytorch_model.bin that needs full unpickling: epo's message, naming it
-            model = AutoModelForCausalLM.from_pretrained(
+            model, loading = AutoModelForCausalLM.from_pretrained(
                 source,
                 dtype=dtype,
                 trust_remote_code=model_cfg.trust_remote_code,
                 attn_implementation=model_cfg.attn_implementation,
                 weights_only=True,  # a pytorch_model.bin from elsewhere is never fully unpickled
+                output_loading_info=True,  # the weights' names against the model's own (weight_name_problem)
             )
     except OSError as err:
         raise UserError(_hub_message(source, err)) from None
@@ -115,16 +119,31 @@ def load_causal_lm(source: str, model_cfg: Any, dtype: torch.dtype) -> nn.Module
     except ImportError as err:  # an attention implementation whose package is missing (see epo_cli/models/attention.py)
         raise UserError(f"model.attn_implementation={model_cfg.attn_implementation} cannot be used here: "
                         f"{str(err).splitlines()[0]} Use model.attn_implementation=sdpa (the default).") from None
-    except (ValueError, RuntimeError, KeyError) as err:
+    except (ValueError, RuntimeError, KeyError, TypeError, AttributeError, IndexError, ZeroDivisionError) as err:
         if "safetensors" in str(err).lower() or "header" in str(err).lower() or "size mismatch" in str(err):
-            raise UserError(f"The model files in '{source}' are corrupt or incomplete: {err}") from None
+            raise UserError(f"The model files in '{source}' are corrupt or incomplete: {_first_line(err)}") from None
         if "ignore_mismatched_sizes" in str(err):  # config.json's shapes are not the weights' (the report above)
             raise UserError(f"'{Path(source) / 'config.json'}' does not describe the weights in '{source}': some "
                             "tensors have other shapes than it gives (listed above). Nothing was loaded; copy the "
                             "folder again from where it came from, or pass another model.") from None
-        if not _known_refusal(err):
+        if _known_refusal(err):
+            raise UserError(_unloadable_message(source, err)) from None
+        if not local:
             raise
-        raise UserError(_unloadable_message(source, err)) from None
+        # a local folder's files are data: whatever they make transformers raise is theirs, one message
+        raise UserError(f"The model folder '{source}' cannot be loaded: {type(err).__name__}: {_first_line(err)} "
+                        "(its config.json or weights are damaged or do not fit each other). Nothing was loaded; "
+                        f"{COPY_AGAIN}.") from None
+    except Exception as err:  # noqa: BLE001 - safetensors' SafetensorError (a header that lies) has no public base
+        if type(err).__name__ != "SafetensorError":
+            raise
+        raise UserError(f"The model files in '{source}' are corrupt or incomplete: {_first_line(err)}. Nothing "
+                        f"was loaded; {COPY_AGAIN}.") from None
+    problem = weight_name_problem(model, loading)
+    if problem:  # e.g. a renamed embedding: the model would start from random weights there, without a word
+        raise UserError(f"The weights in '{source}' do not hold this model's tensors: {problem}. Nothing was "
+                        "trained or evaluated; the folder's weights belong to another model or were damaged. "
+                        f"{COPY_AGAIN[0].upper()}{COPY_AGAIN[1:]}.")
     bad = nonfinite_parameters(model)
     if bad:  # e.g. the export of a run that diverged: refused before anything samples from it
         raise UserError(f"The model in '{source}' holds non-finite weights (nan or inf, e.g. in {', '.join(bad)}): "
@@ -134,6 +153,65 @@ def load_causal_lm(source: str, model_cfg: Any, dtype: torch.dtype) -> nn.Module
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
     return model
+
+
+def check_model_config(folder: Path) -> None:
+    """What of a local folder's config.json only transformers knows, checked before it builds the model: the
+    activation (`hidden_act`) one of its own, the RoPE scaling (`rope_scaling`) of a type it has. One
+    UserError naming the file (an unknown name is a KeyError deep inside the model's constructor)."""
+    from transformers.activations import ACT2FN
+
+    from epo_cli.rundir.received import read_json
+
+    path = folder / "config.json"
+    config = read_json(path, "model config", within=model_folder_root(folder))
+    problem = None
+    for key in ("hidden_act", "hidden_activation"):
+        if isinstance(config.get(key), str) and config[key] not in ACT2FN:
+            problem = f"names the activation {key}={config[key]!r}, which transformers does not have (it has e.g. " \
+                      f"{', '.join(sorted(ACT2FN)[:6])})"
+    scaling = config.get("rope_scaling")
+    if problem is None and isinstance(scaling, dict):
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind not in (*ROPE_INIT_FUNCTIONS, "default"):
+            problem = f"gives rope_scaling of type {kind!r}, which transformers does not have (it has " \
+                      f"{', '.join(['default', *sorted(ROPE_INIT_FUNCTIONS)])})"
+        elif kind != "default" and not (isinstance(scaling.get("factor"), (int, float))
+                                        and not isinstance(scaling.get("factor"), bool) and scaling["factor"] > 0):
+            problem = f"gives rope_scaling of type {kind!r} without a factor > 0 (it has {scaling.get('factor')!r})"
+    if problem is not None:
+        raise UserError(f"'{path}' {problem}. Nothing was loaded from the model folder '{folder}' or written; "
+                        f"{COPY_AGAIN}.")
+
+
+def weight_name_problem(model: nn.Module, loading: dict[str, Any]) -> str | None:
+    """The weights' names against the model's own (transformers' loading info): what is missing (the model
+    would keep random values there) or unexpected (weights of another model), naming a few of each; None when
+    they fit. Excepted by the model's own rules, not by a list of names: a weight the model ties to another
+    that the file holds (its tied-weights map, e.g. lm_head.weight to the embedding), and the names its class
+    says to ignore when missing or unexpected (_keys_to_ignore_on_load_*). Buffers that are not persistent
+    are not weights of the file at all (not in the state dict), so they are never missing."""
+    tied = getattr(model, "all_tied_weights_keys", None) or getattr(model, "_tied_weights_keys", None) or {}
+    tied = tied if isinstance(tied, dict) else {name: None for name in tied}  # transformers 4: a list of names
+
+    def ignored(name: str, attribute: str) -> bool:
+        return any(re.search(pattern, name) for pattern in getattr(model, attribute, None) or [])
+
+    missing_all = set(loading.get("missing_keys") or [])
+    missing = sorted(k for k in missing_all if not ignored(k, "_keys_to_ignore_on_load_missing")
+                     and not (k in tied and (tied[k] is None or tied[k] not in missing_all)))
+    unexpected = sorted(k for k in set(loading.get("unexpected_keys") or [])
+                        if not ignored(k, "_keys_to_ignore_on_load_unexpected"))
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} of its weights are missing ({', '.join(missing[:4])}"
+                     f"{', ...' if len(missing) > 4 else ''})")
+    if unexpected:
+        parts.append(f"{len(unexpected)} tensors are not weights of it ({', '.join(unexpected[:4])}"
+                     f"{', ...' if len(unexpected) > 4 else ''})")
+    return "; ".join(parts) or None
 
 
 def nonfinite_parameters(module: nn.Module, limit: int = 3) -> list[str]:
