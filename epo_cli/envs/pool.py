@@ -58,6 +58,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from epo_cli.envs.base import Env, EnvSuite, StepResult, Task
+from epo_cli.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -237,6 +238,20 @@ def _kill_tree(process: mp.process.BaseProcess) -> None:
     process.join(timeout=5)
 
 
+class EnvWorkerDied(UserError):
+    """A worker died where the pool cannot go on without it (while starting, or resetting the same tasks
+    twice): one message for the user (the run is recorded `failed`), never a traceback. Deaths during a step
+    only end that worker's episodes (module docstring)."""
+
+
+def _worker_death_message(why: str, tasks: list[Task]) -> str:
+    """`why` with the tasks the worker was resetting, and what to do."""
+    names = sorted({f"{t.split}/{t.task_id}" if t.split else str(t.task_id) for t in tasks})
+    held = f" while resetting {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}" if names else ""
+    return (f"{why}{held}, twice. Its own output above (the env's or the interpreter's) says why: a damaged "
+            "game or data file, or the machine's memory. Fix: repair or remove what it names and run again.")
+
+
 class _ResetError:
     """An env's exception from an asynchronous reset, kept until `collect` raises it."""
 
@@ -266,14 +281,16 @@ class _Worker:
         if not self.conn.poll(timeout):
             why = "died" if not self.process.is_alive() else f"did not start within {timeout:.0f}s"
             self.kill()
-            raise RuntimeError(f"env worker {self.index} {why} (exit code {self.process.exitcode})")
+            raise EnvWorkerDied(f"env worker {self.index} {why} while starting (exit code "
+                                f"{self.process.exitcode}). Its output above says why (often the machine's "
+                                "memory). Fix: fewer env.num_workers, or env.num_workers=0.")
         try:
             tag, self.pid = self.conn.recv()
         except (EOFError, OSError):
             self.kill()
-            raise RuntimeError(
-                f"env worker {self.index} died while starting (exit code {self.process.exitcode}); "
-                "is the env suite picklable?"
+            raise EnvWorkerDied(
+                f"env worker {self.index} died while starting (exit code {self.process.exitcode}). Its output "
+                "above says why (often the machine's memory). Fix: fewer env.num_workers, or env.num_workers=0."
             ) from None
         assert tag == "ready", tag
 
@@ -650,7 +667,9 @@ class EnvPool:
             retry = {index: by_worker[index] for index in failed}
             again, _, failed_again = self._exchange("reset", retry, self.reset_timeout_s)
             if failed_again:
-                raise RuntimeError("env reset failed twice: " + "; ".join(failed_again.values()))
+                index = min(failed_again)
+                raise EnvWorkerDied(_worker_death_message(
+                    failed_again[index], [task for _, task in retry[index]]))
             answers.update(again)
         errors = [answers[slot] for slot in range(len(tasks)) if answers[slot][0] == "reset_error"]
         if errors:
@@ -754,7 +773,7 @@ class EnvPool:
         for slot in self._in_flight.pop(index, []):
             if slot in self._resetting:
                 if self._resetting[slot] >= 1:
-                    raise RuntimeError(f"env reset failed twice: {why}")
+                    raise EnvWorkerDied(_worker_death_message(why, [self._tasks[slot]]))
                 retry[slot] = self._tasks[slot]
             else:
                 self._finish(slot, truncated_result(why, self._task_info(slot)))

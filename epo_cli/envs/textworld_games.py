@@ -28,6 +28,14 @@ every split plays all the games in the folder. Games are Z-machine files (.z8 an
 that TextWorld writes next to each game (it carries the admissible commands, the win/lose conditions and
 the quest the expert plans from). Glulx (.ulx) games cannot be played by TextWorld 1.7 and are refused.
 
+A damaged game would kill the run: the Z-machine interpreter (Jericho's frotz, in this process) answers a
+truncated or garbled story file with `Fatal error: Story file read error` and exits the process. Every game is
+therefore checked before it is played (`game_damage`: a regular file, a Z-machine header whose version and
+length agree with the file, a .json holding a TextWorld game), and a generated game also against the SHA-256
+of its files recorded when it was generated (game_N.sha256, in `sha256sum` format): at the start a damaged
+cached game is generated again (with a warning naming it), a damaged game of env.games_dir is refused naming
+the file; a game damaged during a run is refused at its next reset.
+
 Info keys: goal (the quest text), admissible_commands, won, lost, task_type ("textworld"), task_id (the game
 path relative to its folder), subgoals ([]), progress (score / max_score), expert_action (the first of
 TextWorld's policy_commands, replanned from the current state; None when there is no plan), expert_thought
@@ -43,6 +51,8 @@ import json
 import os
 import random
 import re
+import shutil
+import stat
 import tempfile
 import warnings
 from dataclasses import asdict, dataclass
@@ -63,6 +73,13 @@ CHALLENGES = {"coin_collector": "tw-coin_collector", "treasure_hunter": "tw-trea
 COIN_GOAL = "Find the coin and take it."
 #: tw-make's options and their defaults (TextWorldConfig), which a challenge does not read
 _TW_MAKE_DEFAULTS = {"world_size": 5, "nb_objects": 10, "quest_length": 5}
+#: the largest story file a Z-machine of versions 1-8 addresses (v8: 512 KiB), and the largest game .json read
+MAX_STORY_BYTES = 512 * 1024
+MAX_GAME_JSON_BYTES = 64 * 1024 * 1024
+#: the header's file length (bytes 0x1A-0x1B) counts units of this many bytes, by Z-machine version
+_LENGTH_UNIT = {1: 2, 2: 2, 3: 2, 4: 4, 5: 4, 6: 8, 7: 8, 8: 8}
+#: what a TextWorld game .json holds (textworld.Game.serialize)
+_GAME_JSON_KEYS = ("world", "grammar", "quests", "infos", "KB")
 
 
 @dataclass
@@ -167,6 +184,109 @@ def expert_thought(kind: str | None, admissible: list[str], last_move: str | Non
     return thought
 
 
+def _read_regular(path: Path, cap: int) -> bytes:
+    """The bytes of `path`, a regular file of at most `cap` bytes; OSError/ValueError saying why not (a FIFO
+    or device would hang or never end)."""
+    info = path.stat()
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError("not a regular file")
+    if info.st_size > cap:
+        raise ValueError(f"{info.st_size} bytes, over the {cap} a game file may have")
+    with path.open("rb") as f:
+        data = f.read(cap + 1)
+    if len(data) > cap:
+        raise ValueError(f"over the {cap} bytes a game file may have")
+    return data
+
+
+def _story_damage(data: bytes) -> str | None:
+    """Why `data` is not a Z-machine story file the interpreter can load, or None (the header's version
+    and file length: truncation, emptying and random bytes all break one of them)."""
+    if len(data) < 64:
+        return f"{len(data)} bytes, shorter than a Z-machine header (64)"
+    version = data[0]
+    if version not in _LENGTH_UNIT:
+        return f"Z-machine version byte {version}, not 1-8"
+    declared = int.from_bytes(data[0x1A:0x1C], "big") * _LENGTH_UNIT[version]
+    if declared and len(data) < declared:
+        return f"{len(data)} bytes where its header declares {declared} (truncated)"
+    if declared == 0 or declared < 64:
+        return f"its header declares a length of {declared} bytes"
+    return None
+
+
+def _json_damage(path: Path) -> str | None:
+    """Why `path` is not a TextWorld game .json, or None."""
+    try:
+        data = _read_regular(path, MAX_GAME_JSON_BYTES)
+    except FileNotFoundError:
+        return f"{path.name} is missing (TextWorld writes it next to each game)"
+    except (OSError, ValueError) as err:
+        return f"{path.name}: {err}"
+    try:
+        game = json.loads(data)
+    except (ValueError, RecursionError) as err:
+        return f"{path.name} is not JSON ({str(err)[:80]})"
+    missing = [k for k in _GAME_JSON_KEYS if not isinstance(game, dict) or k not in game]
+    return f"{path.name} is not a TextWorld game (no {', '.join(missing)})" if missing else None
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def game_damage(path: Path, record: bool = False) -> str | None:
+    """Why the game at `path` (a Z-machine file with its .json beside it) cannot be played, or None. With
+    `record` (a generated game), its files must also match the SHA-256 recorded when it was generated, where
+    there is such a record (`record_path`)."""
+    try:
+        story = _read_regular(path, MAX_STORY_BYTES)
+    except FileNotFoundError:
+        return "it is missing"
+    except (OSError, ValueError) as err:
+        return str(err)
+    why = _story_damage(story) or _json_damage(path.with_suffix(".json"))
+    if why or not record:
+        return why
+    recorded = _read_record(record_path(path))
+    if recorded is None:
+        return None
+    meta = path.with_suffix(".json")
+    for name, data in ((path.name, story), (meta.name, _read_regular(meta, MAX_GAME_JSON_BYTES))):
+        if recorded.get(name) != _sha256(data):
+            return f"{name} differs from the SHA-256 recorded when it was generated ({record_path(path).name})"
+    return None
+
+
+def record_path(game: Path) -> Path:
+    """Where a generated game's SHA-256 record is: game_N.sha256 beside game_N.z8."""
+    return game.with_suffix(".sha256")
+
+
+def _read_record(path: Path) -> dict[str, str] | None:
+    """file name -> SHA-256 from a `sha256sum`-format record; None where there is none (a cache generated
+    before the records) or it cannot be read."""
+    try:
+        text = _read_regular(path, 4096).decode("ascii")
+    except (OSError, ValueError):
+        return None
+    hashes = {}
+    for line in text.splitlines():
+        digest, _, name = line.partition("  ")
+        if len(digest) == 64 and name:
+            hashes[name] = digest
+    return hashes or None
+
+
+def _write_record(game: Path) -> None:
+    """Record the SHA-256 of a game's two files (atomically, after both are in place)."""
+    lines = "".join(f"{_sha256(p.read_bytes())}  {p.name}\n" for p in (game, game.with_suffix(".json")))
+    fd, tmp = tempfile.mkstemp(dir=game.parent, prefix=".record-")
+    with os.fdopen(fd, "w") as f:
+        f.write(lines)
+    os.replace(tmp, record_path(game))
+
+
 def _clean(text: str) -> str:
     """Drop TextWorld's ASCII-art banner and the trailing '> ... -= Room =-score/moves' status line."""
     text = re.sub(r"\n>\s.*$", "", text.rstrip())
@@ -242,10 +362,10 @@ class TextWorldSuite(EnvSuite):
             raise UserError(f"env.games_dir={root} is not a folder. Fix: point it at a folder of TextWorld "
                             "games (.z8 with their .json), or set env.games_dir=null to generate games.")
         folder = self.split_folder(split)
-        files = sorted(p for p in folder.rglob("*") if p.is_file())
+        files = sorted(p for p in folder.rglob("*") if not p.is_dir())  # a FIFO or device: refused below
         glulx = [p.name for p in files if p.suffix == ".ulx"]
         games = [p for p in files if _GAME_SUFFIX.search(p.name)]
-        without_json = [p.name for p in games if not p.with_suffix(".json").is_file()]
+        without_json = [p.name for p in games if not os.path.lexists(p.with_suffix(".json"))]
         if without_json:
             raise UserError(f"TextWorld games without their .json in {folder}: "
                             f"{', '.join(without_json[:5])}. Fix: keep the .json tw-make writes next to "
@@ -255,6 +375,11 @@ class TextWorldSuite(EnvSuite):
                     "them as .z8 with `tw-make ... --format z8`)") if glulx else ""
             raise UserError(f"No TextWorld games (.z8) in {folder}{hint}. Fix: point env.games_dir at a "
                             "folder of games, or set env.games_dir=null to generate games.")
+        for game in games:
+            why = game_damage(game)
+            if why:
+                raise UserError(f"TextWorld game {game} is damaged: {why}. Fix: replace it (and its .json) with a "
+                                "good copy, or remove it from env.games_dir.")
         return folder, [p.relative_to(folder).as_posix() for p in games]
 
     def _generate(self, split: str) -> tuple[Path, list[str]]:
@@ -262,7 +387,19 @@ class TextWorldSuite(EnvSuite):
         options = self._generation(split)
         folder = self.split_folder(split)
         names = [f"game_{options.first_seed + i}.z8" for i in range(options.count)]
-        missing = [n for n in names if not (folder / n).is_file()]
+        missing = []
+        for name in names:
+            game = folder / name
+            if not os.path.lexists(game):
+                missing.append(name)
+                continue
+            why = game_damage(game, record=True)
+            if why:
+                warnings.warn(f"TextWorld game {game} in the cache is damaged ({why}): generating it again.",
+                              stacklevel=2)
+                missing.append(name)
+            elif not record_path(game).is_file():  # generated before the records: checked above, recorded now
+                _write_record(game)
         if missing:
             folder.mkdir(parents=True, exist_ok=True)
             what = (f"{options.challenge} level {options.level}" if options.challenge else
@@ -371,8 +508,14 @@ def _make_game(options: _GenConfig, seed: int, folder: Path, name: str) -> None:
         opts.force_recompile = True
         compile_game(game, opts)
         meta = name.replace(".z8", ".json")
+        with contextlib.suppress(FileNotFoundError):  # a damaged game's old record: never paired with new files
+            record_path(folder / name).unlink()
+        for old in (folder / meta, folder / name):  # a damaged entry may be a folder or a FIFO, not a file
+            if old.is_dir() and not old.is_symlink():
+                shutil.rmtree(old)
         os.replace(Path(tmp) / meta, folder / meta)
         os.replace(Path(tmp) / name, folder / name)
+    _write_record(folder / name)
 
 
 class TextWorldGame(Env):
@@ -395,6 +538,12 @@ class TextWorldGame(Env):
         if not path.is_file():
             raise UserError(f"TextWorld game {path} not found; sample tasks from the suite (it generates "
                             "or lists the games) before playing them.")
+        # checked again here: the interpreter would end this whole process on a game damaged since the start
+        why = game_damage(path, record=not self.suite.cfg.games_dir)
+        if why:
+            fix = ("replace it with a good copy" if self.suite.cfg.games_dir else
+                   "run again: a damaged cached game is generated again at the start")
+            raise UserError(f"TextWorld game {path} is damaged: {why}. Fix: {fix}.")
         self.close()  # a Jericho env holds one game; start a fresh one per episode
         infos = textworld.EnvInfos(admissible_commands=True, won=True, lost=True, policy_commands=True,
                                    objective=True, score=True, max_score=True)
