@@ -331,7 +331,7 @@ class DiagnosticsConfig:
     #: collapse/mi every this many iterations (0 = never: each measurement scores mi_samples^2 pairs)
     mi_every: int = num(0, ge=0)
     #: turn-samples in MI's seeded subsample (all ranks together)
-    mi_samples: int = num(16, ge=2)
+    mi_samples: int = num(16, ge=2, le=4096)  # each measurement scores mi_samples^2 pairs
     #: alert when policy/entropy < alert_entropy_low x its reference (the mean of the past steps' entropies)
     #: or > alert_entropy_high x it; null = that check is off
     alert_entropy_low: float | None = num(0.5, ge=0)
@@ -373,7 +373,8 @@ class AlgoConfig:
     min_lr_ratio: float = num(0.2, ge=0, le=1)
     #: max gradient norm (0 = no clipping)
     grad_clip: float = num(1.0, ge=0)
-    ppo_epochs: int = num(1, ge=1)
+    #: passes over each iteration's samples (PPO uses 1-10; at most 100: docs/reliability.md, "Range rules")
+    ppo_epochs: int = num(1, ge=1, le=100)
     #: turn-samples per optimizer step, over all ranks
     mini_batch_size: int = num(64, ge=1)
     #: turn-samples per forward/backward on one rank (padded micro-batches)
@@ -392,7 +393,7 @@ class AlgoConfig:
     #: DAPO dynamic sampling: replace the groups algo.group_filter drops by fresh rounds of tasks_per_step groups
     dynamic_sampling: bool = False
     #: extra rounds at most per iteration (then the batch is topped up with groups that did not pass)
-    dynamic_sampling_max_rounds: int = num(3, ge=0)
+    dynamic_sampling_max_rounds: int = num(3, ge=0, le=100)
     #: the groups dynamic sampling keeps (epo_cli/algos/group_filter.py): signal (the estimator gives the group
     #: a non-zero advantage) | top_variance (RAGEN-2: the top group_filter_keep share of each round by return
     #: variance) | none
@@ -587,7 +588,7 @@ class LauncherConfig:
     # slurm (submitit)
     partition: str | None = None
     time_min: int = num(60 * 24, ge=1)
-    cpus_per_task: int = num(8, ge=1)
+    cpus_per_task: int = num(8, ge=1, le=1024)
     account: str | None = None
 
     switches: ClassVar[tuple[Switch, ...]] = (
@@ -629,7 +630,7 @@ class LoggerConfig:
 @dataclass
 class TrainerConfig:
     #: RL iterations (rollout + update), or optimizer steps for sft
-    total_steps: int = num(100, ge=1)
+    total_steps: int = num(100, ge=1, le=10_000_000)
     #: 0 = only at the end
     save_every: int = num(50, ge=0)
     #: 0 = never
@@ -657,8 +658,9 @@ class TrainerConfig:
 class RolloutConfig:
     max_new_tokens: int = num(64, ge=1)
     max_prompt_tokens: int = num(1024, ge=1)
-    #: sampling temperature of the training rollouts (> 0: the policy gradient needs a sampling policy)
-    temperature: float = num(1.0, gt=0)
+    #: sampling temperature of the training rollouts (> 0: the policy gradient needs a sampling policy; at
+    #: least 0.01: below, logits / temperature overflow float32 and the sampled tokens' log-probs are not finite)
+    temperature: float = num(1.0, ge=0.01)
     top_p: float = num(1.0, gt=0, le=1)
     #: 0 = no top-k filter
     top_k: int = num(0, ge=0)

@@ -86,7 +86,7 @@ BAD_VALUES = [
     (["trainer.stop_after=0"], "trainer.stop_after", "allowed: 1 <= value"),
     (["trainer.num_threads=0"], "trainer.num_threads", "allowed: 1 <= value"),
     # rollout
-    (["rollout.temperature=0"], "rollout.temperature", "allowed: 0 < value"),
+    (["rollout.temperature=0"], "rollout.temperature", "allowed: 0.01 <= value"),
     (["rollout.top_p=0"], "rollout.top_p", "allowed: 0 < value <= 1"),
     (["rollout.top_k=-1"], "rollout.top_k", "allowed: 0 <= value"),
     (["rollout.eval_temperature=-0.1"], "rollout.eval_temperature", "allowed: 0 <= value"),

@@ -90,12 +90,12 @@ class TextWorldConfig(EnvConfig):
     #: where generated games are cached; null: ~/.cache/epo/textworld
     cache_dir: str | None = None
     #: generated games in the train split, and in each eval split
-    num_games: int = num(20, ge=1)
-    num_eval_games: int = num(10, ge=1)
+    num_games: int = num(20, ge=1, le=100_000)  # ~2 s and ~400 KB a game: 100000 are two days, 40 GB
+    num_eval_games: int = num(10, ge=1, le=100_000)
     #: generator options (tw-make): rooms, objects, quest length (actions in the winning walkthrough)
-    world_size: int = num(5, ge=1)
-    nb_objects: int = num(10, ge=0)
-    quest_length: int = num(5, ge=1)
+    world_size: int = num(5, ge=1, le=100)  # TextWorld 1.7 builds at most 100 rooms
+    nb_objects: int = num(10, ge=0, le=1000)
+    quest_length: int = num(5, ge=1, le=100)
     #: generator seed of the first train game
     seed: int = num(1234, ge=0)
     max_turns: int = num(50, ge=1)

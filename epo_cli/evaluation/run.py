@@ -353,7 +353,8 @@ def evaluate_run(opts: EvalCommandConfig, overrides: Sequence[str] = (), command
         raise UserError("Nothing to evaluate: pass run=<run dir> (a trained run) or model.path=<HF folder>; "
                         "policy=expert|look|random evaluates a scripted baseline.")
     episodes_n = opts.episodes or cfg.trainer.eval_episodes
-    check_memory(cfg, [episodes_estimate(episodes_n, cfg, "episodes")])  # before any task is drawn
+    check_memory(cfg, [episodes_estimate(episodes_n, cfg, "episodes")],  # before any task is drawn
+                 eval_rows=episodes_n if opts.policy == "model" else None)  # the model generates for them all
     suite.check()
     temperature = 0.0 if opts.greedy else (opts.temperature if opts.temperature is not None
                                           else cfg.rollout.eval_temperature)

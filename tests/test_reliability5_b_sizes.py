@@ -1,0 +1,113 @@
+"""Issue 41, class 5: memory refusals that cover every size, and bounds that cover every loop.
+
+Sizes each under their bound but together too large, and sizes the estimate left out (attention heads, LoRA's
+rank, the episodes one evaluation generates for at once), used to pass the memory check and end in an
+allocator traceback or MemoryError minutes later; `algo.ppo_epochs=1e9` and `env.num_games=1e9` had no
+bound (a step or the game generation that never ends) and `rollout.temperature=1e-300` passed the checks
+(then non-finite weights were blamed). Each row is now one message before anything is allocated or written;
+every row failed on the code before this change.
+
+The machine's memory is fixed at 16 GiB here (the rows must not depend on the machine that runs them).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from epo_cli.training import memory
+
+from conftest import SmallConfig, one_error, run_epo
+
+GIB = 1024**3
+BIG_MODEL = ["model.hidden_size=1024", "model.intermediate_size=4096", "model.num_hidden_layers=16",
+             "model.num_attention_heads=16"]
+
+#: (overrides, texts the one message holds)
+TOO_LARGE = [
+    # each size under its bound, together too large: the rollout batch's KV cache and prefill
+    (["algo=grpo", *BIG_MODEL, "algo.tasks_per_step=64", "algo.group_size=64", "env.max_turns=30"],
+     ["algo.tasks_per_step=64", "algo.group_size=64", "generating for 4.1e+03 rows at once",
+      "rollout.generation_batch_size=N"]),
+    # the attention scores of a training micro-batch grow with the heads
+    (["model.hidden_size=1024", "model.num_attention_heads=1024"],
+     ["model.num_attention_heads=1024", "one training micro-batch", "attention scores"]),
+    # LoRA's adapters and their rank-wide intermediates
+    (["algo=grpo", "model.lora.rank=1000000"], ["model.lora.rank=1000000", "LoRA's rank-wide intermediates"]),
+    (["model.lora.rank=1000000", "model.lora.target_modules=[q_proj,v_proj,down_proj]"],
+     ["model.lora.rank=1000000"]),
+]
+
+#: (overrides, key, allowed range): counts that drive a loop, and the temperature's floor
+UNBOUNDED = [
+    (["algo=ppo", "algo.ppo_epochs=1000000000"], "algo.ppo_epochs", "1 <= value <= 100"),
+    (["algo=grpo", "algo.dynamic_sampling=true", "algo.dynamic_sampling_max_rounds=1000000000"],
+     "algo.dynamic_sampling_max_rounds", "0 <= value <= 100"),
+    (["env=textworld", "env.num_games=1000000000"], "env.num_games", "1 <= value <= 100000"),
+    (["env=textworld", "env.num_eval_games=1000000000"], "env.num_eval_games", "1 <= value <= 100000"),
+    (["env=textworld", "env.quest_length=1000000"], "env.quest_length", "1 <= value <= 100"),
+    (["env=textworld", "env.world_size=1000000"], "env.world_size", "1 <= value <= 100"),
+    (["trainer.total_steps=100000000000"], "trainer.total_steps", "1 <= value <= 1e+07"),
+    (["algo=grpo", "rollout.temperature=1e-300"], "rollout.temperature", "0.01 <= value"),
+    (["algo=grpo", "rollout.temperature=0.001"], "rollout.temperature", "0.01 <= value"),
+]
+
+
+@pytest.fixture
+def sixteen_gib(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(memory, "_machine_memory", lambda: 16 * GIB)
+
+
+@pytest.mark.parametrize(("args", "texts"), TOO_LARGE, ids=[" ".join(a) for a, _ in TOO_LARGE])
+@pytest.mark.parametrize("command", [["config", "show"], ["train"]])
+def test_sizes_that_cannot_fit_together_are_refused(args: list[str], texts: list[str], command: list[str],
+                                                    sixteen_gib: None, tmp_path: Path) -> None:
+    proc = run_epo([*command, *args, f"output_dir={tmp_path / 'out'}"], tmp_path, expect=2)
+    one_error(proc, *texts, "Refused before allocating anything", "this machine's memory (16.0 GiB)")
+    assert not (tmp_path / "out").exists()
+
+
+def test_eval_episodes_are_counted_with_what_the_model_generates_for_them(sixteen_gib: None,
+                                                                         tmp_path: Path) -> None:
+    """episodes=200000 of a run with 8 turns: 13.9 GiB of turn tokens passed; the generation's 172 GiB did not."""
+    from epo_cli.compose import compose
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(OmegaConf.to_yaml(compose(SmallConfig().run())))
+    (run / "status.json").write_text('{"status": "finished"}')
+    proc = run_epo(["eval", f"run={run}", "episodes=200000", f"out={tmp_path / 'eval'}"], tmp_path, expect=2)
+    one_error(proc, "episodes=200000", "generating for 2e+05 rows at once", "Refused before allocating anything")
+    assert not (tmp_path / "eval").exists()
+    # a scripted policy generates nothing: the same episodes are only their turns (which fit)
+    run_epo(["eval", "policy=random", "episodes=200", "env.max_turns=2", f"out={tmp_path / 'random'}"], tmp_path)
+
+
+@pytest.mark.parametrize(("args", "key", "allowed"), UNBOUNDED, ids=[" ".join(a) for a, _, _ in UNBOUNDED])
+def test_every_count_that_drives_a_loop_has_a_bound(args: list[str], key: str, allowed: str,
+                                                    tmp_path: Path) -> None:
+    proc = run_epo(["config", "show", *args], tmp_path, expect=2)
+    one_error(proc, f"Invalid value for '{key}'", f"allowed: {allowed}")
+
+
+def test_the_shipped_presets_still_fit_sixteen_gib(sixteen_gib: None, tmp_path: Path) -> None:
+    for args in ([], ["algo=grpo"], ["algo=ppo"], ["experiment=epo_household"], ["experiment=warm_start"],
+                 ["experiment=coin_long_horizon"], ["algo=grpo", "model.lora.rank=8"]):
+        run_epo(["config", "show", *args], tmp_path)
+
+
+def test_the_estimates_by_hand() -> None:
+    """LoRA's adapters and the KV cache, counted by hand for the default tiny model (hidden 64, 2 layers, 4
+    heads, 2 KV heads: kv_dim 32, intermediate 256)."""
+    from epo_cli.compose import compose
+
+    cfg = compose(["algo=grpo", "model.lora.rank=8", "model.dtype=fp32", "algo.tasks_per_step=3",
+                   "algo.group_size=2"])
+    # q (64+64) + k (64+32) + v (64+32) + o (64+64) = 448 features x rank 8 x 2 layers
+    assert memory.lora_parameters(cfg.model) == (448 * 8 * 2, 4)
+    generation = memory.generation_estimate(cfg, 6, ["rows"], "fix")
+    kv = 6 * (1024 + 64) * 2 * 2 * 32 * 4  # rows x tokens x layers x (k, v) x kv_dim x fp32
+    mlp = 6 * 1024 * 3 * 256 * 4  # rows x prompt x (gate, up, product) x intermediate x fp32
+    assert generation.bytes == kv + mlp
