@@ -94,6 +94,34 @@ def check_saved_config(raw: DictConfig, path: Path) -> None:
 MAX_YAML_BYTES = LIMITS["run config"]
 #: the most values (mappings, lists, keys and scalars) a YAML file may stand for once its aliases are expanded
 MAX_YAML_VALUES = 200_000
+#: the deepest a YAML file of a run may nest (a run's config.yaml nests 4 levels; OmegaConf recurses per level)
+MAX_YAML_DEPTH = 32
+
+
+def _nesting(root: yaml.Node) -> int:
+    """How deep `root` nests (aliases followed: a shared node is measured once), walked without recursion so
+    that a file nested thousands deep is measured, not a RecursionError. ValueError for an alias cycle."""
+    heights: dict[int, int] = {}
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    open_nodes: set[int] = set()
+    while stack:
+        node, done = stack.pop()
+        children = [c for kv in node.value for c in kv] if isinstance(node, yaml.MappingNode) else \
+            list(node.value) if isinstance(node, yaml.SequenceNode) else []
+        if done:
+            heights[id(node)] = 1 + max((heights[id(c)] for c in children), default=0)
+            open_nodes.discard(id(node))
+            if heights[id(node)] > MAX_YAML_DEPTH:
+                return heights[id(node)]
+            continue
+        if id(node) in heights:
+            continue
+        if id(node) in open_nodes:
+            raise ValueError("an alias (*name) refers to a node that contains it")
+        open_nodes.add(id(node))
+        stack.append((node, True))
+        stack.extend((c, False) for c in children if id(c) not in heights)
+    return heights[id(root)]
 
 
 def _expanded_values(node: yaml.Node, sizes: dict[int, int], open_nodes: set[int]) -> int:
@@ -127,6 +155,9 @@ def load_yaml(path: Path) -> DictConfig | ListConfig:
     except ReceivedFileError as err:
         raise ValueError(err.reason) from None
     root = yaml.compose(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # libyaml where built
+    if root is not None and _nesting(root) > MAX_YAML_DEPTH:
+        raise ValueError(f"it nests its mappings and lists more than {MAX_YAML_DEPTH} levels deep, deeper than epo "
+                         "reads (a run's config.yaml nests 4)")
     values = _expanded_values(root, {}, set()) if root is not None else 0
     if values > MAX_YAML_VALUES:
         raise ValueError(f"its aliases (*name) expand it to {values} values, more than the {MAX_YAML_VALUES} "
