@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import warnings
 from pathlib import Path
 
@@ -133,20 +132,21 @@ def test_disk_errors_are_recognised() -> None:
 @pytest.mark.slow
 def test_full_disk_while_checkpointing_fails_cleanly(warm_start_short: Path, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """A real ENOSPC: the checkpoint of step 2 writes into /dev/full (root ignores chmod, not a full disk). The
-    file is planted by the save seam as step 2's save starts (a run directory that already holds checkpoints
-    is never reused for a new run), so the write that fails is the checkpoint's own."""
+    """A real ENOSPC: the checkpoint of step 2 writes its RNG states into /dev/full (root ignores chmod, not a
+    full disk; a planted symlink to /dev/full is refused as a planted entry since issue 41), so the write that
+    fails is the checkpoint's own."""
     run = tmp_path / "run"
-
-    def plant_full_disk(run_dir: Path, step: int) -> None:
-        if step == 2:
-            doomed = Path(run_dir) / "checkpoints" / "step_2"
-            doomed.mkdir(parents=True)
-            os.symlink("/dev/full", doomed / "rng_rank0.pt")
-
     from epo_cli.training import checkpoint as saving  # torch: imported by the test that needs it
 
-    monkeypatch.setattr(saving, "SAVE_HOOKS", [plant_full_disk])
+    real_write = saving.write_file
+
+    def full_disk_at_step_2(path: Path, data: str | bytes, atomic: bool = True) -> None:
+        if path.name != "rng_rank0.pt" or path.parent.name != "step_2":
+            return real_write(path, data, atomic)
+        with open("/dev/full", "wb") as f:
+            f.write(data if isinstance(data, bytes) else data.encode())
+
+    monkeypatch.setattr(saving, "write_file", full_disk_at_step_2)
     proc = run_epo(["train", "algo=grpo", f"model.path={warm_start_short / 'final'}",
                     *SmallConfig().run("env.max_turns=6"), "algo.tasks_per_step=2", "algo.group_size=2",
                     "trainer.save_every=1", "trainer.total_steps=3", f"run_dir={run}"], cwd=tmp_path, expect=1)

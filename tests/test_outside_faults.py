@@ -242,18 +242,23 @@ def test_scienceworld_settings_its_simulator_refuses(tiny_folder: Path, tmp_path
 
 # ---- a full disk ------------------------------------------------------------------------------------------
 
-def test_status_json_says_failed_on_a_full_disk(tmp_path: Path) -> None:
+def test_status_json_says_failed_on_a_full_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No new file can be written (the atomic status.tmp + rename fails with ENOSPC): status.json is
     rewritten in place, which needs no new block."""
+    import epo_cli.rundir.folder
     from epo_cli.rundir.folder import read_status, write_status
 
+    def full_disk(path: Path, data: str, atomic: bool = True) -> None:  # a real ENOSPC, from /dev/full
+        (path.parent / "status.json.tmp").write_text("")  # the temp file it had begun
+        with open("/dev/full", "w") as f:  # (a symlink to /dev/full is refused now: issue 41)
+            f.write(data)
+
     write_status(tmp_path, "running")
-    os.symlink("/dev/full", tmp_path / "status.json.tmp")  # writing a new file: ENOSPC
+    monkeypatch.setattr(epo_cli.rundir.folder, "write_file", full_disk)  # writing a new file: ENOSPC
     write_status(tmp_path, "failed", error="Could not write to the run directory")
     assert read_status(tmp_path)["status"] == "failed"
     assert not (tmp_path / "status.json.tmp").exists()
     (tmp_path / "status.json").unlink()
-    os.symlink("/dev/full", tmp_path / "status.json.tmp")
     with pytest.raises(OSError) as err:  # nothing to rewrite in place: the error stays the caller's
         write_status(tmp_path, "failed")
     assert err.value.errno == errno.ENOSPC
