@@ -165,6 +165,9 @@ class EnvConfig:
     step_timeout_s: float = num(60.0, gt=0, le=86400)
     #: prompt template (see epo_cli/rollout/prompts.py for the placeholders)
     prompt_template: str = "alfworld"
+    #: the chat's system turn before each prompt (null: none; a model's chat template may then add its own
+    #: default, as SmolLM2's does); a real instruct model follows the action format far better when told it here
+    system_prompt: str | None = None
     #: split names used for training and for evaluation during training
     train_split: str = "train"
     eval_splits: list[str] = field(default_factory=lambda: ["eval_in_distribution"])

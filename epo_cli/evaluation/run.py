@@ -370,7 +370,7 @@ def evaluate_run(opts: EvalCommandConfig, overrides: Sequence[str] = (), command
 
     # --- play and score ----------------------------------------------------------------------------------
     builder = PromptBuilder(cfg.env.prompt_template, cfg.env.history_length, cfg.rollout.max_prompt_tokens,
-                            chat_encoder(tokenizer))
+                            chat_encoder(tokenizer, cfg.env.system_prompt))
     tasks = eval_tasks(suite, split, episodes_n, cfg.seed)
     # the envs' expert (env.expert=null) runs only when it is the policy being scored
     pool = EnvPool(suite, num_workers=cfg.env.num_workers, step_timeout_s=cfg.env.step_timeout_s,

@@ -24,6 +24,9 @@ from epo_cli.rollout.prompts import PROMPT_TEMPLATES, format_response
 
 #: bump when the corpus recipe changes, so cached tokenizers are rebuilt
 CORPUS_VERSION = 4
+#: the templates in the corpus: a fixed list, so that a template added later (or a plugin's) leaves every
+#: tiny tokenizer, and so every tiny run's tokens, as they were
+CORPUS_TEMPLATES = ("compact", "alfworld", "scienceworld")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -55,7 +58,7 @@ def tiny_cache_key(model_cfg: Any, env_name: str, seed: int) -> str:
 def tokenizer_corpus(suite: EnvSuite, episodes: int | None = None, seed: int = 0) -> list[str]:
     """Text the tokenizer is trained on: templates, response format and expert episodes of `suite`
     (`suite.tokenizer_episodes` of them by default: real simulators are slow)."""
-    texts = [t for pair in PROMPT_TEMPLATES.values() for t in pair]
+    texts = [t for name in CORPUS_TEMPLATES for t in PROMPT_TEMPLATES[name]]
     rng = random.Random(seed)
     episodes = suite.tokenizer_episodes if episodes is None else episodes
     env = suite.make_env()

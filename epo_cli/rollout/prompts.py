@@ -30,6 +30,15 @@ for _name, _pair in {
         "History ({step_count} steps so far):{history}\nActions: [{admissible}]\n"
         "Observation: {observation}\nTask: {task}",
     ),
+    # For a small pretrained instruct model (SmolLM2-135M): `compact`'s information with the task first and
+    # the response format spelled out last, right before the answer (with env.system_prompt saying the same).
+    "instruct": (
+        "Task: {task}\nObservation: {observation}\nAdmissible actions: {admissible}\n"
+        "Answer with <think>a short thought</think><action>one admissible action</action>.",
+        "Task: {task}\nLast {history_count} of {step_count} steps:{history}\nObservation: {observation}\n"
+        "Admissible actions: {admissible}\n"
+        "Answer with <think>a short thought</think><action>one admissible action</action>.",
+    ),
     "alfworld": (
         "You are an expert agent operating in the ALFRED Embodied Environment. Your task is to: {task}\n"
         "Your current observation is: {observation}\n"
@@ -72,11 +81,13 @@ for _name, _pair in {
     PROMPT_TEMPLATES.register(_name, _pair)
 
 
-def chat_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
-    """text -> token ids of a chat user turn plus the assistant header (the model's chat template)."""
+def chat_encoder(tokenizer: Any, system_prompt: str | None = None) -> Callable[[str], list[int]]:
+    """text -> token ids of [a system turn,] a chat user turn plus the assistant header (the model's chat
+    template; env.system_prompt)."""
+    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
 
     def encode(text: str) -> list[int]:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+        ids = tokenizer.apply_chat_template([*system, {"role": "user", "content": text}], tokenize=True,
                                             add_generation_prompt=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5 returns a mapping
 

@@ -123,7 +123,8 @@ class Trainer:
         self.lr_schedule = build_lr_schedule(algo)
         self.estimator = AdvantageEstimator.from_config(algo) if algo.estimator != "none" else None
         self.builder = PromptBuilder(cfg.env.prompt_template, cfg.env.history_length,
-                                     cfg.rollout.max_prompt_tokens, chat_encoder(self.models.tokenizer))
+                                     cfg.rollout.max_prompt_tokens,
+                                     chat_encoder(self.models.tokenizer, cfg.env.system_prompt))
         self.state = TrainState()
         self.stop_signal: int | None = None  # a stop signal all ranks agreed on (epo_cli.training.stop)
         self._resume_and_open_outputs()

@@ -223,7 +223,7 @@ def eval_one(run: Path, split: str, levels: tuple[int, int], episodes: int, max_
     suite.check()
     policy, tokenizer, _ = build_policy(opts, cfg, suite, 1.0, torch.device("cpu"))
     builder = PromptBuilder(cfg.env.prompt_template, cfg.env.history_length, cfg.rollout.max_prompt_tokens,
-                            chat_encoder(tokenizer))
+                            chat_encoder(tokenizer, cfg.env.system_prompt))
     tasks = eval_tasks(suite, split, episodes, cfg.seed)
     pool = EnvPool(suite, num_workers=0, step_timeout_s=cfg.env.step_timeout_s, reads_expert=False)
     started = time.perf_counter()
