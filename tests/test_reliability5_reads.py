@@ -135,6 +135,20 @@ def _throughput(folder: Path) -> Any:
     return read_throughput(str(folder / "throughput.json"), 10**8)
 
 
+def _demos(folder: Path) -> Any:
+    from epo_cli.rollout.demos import read_jsonl
+
+    return read_jsonl(folder / "demos.jsonl")
+
+
+def _sweep_record(folder: Path) -> Any:
+    from epo_cli.analysis.sweep_summary import read_json_file
+
+    with pytest.warns(UserWarning, match="sweep.json"):
+        if read_json_file(folder / "sweep.json", "going on without it") is None:
+            raise UserError("refused with a warning")
+
+
 #: reader -> (the file it reads, what it raises for a file it refuses)
 READERS: dict[str, tuple[str, Callable[[Path], Any], type[Exception]]] = {
     "trainer_state.json": ("trainer_state.json", _trainer_state, UserError),
@@ -144,6 +158,8 @@ READERS: dict[str, tuple[str, Callable[[Path], Any], type[Exception]]] = {
     "checkpoints/latest": ("latest", _pointer, UserError),
     "safetensors header": ("model.safetensors", _header, ValueError),
     "plan --throughput": ("throughput.json", _throughput, UserError),
+    "algo.demos": ("demos.jsonl", _demos, UserError),
+    "sweep.json": ("sweep.json", _sweep_record, UserError),
 }
 
 

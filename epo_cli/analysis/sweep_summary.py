@@ -33,6 +33,7 @@ from epo_cli.errors import ConfigError, UserError
 from epo_cli.loggers.jsonl import read_metrics
 from epo_cli.rundir.folder import read_status, read_yaml_data
 from epo_cli.rundir.received import read_json
+from epo_cli.rundir.writable import open_for_writing, write_file
 
 NON_CONFIG_KEYS = ("seed", "run_dir", "output_dir", "name", "trainer.resume")
 SUCCESS_KEYS = ("eval/success", "rollout/success")
@@ -349,12 +350,12 @@ def display_columns(options: SweepSummaryConfig) -> list[tuple[str, Any]]:
 
 def write_summary(sweep_dir: Path, runs: list[RunResult], groups: list[ConfigSummary],
                   options: SweepSummaryConfig) -> None:
-    with open(sweep_dir / "summary.csv", "w", newline="") as f:
+    with open_for_writing(sweep_dir / "summary.csv") as f:  # never through a planted symlink
         writer = csv.writer(f)
         writer.writerow(SUMMARY_COLUMNS)
         for g in groups:
             writer.writerow([_cell(getattr(g, c)) for c in SUMMARY_COLUMNS])
-    with open(sweep_dir / "runs.csv", "w", newline="") as f:
+    with open_for_writing(sweep_dir / "runs.csv") as f:  # never through a planted symlink
         writer = csv.writer(f)
         writer.writerow(RUN_COLUMNS)
         for r in runs:
@@ -381,7 +382,7 @@ def write_summary(sweep_dir: Path, runs: list[RunResult], groups: list[ConfigSum
         success = "-" if math.isnan(r.success) else f"{r.success:.3g}"
         lines.append(f"| {r.job if r.job is not None else '-'} | {r.path.name} | {r.status} | {success} | "
                      f"{r.last_step} | {error} |")
-    (sweep_dir / "summary.md").write_text("\n".join(lines) + "\n")
+    write_file(sweep_dir / "summary.md", "\n".join(lines) + "\n")
 
 
 def print_summary(sweep_dir: Path, runs: list[RunResult], groups: list[ConfigSummary],

@@ -23,6 +23,7 @@ from epo_cli.errors import UserError
 from epo_cli.rollout.batch import TurnBatch
 from epo_cli.rollout.episodes import Episode
 from epo_cli.rollout.prompts import EpisodeMemory, PromptBuilder, format_response
+from epo_cli.rundir.received import loads, read_text
 
 
 def episodes_to_records(episodes: list[Episode]) -> list[dict]:
@@ -92,19 +93,19 @@ def record_problem(rec: Any) -> str | None:
 
 def read_jsonl(path: str | Path) -> list[dict]:
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():  # a FIFO or a device is refused by the reader below, naming it
         raise UserError(f"Demonstration file '{path}' does not exist (algo.demos). Pass a JSONL file of "
                         "trajectories (format in epo_cli/rollout/demos.py) or algo.demos=expert.")
     records = []
     try:
-        text = path.read_text()
+        text = read_text(path, "demonstrations")  # bounded: epo_cli/rundir/received.py
     except (OSError, UnicodeDecodeError) as err:
         raise UserError(f"Demonstration file '{path}' cannot be read as UTF-8 text: {err}.") from None
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
-            rec = json.loads(line)
+            rec = loads(line)  # with the nesting cap
         except ValueError as err:  # json.JSONDecodeError, or a number too large to parse
             problem = f"not valid JSON ({str(err).splitlines()[0]})"
         else:

@@ -43,6 +43,7 @@ LIMITS: dict[str, int] = {
     "throughput": 4 * MiB,  # `epo plan --throughput`: one measured JSON object
     "sweep record": 4 * MiB,  # sweep.json, sweep_job.json, a rank's relay file
     "games cache": 64 * MiB,  # a cached game's JSON
+    "demonstrations": 4096 * MiB,  # algo.demos: JSONL trajectories, read whole
     "weights": 1 << 50,  # pytorch_model.bin: torch reads it; only its kind is checked here
 }
 #: the deepest nesting of a JSON file epo reads (its own files nest 5 levels; tokenizer.json about 6)
