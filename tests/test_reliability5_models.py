@@ -281,3 +281,27 @@ def test_a_tied_model_without_its_tied_weight_still_loads(tiny_folder: Path, tmp
     cfg = SimpleNamespace(trust_remote_code=False, attn_implementation="sdpa", gradient_checkpointing=False)
     model = load_causal_lm(str(folder), cfg, torch.float32)
     assert torch.equal(model.lm_head.weight, tensors["model.embed_tokens.weight"])
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory: pytest.TempPathFactory, epo_cache: Path) -> Path:
+    """A 1-step SFT run with a complete ZeRO-0 checkpoint (step_1/mp_rank_00_model_states.pt)."""
+    root = tmp_path_factory.mktemp("enum5")
+    run_epo(["train", *SmallConfig().sft("trainer.total_steps=1", "trainer.save_every=1"),
+             f"run_dir={root / 'run'}"], cwd=root)
+    return root / "run"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("form", list(ENUM_BUILDS))
+def test_eval_of_a_checkpoint_with_build_on_an_enum_member_is_one_message(form: str, saved_run: Path,
+                                                                        tmp_path: Path) -> None:
+    run = Path(shutil.copytree(saved_run, tmp_path / "run"))
+    states = run / "checkpoints" / "step_1" / "mp_rank_00_model_states.pt"
+    module = load_tensors(states)["module"]
+    states.unlink()
+    torch.save({"module": module, "zero_stage": ENUM_BUILDS[form]()}, states)
+    proc = run_cli(["eval", f"run={run}", "checkpoint=step_1", "episodes=1"], cwd=tmp_path, timeout=200, expect=None)
+    assert proc.returncode != 0
+    one_error(proc, "mp_rank_00_model_states.pt", "never unpickles")
+    assert "will likely succeed" not in proc.stderr and "weights_only=False" not in proc.stderr
