@@ -135,6 +135,11 @@ def _status_to_outside(folder: Path, outside: Path) -> None:
     (folder / "status.json").symlink_to(outside)
 
 
+def _plots_index_to_outside(folder: Path, outside: Path) -> None:
+    (folder / "plots").mkdir(exist_ok=True)
+    (folder / "plots" / "index.md").symlink_to(outside)
+
+
 #: (what the folder is, how it is planted, the command, the entry the message names)
 CLI_ROWS = {
     "new run, .epo.lock -> outside file": (
@@ -153,6 +158,8 @@ CLI_ROWS = {
     "resume=<run>, status.json -> outside file": (
         "run", _status_to_outside, lambda d: ["train", f"trainer.resume={d}", "trainer.total_steps=2"],
         "status.json"),
+    "report, plots/index.md -> outside file": (
+        "run", _plots_index_to_outside, lambda d: ["report", str(d)], "index.md"),
     "sweep, .epo.lock -> outside file": (
         "empty", _lock_to("outside"), lambda d: ["sweep", "algo=sft", "seed=0,1", f"hydra.sweep.dir={d}"],
         ".epo.lock"),

@@ -461,7 +461,7 @@ def run_report(paths: list[Path], out: Path | None = None) -> Path:
         raise UserError(f"No metrics to plot: none of {', '.join(str(r.path) for r in runs[:3])} has a "
                         "metrics.jsonl with rows yet (logger.jsonl=false, or the run failed before step 1).")
     out = Path(out) if out is not None else Path(paths[0]).expanduser() / "plots"
-    check_output_dir(out, "--out")
+    check_output_dir(out, "--out", entries=True)  # a received run's plots/: no planted symlink written through
     out.mkdir(parents=True, exist_ok=True)
     groups = group_runs(runs)
     written = make_plots(groups, out)

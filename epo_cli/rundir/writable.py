@@ -24,15 +24,19 @@ from typing import IO, Any
 from epo_cli.errors import UserError
 
 
-def check_output_dir(path: Path, key: str) -> Path:
+def check_output_dir(path: Path, key: str, entries: bool = False) -> Path:
     """Make sure the folder a command will write its results into can be made and written, without creating
     anything yet: one UserError naming the setting (`key`) and the path when it, or the nearest part of it
-    that exists, is a file, or when that part cannot be written (a read-only run directory, a full disk)."""
+    that exists, is a file, or when that part cannot be written (a read-only run directory, a full disk).
+    `entries`: an existing folder's entries are checked too (check_entries), for results written by libraries
+    that follow symlinks (matplotlib's PNGs of `epo report` into a received run's plots/)."""
     path = Path(path).expanduser()
     existing = next((p for p in (path, *path.parents) if p.exists()), Path("/"))
     if not existing.is_dir():
         shown = f"'{path}' is a file" if existing == path else f"'{existing}' (in '{path}') is a file"
         raise UserError(f"{key}: {shown}, not a folder. Choose a folder ({key}=DIR).")
+    if entries and existing == path:
+        check_entries(path)
     probe = existing / f".epo-write-check-{os.getpid()}"
     try:
         probe.write_text("")
