@@ -169,7 +169,7 @@ def _show_warning(message: Warning | str, category: type[Warning], filename: str
 def main() -> None:
     quiet_libraries()
     warnings.showwarning = _show_warning
-    output = sys.stdout = WatchedOutput(sys.stdout)
+    output = sys.stdout = WatchedOutput(sys.stdout if sys.stdout is not None else closed_output())
     try:
         code = run_app(output)
         try:
@@ -212,6 +212,35 @@ def run_app(output: WatchedOutput) -> int | str | None:
     return 0
 
 
+class ClosedOutput:
+    """Standard output when the shell closed it (`epo config show >&-`): every write fails as a closed file
+    descriptor does, so the command ends with one message instead of an AttributeError on None."""
+
+    encoding = "utf-8"
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+
+    def flush(self) -> None:  # nothing was written
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+
+def closed_output() -> ClosedOutput:
+    """A stand-in for a closed stdout; file descriptor 1 is given /dev/null, so that no file epo opens later
+    takes that number and receives what is printed (nor a child process's output)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        if devnull != 1:
+            os.dup2(devnull, 1)
+            os.close(devnull)
+    except OSError:
+        pass
+    return ClosedOutput()
+
+
 class WatchedOutput:
     """sys.stdout, remembering the error of a write that failed: an OSError without a file name (a full
     device, a closed pipe) is otherwise the same whether stdout or an open data file raised it."""
@@ -247,7 +276,11 @@ def output_failed(err: OSError) -> int:
             os.close(devnull)
         except (OSError, ValueError):
             pass
-    if err.errno != errno.EPIPE:  # a reader that closed the pipe (`| head`) wanted no more: no message
+    if err.errno == errno.EBADF:
+        err_console.print("[bold red]error:[/] the standard output is closed, and this command prints its "
+                          "result there. Run it with its output open, or send it to a file or /dev/null.",
+                          soft_wrap=True)
+    elif err.errno != errno.EPIPE:  # a reader that closed the pipe (`| head`) wanted no more: no message
         err_console.print(f"[bold red]error:[/] cannot write to the standard output ({escape(err.strerror or '')}"
                           "): the device it goes to is full or failing. Send it to a file on a disk with space, "
                           "or to /dev/null.", soft_wrap=True)

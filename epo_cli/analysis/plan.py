@@ -39,9 +39,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from epo_cli.compose import compose
-from epo_cli.config import ModelConfig, config_dir
+from epo_cli.config import ModelConfig, config_dir, group_options
 from epo_cli.errors import ConfigError
+from epo_cli.rollout.engines import engine_memory
 from epo_cli.rundir.received import loads, read_text
 
 GIB = 1024**3
@@ -55,6 +55,11 @@ GPU_RESERVE_GIB = 2.0
 #: update throughput without a measurement: effective bf16 TFLOP/s per GPU of a training pass (~6 FLOPs per
 #: parameter and token): about 30-40% of an A100's peak, 15% of an H100's
 DEFAULT_UPDATE_TFLOPS = 120.0
+#: the largest --gpus, --gpu-mem (GiB) and --prompt-tokens/--response-tokens a plan takes (beyond any machine:
+#: 1e26 GPUs or inf GiB would be planned and printed as `fits`, and --json would print non-standard Infinity)
+MAX_GPUS = 1_000_000
+MAX_GPU_MEM_GIB = 1024.0**2
+MAX_PLAN_TOKENS = 100_000_000
 #: decoding without a measurement: every decoded token of a step reads all weights once; effective GB/s
 #: per GPU (half of an A100-80GB's 2 TB/s)
 DEFAULT_DECODE_GBPS = 1000.0
@@ -121,11 +126,17 @@ def architecture(model: Any) -> tuple[Architecture, int]:
     if config_json.is_file():
         try:
             hf = loads(read_text(config_json, "model config"))  # bounded: epo_cli/rundir/received.py
-            arch = Architecture(int(hf["hidden_size"]), int(hf["intermediate_size"]), int(hf["num_hidden_layers"]),
-                                int(hf["num_attention_heads"]),
-                                int(hf.get("num_key_value_heads", hf["num_attention_heads"])), int(hf["vocab_size"]),
-                                bool(hf.get("tie_word_embeddings", False)), bool(hf.get("attention_bias", True)))
-        except (ValueError, KeyError, TypeError) as err:
+            sizes = {key: _model_size(hf, key) for key in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                                           "num_attention_heads", "vocab_size")}
+            sizes["num_key_value_heads"] = _model_size(hf, "num_key_value_heads", sizes["num_attention_heads"])
+            heads, kv_heads = sizes["num_attention_heads"], sizes["num_key_value_heads"]
+            if sizes["hidden_size"] % heads or heads % kv_heads:
+                raise ValueError(f"hidden_size={sizes['hidden_size']} must be divisible by num_attention_heads="
+                                 f"{heads}, and that by num_key_value_heads={kv_heads}")
+            arch = Architecture(sizes["hidden_size"], sizes["intermediate_size"], sizes["num_hidden_layers"], heads,
+                                kv_heads, sizes["vocab_size"], bool(hf.get("tie_word_embeddings", False)),
+                                bool(hf.get("attention_bias", True)))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise ConfigError(f"{config_json} is not a readable model config ({type(err).__name__}: {err}); "
                               "fix the file or point model.path at the model's directory.") from None
         return arch, arch.vocab
@@ -135,6 +146,20 @@ def architecture(model: Any) -> tuple[Architecture, int]:
     known = ", ".join(HUB_ARCHITECTURES)
     raise ConfigError(f"epo plan does not know the shape of model.path={model.path}: give a local directory "
                       f"that holds its config.json, or one of the hub models it knows ({known}).")
+
+
+#: the largest size a model config.json may give (a hidden size, a layer or head count, a vocabulary)
+MAX_MODEL_SIZE = 2**31 - 1
+
+
+def _model_size(hf: dict[str, Any], key: str, default: Any = None) -> int:
+    """config.json's `key` as a whole number from 1 to MAX_MODEL_SIZE (ValueError naming the key otherwise: 0
+    heads would divide by zero, 1e999 is inf)."""
+    value = hf.get(key, default) if default is not None else hf[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value != int(value) or not 1 <= value <= MAX_MODEL_SIZE:
+        raise ValueError(f"{key}={value!r} is not a whole number from 1 to {MAX_MODEL_SIZE}")
+    return int(value)
 
 
 # ---- memory ------------------------------------------------------------------------------------------------
@@ -330,7 +355,8 @@ class Planner:
         rows = rollout.generation_batch_size or math.ceil(algo.tasks_per_step * algo.group_size / s.gpus)
         kv = kv_cache_bytes(self.arch, rows, self.prompt, self.response, self.width)
         parts["activations (1 micro-batch)"] = acts
-        parts["rollout KV cache"] = kv
+        parts.update(engine_memory(rollout, self.width * self.params, kv, self.gpu_mem, self.device))
+        kv = parts["rollout KV cache"]  # rollout.engine=vllm: its memory (rollout/engines/__init__.py)
         parts["reserve (CUDA, NCCL)"] = self.reserve
         persistent = sum(v for k, v in parts.items()
                          if k not in ("activations (1 micro-batch)", "rollout KV cache"))
@@ -422,12 +448,13 @@ def read_throughput(path: str | None, arch_params: int) -> tuple[dict[str, float
         raise ConfigError(f"--throughput {path} is not a gpu_check result (needs numbers rollout_tokens_per_s "
                           f"and update_tokens_per_s; {type(err).__name__}: {err}). Rewrite it with "
                           "`python scripts/gpu_check.py --out FILE`.") from None
-    if min(measured.values()) <= 0 or not all(math.isfinite(v) for v in measured.values()):
+    if not all(math.isfinite(v) for v in measured.values()) or min(measured.values()) <= 0:
         raise ConfigError(f"--throughput {path}: tokens/s must be positive numbers, got {measured}.")
     source = f"measured ({file.name})"
     measured_model = data.get("model")
     measured_params = None
-    if isinstance(measured_model, str) and (config_dir() / "model" / f"{measured_model}.yaml").is_file():
+    # a name from the file is looked up among conf/model's own options only: "../algo/grpo" names no model
+    if isinstance(measured_model, str) and measured_model in group_options("model"):
         model_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig),
                                     OmegaConf.load(config_dir() / "model" / f"{measured_model}.yaml"))
         measured_params = architecture(model_cfg)[0].params()
@@ -488,14 +515,15 @@ def make_plan(cfg: DictConfig, gpus: int | None = None, gpu_mem_gib: float | Non
     if device not in ("gpu", "cpu"):
         raise ConfigError(f"--device {device}: use gpu (bf16 where precision is auto) or cpu (fp32 CPU ranks).")
     gpus = default_gpus(cfg) if gpus is None else gpus
-    if gpus < 1:
-        raise ConfigError(f"--gpus {gpus}: needs at least 1.")
+    if not 1 <= gpus <= MAX_GPUS:
+        raise ConfigError(f"--gpus {gpus}: needs a whole number from 1 to {MAX_GPUS}.")
     gpu_mem_gib = DEFAULT_GPU_MEM_GIB if gpu_mem_gib is None else gpu_mem_gib
-    if not gpu_mem_gib > 0:
-        raise ConfigError(f"--gpu-mem {gpu_mem_gib}: needs a positive number of GiB.")
+    if not (math.isfinite(gpu_mem_gib) and 0 < gpu_mem_gib <= MAX_GPU_MEM_GIB):
+        raise ConfigError(f"--gpu-mem {gpu_mem_gib:g}: needs a number of GiB per GPU above 0 and at most "
+                          f"{MAX_GPU_MEM_GIB:.0f}.")
     for flag, value in (("--prompt-tokens", prompt), ("--response-tokens", response)):
-        if value is not None and value < 1:
-            raise ConfigError(f"{flag} {value}: needs at least 1 token.")
+        if value is not None and not 1 <= value <= MAX_PLAN_TOKENS:
+            raise ConfigError(f"{flag} {value}: needs a whole number of tokens from 1 to {MAX_PLAN_TOKENS}.")
     planner = Planner(cfg, gpu_mem_gib, device, prompt, response)
     setup = current_setup(cfg, gpus)
     estimate = planner.estimate(setup)
@@ -597,8 +625,12 @@ def render(plan: Plan) -> None:
 
 def run_plan(overrides: list[str], gpus: int | None, gpu_mem: float | None, device: str, throughput: str | None,
              prompt: int | None, response: int | None, as_json: bool) -> Plan:
-    """`epo plan`: compose and validate the config, estimate, print."""
-    cfg = compose(overrides)
+    """`epo plan`: compose and validate the config (a resumed run's own, as `epo train` would), estimate, print."""
+    from epo_cli.launch.setup import compose_for_train  # trainer.resume=<run>: that run's saved config
+
+    cfg, _ = compose_for_train(overrides)
+    if cfg.trainer.resume and not as_json:
+        print(f"planning the resumed run {cfg.run_dir} (its config.yaml, with this command's overrides on top)")
     plan = make_plan(cfg, gpus, gpu_mem, device, throughput, prompt, response)
     if as_json:
         sys.stdout.write(json.dumps(plan.to_json(), indent=2) + "\n")

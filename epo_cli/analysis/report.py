@@ -148,10 +148,23 @@ def _num(value: Any) -> float:
         return math.nan
 
 
+#: the largest magnitude a plot shows: matplotlib's axis ticks overflow to inf on a range near float64's
+#: limit (1e308 is an arange ValueError), and a band's variance squares the values
+PLOT_LIMIT = 1e100
+_warned_beyond: set[str] = set()
+
+
 def series(rows: list[dict[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
-    """(steps, values) of one metric, finite values only."""
+    """(steps, values) of one metric, finite values within PLOT_LIMIT only (those beyond: one warning)."""
     pairs = [(r["step"], _num(r[key])) for r in rows if key in r]
     pairs = [(s, v) for s, v in pairs if math.isfinite(v)]
+    beyond = [s for s, v in pairs if abs(v) > PLOT_LIMIT]
+    if beyond and key not in _warned_beyond:
+        _warned_beyond.add(key)
+        warnings.warn(f"{key} has values beyond +-{PLOT_LIMIT:g} at step(s) {', '.join(map(str, beyond[:5]))}"
+                      f"{' ...' if len(beyond) > 5 else ''}: they are left out of its plot (no axis holds them).",
+                      stacklevel=2)
+    pairs = [(s, v) for s, v in pairs if abs(v) <= PLOT_LIMIT]
     return np.array([p[0] for p in pairs], dtype=float), np.array([p[1] for p in pairs], dtype=float)
 
 
@@ -454,6 +467,7 @@ def write_index(groups: list[Group], written: dict[str, tuple[str, bool]], out: 
 
 def run_report(paths: list[Path], out: Path | None = None) -> Path:
     """`epo report`: plots + index for runs and sweeps; returns the index page."""
+    _warned_beyond.clear()  # each report warns about its own runs
     if not paths:
         raise UserError("Usage: epo report <run_dir>|<sweep_dir> [...] [--out DIR]")
     runs = [load_run(p) for p in find_runs([Path(p).expanduser() for p in paths])]

@@ -195,6 +195,12 @@ def eval_config(opts: EvalCommandConfig, overrides: list[str]) -> DictConfig:
                         "run=outputs/<date>/<time>-<name>, or evaluate a model folder with model.path=DIR.")
     base = load_run_config(opts.run, overridden=override_keys(overrides))
     groups = [o for o in overrides if o.split("=", 1)[0] in GROUPS]
+    presets = [o for o in groups if o.split("=", 1)[0] == "experiment"]
+    if presets:  # a preset sets many sections at once (no `experiment` section to swap): not a run's to change
+        raise ConfigError(f"{presets[0]}: an experiment preset sets a whole training config, and run={opts.run} is "
+                          "evaluated with its own. Fix: leave it out and override what the evaluation changes "
+                          "(env=..., split=..., episodes=...), or evaluate a model folder with model.path=DIR "
+                          f"{presets[0]}.")
     rest = [o for o in overrides if o not in groups]
     plain = OmegaConf.create(OmegaConf.to_container(base, resolve=True))
     if groups:

@@ -303,6 +303,28 @@ def pop_max_jobs(args: list[str]) -> tuple[int, list[str]]:
     return limit, rest
 
 
+def _picks_values(parsed: list[Any]) -> bool:
+    """Whether a sweeper that picks its own values (optuna, ...) runs the sweep, not Hydra's basic one."""
+    return any(o.is_hydra_override() and o.key_or_group == "hydra/sweeper" and o.value() != "basic"
+               for o in parsed)
+
+
+def check_sweep_values(parsed: list[Any]) -> None:
+    """Swept values Hydra's sweepers would fail on with a traceback: a range with step 0, and an interval under
+    the basic sweeper (which lists values and cannot list an interval's)."""
+    for o in parsed:
+        if o.is_hydra_override() or not o.is_sweep_override():
+            continue
+        value, key = o.value(), o.get_key_element()
+        if isinstance(value, RangeSweep) and not value.step:
+            raise ConfigError(f"{o.input_line}: a range's step cannot be 0 (it would never reach its end). Fix: "
+                              f"{key}=range({value.start:g},{value.stop:g}) or a non-zero step.")
+        if isinstance(value, IntervalSweep) and not _picks_values(parsed):
+            raise ConfigError(f"{o.input_line}: an interval has no list of values, and Hydra's basic sweeper only "
+                              f"runs listed ones. Fix: list them ({key}=0,0.5,1 or {key}=range(0,10)), or let a "
+                              "sweeper pick them: hydra/sweeper=optuna hydra.sweeper.n_trials=N.")
+
+
 def _sweep_size(value: Any) -> int | None:
     """How many values one swept override takes (None: the sweeper picks them, as optuna's intervals)."""
     if isinstance(value, RangeSweep):
@@ -319,9 +341,7 @@ def job_count(parsed: list[Any]) -> int | None:
     """The jobs this sweep starts, from the overrides alone (without listing them): the product of the swept
     values' counts, or hydra.sweeper.n_trials for a sweeper that picks its values (None when not given)."""
     trials = next((o.value() for o in parsed if o.key_or_group == "hydra.sweeper.n_trials"), None)
-    picked = any(o.is_hydra_override() and o.key_or_group == "hydra/sweeper" and o.value() != "basic"
-                 for o in parsed)
-    if picked:
+    if _picks_values(parsed):
         return int(trials) if isinstance(trials, int) else None
     count = 1
     for o in parsed:
@@ -376,6 +396,7 @@ def run_sweep(args: list[str]) -> Path:
         raise ConfigError("run_dir is set per job by `epo sweep`; use output_dir=DIR or hydra.sweep.dir=DIR.")
     check_name(options.name, "sweep.name")
     parsed = _parse(overrides)
+    check_sweep_values(parsed)
     count = check_job_count(parsed, max_jobs)  # before the values are listed: a huge range is never built
     check_first_job(parsed)
     output_dir = next((o.value() for o in parsed
