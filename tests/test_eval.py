@@ -229,3 +229,24 @@ def test_evaluate_run_holds_options_to_the_commands_rules(tmp_path: Path) -> Non
     with pytest.raises(ConfigError, match="Unknown policy 'teacher'"):
         evaluate_run(EvalCommandConfig(policy="teacher", out=tmp_path / "out"))
     assert not (tmp_path / "out").exists()
+
+
+def test_score_episodes_admissible_share_and_response_length_by_hand() -> None:
+    """Two episodes, three turns: 'go to desk 1' and 'look' are listed, 'fly away' is not -> 2/3 admissible;
+    responses of 2, 4 and 6 tokens -> 4.0 tokens per turn."""
+    from epo_cli.envs.base import Task
+    from epo_cli.evaluation.split import score_episodes
+    from epo_cli.rollout.episodes import Episode, Turn
+
+    def turn(action: str, n_tokens: int) -> Turn:
+        return Turn(prompt_ids=[1], response_ids=list(range(n_tokens)), response_text="", observation="",
+                    admissible=["go to desk 1", "look"], action=action, valid=True, subgoals=[],
+                    truncated_prompt=False, obs_trimmed=False)
+
+    task = Task("t", "pick_and_place", 0)
+    episodes = [Episode(task, 0, 0, turns=[turn("go to desk 1", 2), turn("fly away", 4)]),
+                Episode(task, 1, 0, turns=[turn("look", 6)])]
+    scored = score_episodes(episodes)
+    assert scored["admissible_rate"]["rate"] == pytest.approx(2 / 3)
+    assert scored["admissible_rate"]["ci95"] == pytest.approx(list(wilson_interval(2, 3)))
+    assert scored["response_tokens"] == {"mean": 4.0, "turns": 3}

@@ -102,6 +102,11 @@ def score_episodes(episodes: list[Episode]) -> dict[str, Any]:
     invalid = sum(not t.valid for ep in episodes for t in ep.turns)
     turns = sum(len(ep.turns) for ep in episodes)
     ilo, ihi = wilson_interval(invalid, turns)
+    # what a model that has not learned the format yet does: how often its action is one the env lists
+    # (the admissible actions of that turn's prompt), and how long it talks
+    admissible = sum(t.action in t.admissible for ep in episodes for t in ep.turns)
+    alo, ahi = wilson_interval(admissible, turns)
+    lengths = [float(len(t.response_ids)) for ep in episodes for t in ep.turns]
     return {
         "success": rate_summary(sum(ep.won for ep in episodes), len(episodes)),
         "success_by_task_type": {t: rate_summary(sum(w), len(w)) for t, w in sorted(by_type.items())},
@@ -110,6 +115,9 @@ def score_episodes(episodes: list[Episode]) -> dict[str, Any]:
         # turns of one episode are not independent: this interval is optimistic, which the name says
         "invalid_rate": {"rate": invalid / turns if turns else math.nan, "invalid_turns": invalid,
                          "turns": turns, "ci95": [ilo, ihi], "ci_method": "wilson over turns"},
+        "admissible_rate": {"rate": admissible / turns if turns else math.nan, "admissible_turns": admissible,
+                            "turns": turns, "ci95": [alo, ahi], "ci_method": "wilson over turns"},
+        "response_tokens": {"mean": sum(lengths) / len(lengths) if lengths else math.nan, "turns": len(lengths)},
     }
 
 
