@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -27,7 +28,8 @@ from pathlib import Path
 from typing import TypeVar
 
 from epo_cli.analysis.sweep_summary import mean_pm_std
-from epo_cli.errors import UserError
+from epo_cli.config import group_options
+from epo_cli.errors import UserError, file_system_message
 from epo_cli.evaluation.run import EvalCommandConfig, evaluate_run
 from epo_cli.launch.libraries import quiet_libraries
 
@@ -141,6 +143,43 @@ def check_study_args(p: argparse.ArgumentParser, a: argparse.Namespace, arms: di
         p.error(f"--warm-start {a.warm_start} holds no final/ policy; give {recipe}")
 
 
+def check_out(p: argparse.ArgumentParser, out: Path) -> None:
+    """--out must be a folder this user can write (or one that can be made): one message, exit 2, otherwise."""
+    existing = next((d for d in (out, *out.parents) if d.exists()), None)
+    if out.exists() and not out.is_dir():
+        p.error(f"--out {out} is a file, not a folder: give a folder for the study's runs and summary")
+    if existing is not None and not (existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)):
+        p.error(f"--out {out}: {existing} is not a writable folder; choose a folder you can write")
+
+
+def check_experiment(p: argparse.ArgumentParser, experiment: str) -> None:
+    """--experiment names one of conf/experiment's presets."""
+    options = group_options("experiment", nested=True)
+    if experiment not in options:
+        p.error(f"--experiment {experiment}: no such preset; choose from {', '.join(options)}")
+
+
+def run_study(main: Callable[[], object], what: str = "the study") -> None:
+    """A study's command line as `epo`'s: a user error is one `error:` line (exit 2 for a config error, else
+    1), a path the file system refuses one line naming it, Ctrl-C one line saying what is kept (exit 130);
+    bugs keep their traceback. (The runs got the terminal's Ctrl-C too, and stopped at the end of a step.)"""
+    try:
+        main()
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: {what} stopped; its finished runs are kept and reused by the same command with the "
+              "same --out (an unfinished run is started over).", file=sys.stderr, flush=True)
+        sys.exit(130)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(err.exit_code)
+    except OSError as err:
+        message = file_system_message(err)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
 def check_arms(p: argparse.ArgumentParser, chosen: str, arms: dict) -> None:
     """Exit with one message naming every unknown arm and the valid ones."""
     unknown = [k for k in chosen.split(",") if k not in arms]
@@ -246,10 +285,29 @@ def continue_once(folder: Path, source: Path, iterations: int, label: str, leave
         shutil.copytree(source, copy, ignore=lambda where, names: [n for n in names if n in ("final", *leave_out)]
                         if Path(where) == source else [])
         train_logged([f"trainer.resume={copy}", f"trainer.total_steps={iterations}",
-                      f"algo.lr={rows_of(source)[-1]['perf/lr']}", "algo.min_lr_ratio=1.0", "algo.warmup_ratio=0"],
+                      f"algo.lr={lr}", "algo.min_lr_ratio=1.0", "algo.warmup_ratio=0"],
                      log, label, cwd=folder)
 
+    lr = last_lr(source, label) if finished_run(folder) is None else None  # before anything is copied
     return _once(folder, label, start)
+
+
+def last_lr(run: Path, label: str) -> float:
+    """The learning rate of `run`'s last step (its metrics.jsonl's last perf/lr); exits with one message
+    naming the file where there is none (an empty or damaged file, a run logged without perf/lr)."""
+    metrics = run / "metrics.jsonl"
+    try:
+        rows = rows_of(run)
+    except (OSError, ValueError, RecursionError) as err:
+        sys.exit(f"error: cannot continue {label}: {metrics} cannot be read ({type(err).__name__}: "
+                 f"{str(err)[:120]}); train that run again in its study, or continue another")
+    last = rows[-1] if rows else None
+    lr = last.get("perf/lr") if isinstance(last, dict) else None
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < float("inf"):
+        why = "is empty" if not rows else f"has no positive perf/lr in its last row (got {lr!r})"
+        sys.exit(f"error: cannot continue {label}: {metrics} {why}, and a continued run keeps the learning rate "
+                 "its source ended with; train that run again in its study, or continue another")
+    return float(lr)
 
 
 Job = TypeVar("Job")

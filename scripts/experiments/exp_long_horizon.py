@@ -55,6 +55,8 @@ from pathlib import Path
 
 from exp_common import (
     Arm,
+    check_experiment,
+    check_out,
     check_study_args,
     continue_once,
     finished_run,
@@ -63,12 +65,15 @@ from exp_common import (
     run_folder,
     run_jobs,
     run_logged,
+    run_study,
     seed_major,
     study_parser,
     train_once,
 )
 from exp_explore import GAIN, claims, claims_table, fmt, iterations_to, run_stats
 from exp_explore import plot as plot_training
+
+from epo_cli.errors import UserError
 
 EXPERIMENT = "coin_long_horizon"
 TARGET_SPLIT, LONGER_SPLIT = "eval_in_distribution", "eval_out_of_distribution"
@@ -534,6 +539,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.iterations = 3 if a.continue_from else 2  # a quick study continued: one iteration more
         a.overrides = [*QUICK_OVERRIDES, *a.overrides]
     check_study_args(p, a, ARMS, "experiment=coin_warm_start")
+    check_out(p, a.out)
+    check_experiment(p, a.experiment)
+    from epo_cli.launch.setup import compose_for_train
+
+    try:  # the overrides every run takes, checked before any folder is made
+        compose_for_train([f"experiment={a.experiment}", *a.overrides])
+    except UserError as err:
+        p.error(f"the overrides {' '.join(a.overrides) or '(none)'}: {err}")
     if a.continue_from is not None:
         a.continue_from = a.continue_from.resolve()
         if not (a.continue_from / "runs").is_dir():
@@ -581,4 +594,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_study(main, "the long-horizon study")
