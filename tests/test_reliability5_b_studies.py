@@ -16,9 +16,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from test_round4_messages import interrupt_when
 
 from conftest import REPO, terminal_signal_dispositions
-from test_round4_messages import interrupt_when
 
 SCRIPT = REPO / "scripts" / "experiments" / "exp_long_horizon.py"
 
@@ -109,7 +109,8 @@ def test_continue_from_a_run_that_cannot_be_continued_is_one_message(case: str, 
 
 def test_ctrl_c_in_the_long_horizon_study_is_one_line(warm: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--quick", "--warm-start", str(warm), "--out", str(out)], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--quick", "--warm-start", str(warm), "--out", str(out)],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
                             preexec_fn=terminal_signal_dispositions)
     interrupt_when(proc, lambda: any(warm.rglob("*.log")))  # the warm start's evaluation has started
