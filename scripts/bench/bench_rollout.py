@@ -39,7 +39,7 @@ import os
 import time
 from pathlib import Path
 
-from common import interleaved_iterations, scratch_dir, scratch_trainer
+from common import flat_policy, interleaved_iterations, scratch_dir, scratch_trainer, start_from
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -109,24 +109,92 @@ def env_overrides(env: str, args: argparse.Namespace) -> list[str]:
             f"env.max_turns={args.alfworld_turns}", f"env.expert={str(args.alfworld_expert).lower()}"]
 
 
-def compare_modes(env: str, args: argparse.Namespace) -> list[tuple[str, dict[str, float], bool]]:
-    """Each mode's mean rollout figures on `env`, and whether it played the same episodes as lock-step."""
+class CountingPool:
+    """The run's env pool, counting the calls the rollout makes: lock-step turns call `step`, overlapped ones
+    `submit` and `collect` (and `start_reset` where the pool has it). Everything else is the pool's own."""
+
+    COUNTED = ("reset", "start_reset", "step", "submit", "collect")
+
+    def __init__(self, pool) -> None:
+        self.pool = pool
+        self.calls = dict.fromkeys(self.COUNTED, 0)
+
+    def __getattr__(self, name: str):
+        if name in ("pool", "calls"):  # not set yet
+            raise AttributeError(name)
+        attr = getattr(self.pool, name)
+        if name not in self.COUNTED:
+            return attr
+
+        def counted(*args, **kwargs):
+            self.calls[name] += 1
+            return attr(*args, **kwargs)
+
+        return counted
+
+
+def prefill_of(policy) -> bool | None:
+    """Whether `policy` (what Models.sampling_policy returns) prefills shared prompts once: its own setting,
+    or its rollout engine's."""
+    if hasattr(policy, "shared_prefill"):
+        return policy.shared_prefill
+    return getattr(getattr(policy, "engine", None), "shared_prefill", None)
+
+
+def check_mode_reached(name: str, overlap: bool, prefill: bool, sampler, policy, calls: dict[str, int]) -> None:
+    """The mode's settings are those of the parts that played, and the pool saw only that mode's calls:
+    overlap submits steps (never `step`), lock-step steps (never `submit`)."""
+    problems = []
+    if sampler.settings.overlap != overlap:
+        problems.append(f"the sampler's settings.overlap is {sampler.settings.overlap}")
+    if prefill_of(policy) != prefill:
+        problems.append(f"the policy's shared prefill is {prefill_of(policy)}")
+    if overlap and (calls["submit"] == 0 or calls["step"] > 0):
+        problems.append(f"the env pool saw lock-step calls {calls}")
+    if not overlap and (calls["step"] == 0 or calls["submit"] > 0):
+        problems.append(f"the env pool saw overlapped calls {calls}")
+    if problems:
+        raise SystemExit(f"bench_rollout --modes: mode '{name}' (overlap={overlap}, shared_prefill={prefill}) "
+                         f"did not reach its parts: {'; '.join(problems)}")
+
+
+def compare_modes(env: str, args: argparse.Namespace) -> list[tuple[str, dict[str, float], bool, dict]]:
+    """Each mode's mean rollout figures on `env`, whether it played the same episodes as lock-step, and what
+    its parts held (sampler and policy settings, the env pool's calls)."""
+    from dataclasses import replace
+
     from epo_cli.compose import compose
     from epo_cli.envs import make_suite
     from epo_cli.models.loading import model_source
+    from epo_cli.training.group_sampler import GroupSampler
 
     overrides = [f"algo={args.algo}", *env_overrides(env, args), f"algo.tasks_per_step={args.tasks}",
                  f"algo.group_size={args.group_size}", "env.eval_splits=[]", "logger.console=false",
                  "logger.tensorboard=false", "trainer.total_steps=100", "model=tiny"]
     if args.model:
         overrides.append(f"model.path={args.model}")
-    cfg = compose([*overrides, *args.overrides])
-    suite = make_suite(cfg.env)
-    if env == "household-sleepy":  # steps that wait without computing: what overlap can hide on a busy CPU
-        model_source(cfg.model, suite, cfg.seed)  # the tiny model, built (once) on the plain envs
-        suite = SleepySuite(suite, args.sleep_ms / 1000)
-    trainer = scratch_trainer(cfg, f"bench_rollout_{env}_", suite)
+    # one Trainer per rollout.shared_prefill value (the rollout policy reads it when the Trainer builds its
+    # models), composed like `epo train`'s; their weights are the same (same seed, no update here)
+    trainers = {}
+    for prefill in (False, True):
+        cfg = compose([*overrides, *args.overrides, f"rollout.shared_prefill={str(prefill).lower()}"])
+        suite = make_suite(cfg.env)
+        if env == "household-sleepy":  # steps that wait without computing: what overlap can hide on a busy CPU
+            model_source(cfg.model, suite, cfg.seed)  # the tiny model, built (once) on the plain envs
+            suite = SleepySuite(suite, args.sleep_ms / 1000)
+        trainers[prefill] = scratch_trainer(cfg, f"bench_rollout_{env}_", suite)
+    trainer = trainers[False]  # its env pool plays every mode (the other's never starts a worker)
     try:
+        # each mode: a sampler built with that mode's overlap (replace on the Trainer's frozen settings, before
+        # the sampler is built) on the shared env pool, counting its calls, and the policy of the Trainer with
+        # that mode's shared prefill
+        pools = {name: CountingPool(trainer.pool) for name, _, _ in MODES}
+        samplers = {name: GroupSampler(replace(trainers[prefill].sampler.settings, overlap=overlap), trainer.dist.rank,
+                                       trainer.dist.world_size, trainer.suite, pools[name], trainer.curriculum,
+                                       trainer.builder, trainer.models.tokenizer)
+                    for name, overlap, prefill in MODES}
+        policies = {name: trainers[prefill].models.sampling_policy(trainers[prefill].cfg.rollout)
+                    for name, _, prefill in MODES}
         # start the workers and build every slot's env before timing (a one-off cost of the first rollout)
         import random
 
@@ -138,10 +206,10 @@ def compare_modes(env: str, args: argparse.Namespace) -> list[tuple[str, dict[st
             order = MODES if it % 2 == 0 else MODES[::-1]
             played = {}
             for name, overlap, prefill in order:
-                cfg.rollout.overlap, cfg.rollout.shared_prefill = overlap, prefill
-                trainer.sampler.overlap = overlap  # the sampler reads rollout.overlap when it is built
-                policy = trainer.models.sampling_policy(cfg.rollout)  # reads rollout.shared_prefill
-                rollout = trainer.sampler.sample(policy, it, cfg.trainer.total_steps)
+                before = dict(pools[name].calls)
+                rollout = samplers[name].sample(policies[name], it, cfg.trainer.total_steps)
+                calls = {k: v - before[k] for k, v in pools[name].calls.items()}
+                check_mode_reached(name, overlap, prefill, samplers[name], policies[name], calls)
                 episodes, stats = rollout.episodes, rollout.stats
                 first_prompts = [ep.turns[0].prompt_ids for ep in episodes if ep.turns]
                 played[name] = [(ep.traj_id, [(t.response_ids, t.observation) for t in ep.turns]) for ep in episodes]
@@ -149,17 +217,21 @@ def compare_modes(env: str, args: argparse.Namespace) -> list[tuple[str, dict[st
                     sums[name][key] += getattr(stats, key) / args.iterations
                 print(f"  {env} iteration {it} {name}: rollout {stats.rollout_s:.2f}s (generate "
                       f"{stats.generate_s:.2f}s, env {stats.env_s:.2f}s, waited {stats.env_wait_s:.2f}s), "
-                      f"{stats.env_steps} steps", flush=True)
+                      f"{stats.env_steps} steps; env pool calls {calls}", flush=True)
             reference = played[MODES[0][0]]
             for name in played:
                 same[name] &= played[name] == reference
         prefill = time_first_turn(trainer, first_prompts)
     finally:
-        trainer.pool.close()  # the process group stays: DeepSpeed keeps its groups for the next Trainer
+        for each in trainers.values():
+            each.pool.close()  # the process group stays: DeepSpeed keeps its groups for the next Trainer
     print(f"  {env} first-turn generate call ({len(first_prompts)} rows, {len(set(map(tuple, first_prompts)))} "
           f"distinct prompts), best of 5: {prefill[False]:.3f}s plain, {prefill[True]:.3f}s shared prefill "
           f"({prefill[False] / prefill[True]:.2f}x)", flush=True)
-    return [(name, sums[name], same[name]) for name, _, _ in MODES]
+    reached = {name: {"sampler.settings.overlap": samplers[name].settings.overlap,
+                      "policy.shared_prefill": prefill_of(policies[name]), "pool_calls": pools[name].calls}
+               for name, _, _ in MODES}
+    return [(name, sums[name], same[name], reached[name]) for name, _, _ in MODES]
 
 
 def time_first_turn(trainer, prompts: list[list[int]]) -> dict[bool, float]:
@@ -179,7 +251,7 @@ def time_first_turn(trainer, prompts: list[list[int]]) -> dict[bool, float]:
     return best
 
 
-def print_modes(results: dict[str, list[tuple[str, dict[str, float], bool]]], args: argparse.Namespace) -> None:
+def print_modes(results: dict[str, list[tuple[str, dict[str, float], bool, dict]]], args: argparse.Namespace) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -190,7 +262,7 @@ def print_modes(results: dict[str, list[tuple[str, dict[str, float], bool]]], ar
         table.add_column(column, justify="left" if column in ("env", "mode") else "right")
     for env, rows in results.items():
         base = rows[0][1]["rollout_s"]
-        for name, m, same in rows:
+        for name, m, same, _ in rows:
             ratio = m["rollout_s"] / max(m["generate_s"] + m["env_s"], 1e-9)
             table.add_row(env, name, f"{m['rollout_s']:.2f}", f"{m['generate_s']:.2f}", f"{m['env_s']:.2f}",
                           f"{m['env_wait_s']:.2f}", f"{ratio:.3f}", f"{base / m['rollout_s']:.2f}x",
@@ -215,9 +287,38 @@ ITERATION_VARIANTS = {
     "today": ([], [], False),
     "today+overlap": (["rollout.overlap=true"], [], False),
 }
-#: settings each variant prints, as the Trainer resolved them
-SHOWN_SETTINGS = ["rollout.overlap", "rollout.shared_prefill", "algo.pack_tokens", "algo.reuse_scoring_forward",
-                  "env.fast_textgen", "env.cache_pddl", "env.expert", "env.num_workers"]
+#: settings each variant prints, from its config
+SHOWN_SETTINGS = ["env.fast_textgen", "env.cache_pddl", "env.expert", "env.num_workers"]
+
+
+def modes_wanted(cfg) -> dict[str, bool]:
+    """What a variant's config asks of the parts that each speed-up lives in."""
+    algo = cfg.algo
+    return {"sampler.settings.overlap": bool(cfg.rollout.overlap),
+            "policy.shared_prefill": bool(cfg.rollout.shared_prefill),
+            "models.packing": algo.pack_tokens != 0,  # null packs where the attention allows (sdpa: tiny)
+            "update.reuses_scoring": bool(algo.reuse_scoring_forward) and algo.monitor.action != "clamp"}
+
+
+def modes_reached(trainer) -> dict[str, bool]:
+    """What the Trainer's parts hold, read from the parts (the policy as Trainer.sample builds it)."""
+    return {"sampler.settings.overlap": trainer.sampler.settings.overlap,
+            "policy.shared_prefill": prefill_of(trainer.models.sampling_policy(trainer.cfg.rollout)),
+            "models.packing": trainer.models.packing,
+            "update.reuses_scoring": trainer.policy_update.reuses_scoring()}
+
+
+def patches_wanted(cfg, parser_cache_only: bool) -> dict[str, bool]:
+    """The ALFWorld patches a variant's env workers must report (textworld_patches)."""
+    return {"parser_cache": bool(cfg.env.fast_textgen) or parser_cache_only,
+            "exact_deepcopy": bool(cfg.env.fast_textgen), "pddl_cache": bool(cfg.env.cache_pddl)}
+
+
+def check_reached(name: str, wanted: dict[str, bool], reached: dict[str, bool], what: str) -> None:
+    wrong = {key: reached.get(key) for key in wanted if reached.get(key) != wanted[key]}
+    if wrong:
+        raise SystemExit(f"bench_rollout --iteration: variant '{name}' asks for {wanted}, but its {what} hold "
+                         f"{wrong}: its row would time something else")
 
 
 def textworld_patches() -> dict[str, bool]:
@@ -285,8 +386,12 @@ def iteration_overrides(env: str, args: argparse.Namespace) -> list[str]:
 
 
 def compare_iterations(env: str, args: argparse.Namespace) -> dict[str, dict]:
-    """Each variant's mean iteration figures on `env`, how many iterations it played the same episodes as
-    the first variant, its resolved settings and what its env workers installed."""
+    """Each variant's mean iteration figures on `env`, per iteration whether it played the same episodes as
+    the first variant and how its update compares, what its parts and env workers hold, and its settings.
+
+    Every iteration of every variant starts from the first variant's weights and optimizer state
+    (common.start_from, untimed): the episodes must then agree exactly (a difference is a speed-up changing
+    what is played), and each update is compared with the first variant's from the same point."""
     import json
     import random
 
@@ -303,6 +408,9 @@ def compare_iterations(env: str, args: argparse.Namespace) -> dict[str, dict]:
     trainers: dict[str, Trainer] = {}
     played: dict[str, list] = {name: [] for name in variants}  # per iteration
     env_steps: dict[str, int] = {}
+    updates: dict[str, list[dict[str, float]]] = {name: [] for name in variants}  # per iteration
+    reused: dict[str, list[float]] = {name: [] for name in variants}  # perf/scoring_reused per iteration
+    wanted: dict[str, dict[str, bool]] = {}
     try:
         for name in variants:
             common, alfworld_only, parser_cache_only = ITERATION_VARIANTS[name]
@@ -314,6 +422,8 @@ def compare_iterations(env: str, args: argparse.Namespace) -> dict[str, dict]:
                 suite = ProbeSuite(suite, name, parser_cache_only, str(probe_dir))
             trainer = scratch_trainer(cfg, f"bench_iteration_{env}_{name}_", suite)
             trainers[name] = trainer
+            wanted[name] = modes_wanted(cfg)
+            check_reached(name, wanted[name], modes_reached(trainer), "parts")
 
             def capture(rollout, step: int, _name: str = name) -> None:
                 played[_name].append([(ep.traj_id, [(t.response_ids, t.observation) for t in ep.turns])
@@ -330,6 +440,7 @@ def compare_iterations(env: str, args: argparse.Namespace) -> dict[str, dict]:
                 "perf/score_s", "perf/update_s", "perf/padding_efficiency", "perf/scoring_reused"]
 
         def show(it: int, name: str, metrics: dict[str, float]) -> None:
+            reused[name].append(metrics["perf/scoring_reused"])
             print(f"  {env} iteration {it} {name}: {metrics['iteration_s']:.2f}s = rollout "
                   f"{metrics['perf/rollout_s']:.2f}s (generate {metrics['perf/generate_s']:.2f}s, env "
                   f"{metrics['perf/env_s']:.2f}s) + score {metrics['perf/score_s']:.2f}s + update "
@@ -337,10 +448,35 @@ def compare_iterations(env: str, args: argparse.Namespace) -> dict[str, dict]:
                   f"{int(metrics['rollout/samples'])} samples, success {metrics.get('rollout/success', 0.0):.2f}",
                   flush=True)
 
-        sums = interleaved_iterations(trainers, args.iterations, keys, show)
+        reference = trainers[variants[0]]
+        start: list = []  # the reference's weights at the start of the iteration
+
+        def prepare(it: int) -> None:
+            """Before iteration `it`: compare the last iteration's updates, then start every variant from the
+            reference's weights and optimizer state."""
+            if start:
+                ref_step = flat_policy(reference) - start[0]
+                scale = float(ref_step.abs().max())
+                for name, trainer in trainers.items():
+                    own_step = flat_policy(trainer) - start[0]
+                    diff = (own_step - ref_step).abs()
+                    updates[name].append({"max_step": scale, "own_max_step": float(own_step.abs().max()),
+                                          "max_diff": float(diff.max()),
+                                          "share_differing": float((diff > 0.01 * scale).double().mean())})
+            if it < args.iterations:
+                start_from(reference, [t for t in trainers.values() if t is not reference])
+                start[:] = [flat_policy(reference)]
+
+        sums = interleaved_iterations(trainers, args.iterations, keys, show, prepare)
         # per iteration: whether each variant played the same episodes as the reference (the first)
         same = {name: [mine == first for mine, first in zip(played[name], played[variants[0]])] for name in variants}
+        differences = {name: [None if ok else first_difference(mine, first)
+                              for ok, mine, first in zip(same[name], played[name], played[variants[0]])]
+                       for name in variants}
         settings = {name: {key: _select(trainers[name].cfg, key) for key in SHOWN_SETTINGS} for name in variants}
+        reached = {name: modes_reached(trainers[name]) for name in variants}
+        patches = {name: patches_wanted(trainers[name].cfg, ITERATION_VARIANTS[name][2]) for name in variants
+                   if env == "alfworld"}
     finally:
         for trainer in trainers.values():
             trainer.pool.close()  # the process group stays: DeepSpeed keeps its groups for the next Trainer
@@ -349,10 +485,21 @@ def compare_iterations(env: str, args: argparse.Namespace) -> dict[str, dict]:
         probe = json.loads(path.read_text())
         probes[probe.pop("variant")].append(probe)
     for name in variants:
-        print(f"  {env} {name}: {settings[name]}" + (f"; env workers: {probes[name]}" if probes[name] else ""),
-              flush=True)
-    return {name: {"means": sums[name], "same": same[name], "settings": settings[name], "workers": probes[name]}
-            for name in variants}
+        # scoring reuse is the one mode that leaves a count in the metrics: rows the update scored itself
+        if any((share > 0) != wanted[name]["update.reuses_scoring"] for share in reused[name]):
+            raise SystemExit(f"bench_rollout --iteration: variant '{name}' wants scoring reuse "
+                             f"{wanted[name]['update.reuses_scoring']}, but its updates scored {reused[name]} of "
+                             "their rows themselves")
+        if env == "alfworld":
+            if not probes[name]:
+                raise SystemExit(f"bench_rollout --iteration: no env worker of variant '{name}' reported its patches")
+            for probe in probes[name]:
+                check_reached(name, patches[name], probe, f"env worker {probe['pid']}")
+        print(f"  {env} {name}: parts {reached[name]}; {settings[name]}"
+              + (f"; env workers: {probes[name]}" if probes[name] else ""), flush=True)
+    return {name: {"means": sums[name], "same": same[name], "differences": differences[name],
+                   "updates": updates[name], "reached": reached[name],
+                   "settings": settings[name], "workers": probes[name]} for name in variants}
 
 
 def _select(cfg, key: str):
@@ -361,24 +508,48 @@ def _select(cfg, key: str):
     return OmegaConf.select(cfg, key, default=None)
 
 
+def first_difference(mine: list, reference: list) -> str:
+    """Where two rollouts (lists of (traj_id, [(response_ids, observation) per turn])) first differ."""
+    for (traj, turns), (_, ref_turns) in zip(mine, reference):
+        for k, ((response, observation), (ref_response, ref_observation)) in enumerate(zip(turns, ref_turns)):
+            if response != ref_response:
+                return f"trajectory {traj} turn {k}: response"
+            if observation != ref_observation:
+                return f"trajectory {traj} turn {k}: observation"
+        if len(turns) != len(ref_turns):
+            return f"trajectory {traj}: {len(turns)} turns, not {len(ref_turns)}"
+    return "the episodes' order or count"
+
+
 def same_column(same: list[bool]) -> str:
     """'3/3', or '2/3 (not 2)': in how many iterations a variant played the same episodes as the reference,
-    and which did not (later iterations start from weights the variants' updates changed slightly
-    differently: packed vs padded sums round differently, and one flipped sampled token changes an episode)."""
+    from the same weights (common.start_from), and which did not."""
     text = f"{sum(same)}/{len(same)}"
     differing = [str(i) for i, ok in enumerate(same) if not ok]
     return text + (f" (not {','.join(differing)})" if differing else "")
+
+
+def update_column(updates: list[dict[str, float]]) -> str:
+    """The largest difference between a variant's update and the reference's from the same point, as a share
+    of the reference's largest step, and the share of weights whose steps differ by more than 1% of it (worst
+    iteration)."""
+    if not updates:
+        return "-"
+    worst = max(u["max_diff"] / max(u["max_step"], 1e-30) for u in updates)
+    share = max(u["share_differing"] for u in updates)
+    return f"{worst:.2f}; {100 * share:.3f}%"
 
 
 def print_iterations(results: dict[str, dict[str, dict]], args: argparse.Namespace) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    reference = args.variants.split(",")[0].strip()
     table = Table(title=f"bench_rollout --iteration ({args.algo}, {args.tasks}x{args.group_size} envs, "
-                        f"{args.iterations} iterations, means)")
+                        f"{args.iterations} iterations, means; every iteration starts from {reference}'s weights)")
     columns = ("env", "variant", "iteration s", "rollout s", "generate s", "env s", "waited s", "overlap ratio",
-               "score s", "update s", "padding eff.", "scoring reused", "vs " + args.variants.split(",")[0].strip(),
-               "same episodes")
+               "score s", "update s", "padding eff.", "scoring reused", "vs " + reference, "same episodes",
+               "update vs " + reference)
     for column in columns:
         table.add_column(column, justify="left" if column in ("env", "variant") else "right")
     for env, rows in results.items():
@@ -390,15 +561,20 @@ def print_iterations(results: dict[str, dict[str, dict]], args: argparse.Namespa
                           f"{m['perf/generate_s']:.2f}", f"{m['perf/env_s']:.2f}", f"{m['perf/env_wait_s']:.2f}",
                           f"{ratio:.3f}", f"{m['perf/score_s']:.2f}", f"{m['perf/update_s']:.2f}",
                           f"{m['perf/padding_efficiency']:.3f}", f"{m['perf/scoring_reused']:.2f}",
-                          f"{base / m['iteration_s']:.2f}x", same_column(row["same"]))
-    Console(width=200).print(table)
+                          f"{base / m['iteration_s']:.2f}x", same_column(row["same"]),
+                          "-" if name == reference else update_column(row["updates"]))
+    Console(width=220).print(table)
+    print("update vs the reference: the largest difference between a variant's step and the reference's from the "
+          "same weights and optimizer state, in units of the reference's largest step; then the share of weights "
+          "whose steps differ by more than 1% of that step (rounding: Adam's step is about lr wherever the gradient "
+          "is well above its eps, whatever its rounding, and magnifies the rounding of near-zero gradients)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="HF folder of a warm-started policy (default: tiny random model)")
     parser.add_argument("--algo", default="grpo")
-    parser.add_argument("--iterations", type=int, default=3)
+    parser.add_argument("--iterations", type=int, default=None, help="default 3 (--quick: 1)")
     parser.add_argument("--modes", action="store_true", help="compare the rollout modes (see above)")
     parser.add_argument("--iteration", action="store_true",
                         help="compare whole RL iterations: before the speed-ups, today, today + overlap (see above)")
@@ -407,8 +583,8 @@ def main() -> None:
                              f"({', '.join(ITERATION_VARIANTS)})")
     parser.add_argument("--quick", action="store_true",
                         help="--iteration: household only, 2x2 envs, 3 turns, 16 new tokens, 1 iteration "
-                             "(a smoke test)")
-    parser.add_argument("--json", help="--iteration: write the figures to this file")
+                             "unless --iterations (a smoke test)")
+    parser.add_argument("--json", help="--modes, --iteration: write the figures to this file")
     parser.add_argument("--envs", default=None,
                         help="--modes, --iteration: envs to run, comma-separated (default household,alfworld; "
                              "--quick: household)")
@@ -429,6 +605,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.envs is None and not args.quick:
         args.envs = "household,alfworld"
+    if args.iterations is None:
+        args.iterations = 1 if args.quick and args.iteration else 3
 
     if args.iteration:
         import json
@@ -437,12 +615,17 @@ def main() -> None:
 
         if args.quick:
             args.envs = args.envs or "household"
-            args.tasks, args.group_size, args.iterations, args.household_turns = 2, 2, 1, 3
+            args.tasks, args.group_size, args.household_turns = 2, 2, 3
         results = {env.strip(): compare_iterations(env.strip(), args) for env in args.envs.split(",")}
         print_iterations(results, args)
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1, default=str))
         torch.distributed.destroy_process_group()
+        differing = [f"{env} {name} iteration {it} ({row['differences'][it]})" for env, rows in results.items()
+                     for name, row in rows.items() for it, ok in enumerate(row["same"]) if not ok]
+        if differing:
+            raise SystemExit("bench_rollout --iteration: from the same weights, these played other episodes than "
+                             f"the reference: {'; '.join(differing)}. A speed-up changed what is played.")
         return
 
     if args.modes:
@@ -450,9 +633,19 @@ def main() -> None:
         for env in args.envs.split(","):
             results[env] = compare_modes(env.strip(), args)
         print_modes(results, args)
+        differing = [f"{env} {name}" for env, rows in results.items() for name, _, same, _ in rows if not same]
+        if args.json:
+            import json
+
+            Path(args.json).write_text(json.dumps(
+                {env: {name: {"means": m, "same": same, "reached": reached} for name, m, same, reached in rows}
+                 for env, rows in results.items()}, indent=1))
         import torch
 
         torch.distributed.destroy_process_group()
+        if differing:
+            raise SystemExit(f"bench_rollout --modes: these played other episodes than lock-step: "
+                             f"{', '.join(differing)}. A rollout mode changed what is played.")
         return
 
     import torch
