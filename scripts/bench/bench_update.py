@@ -6,6 +6,9 @@ scoring reuse (the update's first mini-batch scoring its own samples), in one pr
 
 One rollout of the tiny model gives the batch; every variant scores and updates that same batch from the
 same weights (restored before each run), interleaved (A B C D A B C D ...) so machine noise hits all alike.
+Each variant is its own Trainer composed with its settings (padded: algo.pack_tokens=0, so the attention is
+the plain sdpa of such a run; reuse: algo.reuse_scoring_forward), its parts checked to hold them, and a reuse
+variant's updates checked to score rows themselves (the count only reuse makes).
 Models: `tiny` (model=tiny: hidden 64, 2 layers, 1k vocab) and `large`, a random-init Qwen2 shrunk for a
 CPU (hidden 128, 4 layers, a 16k-row embedding: ~3M parameters) that shares the tiny tokenizer, so it
 updates on the very same token ids.
@@ -24,10 +27,9 @@ import json
 import os
 import statistics
 import time
-from dataclasses import replace
 from pathlib import Path
 
-from common import scratch_trainer
+from common import flat_policy, scratch_trainer
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -43,20 +45,31 @@ LARGE = ["model.hidden_size=128", "model.intermediate_size=512", "model.num_hidd
          "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.padded_vocab_size=16384"]
 
 
+def variant_overrides(variant: str) -> list[str]:
+    """The settings a variant's Trainer is composed with: padded is algo.pack_tokens=0 (packed: the default,
+    which packs where the attention allows), and algo.reuse_scoring_forward on or off."""
+    packed, reuse = VARIANTS[variant]
+    return [*([] if packed else ["algo.pack_tokens=0"]), f"algo.reuse_scoring_forward={str(reuse).lower()}"]
+
+
 def _trainer(overrides: list[str]):
     from epo_cli.compose import compose
 
     return scratch_trainer(compose(overrides), "bench_update_")
 
 
+def check_variant_reached(variant: str, trainer) -> None:
+    """The variant's Trainer packs and reuses as the variant says (its parts, built from its settings)."""
+    packed, reuse = VARIANTS[variant]
+    clamps = trainer.cfg.algo.monitor.action == "clamp"  # a clamp keeps the reuse off (it needs every entropy)
+    held = (trainer.models.packing, trainer.policy_update.reuses_scoring())
+    if held != (packed, reuse and not clamps):
+        raise SystemExit(f"bench_update: variant '{variant}' wants packed={packed}, reuse={reuse and not clamps}, "
+                         f"but its Trainer's parts hold packed={held[0]}, reuse={held[1]}")
+
+
 def _measure(trainer, batch, variant: str) -> dict[str, float]:
     """Score and update `batch` with the trainer's own steps (2-5 of rl_step); seconds and padding efficiency."""
-    packed, reuse = VARIANTS[variant]
-    trainer.models.packing = packed
-    # the update part's settings are frozen: this variant's copy, scoring reuse on or off (a clamp keeps it off)
-    update = trainer.policy_update
-    clamps = trainer.cfg.algo.monitor.action == "clamp"
-    update.settings = replace(update.settings, reuse_scoring_forward=reuse and not clamps)
     total = trainer.cfg.trainer.total_steps
     t0, c0 = time.perf_counter(), time.process_time()
     b = trainer.score(batch, 0)
@@ -66,24 +79,42 @@ def _measure(trainer, batch, variant: str) -> dict[str, float]:
     t0, c0 = time.perf_counter(), time.process_time()
     result = trainer.update(b, coefs, 0)
     update_s, update_cpu = time.perf_counter() - t0, time.process_time() - c0
+    # the one count only scoring reuse makes: rows the update's own forward scored
+    if (result.scored_rows > 0) != trainer.policy_update.reuses_scoring():
+        raise SystemExit(f"bench_update: variant '{variant}' scored {result.scored_rows} rows in its update, "
+                         f"with reuse {trainer.policy_update.reuses_scoring()}")
     return {"score_s": score_s, "update_s": update_s, "score_cpu_s": score_cpu, "update_cpu_s": update_cpu,
             "padding_efficiency": result.metrics["perf/padding_efficiency"],
             "reused_share": result.scored_rows / len(b)}
 
 
 def bench_model(name: str, overrides: list[str], batch, repeats: int) -> dict[str, dict[str, float]]:
-    trainer = _trainer(overrides)
-    critic = trainer.models.critic_engine
-    modules = [trainer.engine.module] + ([critic.module] if critic else [])
-    initial = [copy.deepcopy(m.state_dict()) for m in modules]
+    """Each variant's median figures on the model `overrides` name: one Trainer per variant, composed with its
+    settings (the same seed, so the same initial weights, checked), restored to them before each run."""
+    import torch
+
+    trainers = {variant: _trainer([*overrides, *variant_overrides(variant)]) for variant in VARIANTS}
+    initial = {}
+    for variant, trainer in trainers.items():
+        check_variant_reached(variant, trainer)
+        critic = trainer.models.critic_engine
+        modules = [trainer.engine.module] + ([critic.module] if critic else [])
+        initial[variant] = [copy.deepcopy(m.state_dict()) for m in modules]
+    first = flat_policy(next(iter(trainers.values())))
+    if not all(torch.equal(flat_policy(t), first) for t in trainers.values()):
+        raise SystemExit(f"bench_update: the variants' {name} models start from different weights")
     runs: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
     for r in range(repeats):
-        for variant in VARIANTS:
-            for m, state in zip(modules, initial):
+        for variant, trainer in trainers.items():
+            critic = trainer.models.critic_engine
+            modules = [trainer.engine.module] + ([critic.module] if critic else [])
+            for m, state in zip(modules, initial[variant]):
                 m.load_state_dict(state)
+            trainer.models.refresh()
             runs[variant].append(_measure(trainer, batch, variant))
             print(f"{name} repeat {r} {variant}: " + ", ".join(f"{k} {v:.3f}" for k, v in runs[variant][-1].items()))
-    trainer.pool.close()
+    for trainer in trainers.values():
+        trainer.pool.close()
     tokens = sum(len(p) + len(q) for p, q in zip(batch.prompt_ids, batch.response_ids))
     out = {}
     for variant, rs in runs.items():
