@@ -1,0 +1,79 @@
+"""scripts/experiments/exp_real_model.py: its summary (the target over the warm start, entropy statistics,
+EPO's band) on hand-made results, its arms composing as named, and its options refused in one message each.
+The study itself runs the real model for hours; tests/test_packaged_model.py runs its preset's RL step."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from epo_cli.launch.setup import compose_for_train
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts" / "experiments"
+sys.path.insert(0, str(SCRIPTS))
+
+import exp_real_model as rm  # noqa: E402  (a script, importable once scripts/experiments/ is on the path)
+
+
+def result(wins: int, n: int = 64) -> dict:
+    return {"success": {"rate": wins / n, "wins": wins, "n": n, "ci95": [0.0, 1.0]},
+            "invalid_rate": {"rate": 0.1}, "admissible_rate": {"rate": 0.8}, "response_tokens": {"mean": 20.0},
+            "episode_len": {"mean": 6.0}}
+
+
+def seed_data(wins: int, entropy: list[float], smoothing: list[float] | None = None) -> dict:
+    rows = [{"step": i + 1, "policy/entropy": h, "loss/entropy_smoothing": (smoothing or [0.0] * len(entropy))[i]}
+            for i, h in enumerate(entropy)]
+    return {"eval": result(wins), "entropy": {**rm.entropy_stats(rows), "curve": entropy},
+            "by_turn": {}, "train_success": [0.2] * len(entropy), "iteration_s": 60.0, "parts_s": {}}
+
+
+def test_entropy_stats_by_hand() -> None:
+    rows = [{"step": 1, "policy/entropy": 0.8}, {"step": 2, "policy/entropy": 0.6, "loss/entropy_smoothing": 0.01},
+            {"step": 3, "policy/entropy": 0.3}, {"step": 4, "policy/entropy": 0.45}]
+    stats = rm.entropy_stats(rows)
+    assert (stats["first"], stats["last"], stats["min"], stats["max"]) == (0.8, 0.45, 0.3, 0.8)
+    # swings |0.6-0.8|/0.8 = 0.25, |0.3-0.6|/0.6 = 0.5, |0.45-0.3|/0.3 = 0.5 -> mean 0.41667
+    assert stats["swing_mean"] == pytest.approx((0.25 + 0.5 + 0.5) / 3)
+    assert stats["halved_at"] == 3  # 0.3 < 0.8 / 2 first at step 3
+    assert stats["band_bound_steps"] == [2]
+
+
+def test_target_each_seed_plus_02_and_mean_plus_03() -> None:
+    a = argparse.Namespace(episodes=64, iterations=4, quick=False)
+    warm = result(16)  # 0.25
+    # seeds 0.5, 0.5, 0.6: each >= 0.45, mean 0.5333 < 0.55 -> not met; 0.5625, 0.5625, 0.6 -> met
+    short = {"grpo": {s: seed_data(w, [0.5, 0.4]) for s, w in enumerate((32, 32, 38))}}
+    met = {"epo": {s: seed_data(w, [0.5, 0.4], [0.0, 0.2]) for s, w in enumerate((36, 36, 38))}}
+    two_seeds = {"gigpo": {s: seed_data(60, [0.5, 0.4]) for s in range(2)}}
+    summary = rm.summarize(a, result(0), warm, {**short, **met, **two_seeds})
+    assert summary["arms"]["grpo"]["target_met"] is False
+    assert summary["arms"]["grpo"]["gain_mean"] == pytest.approx((32 + 32 + 38) / 3 / 64 - 0.25)
+    assert summary["arms"]["epo"]["target_met"] is True
+    assert summary["arms"]["epo"]["entropy"][0]["band_bound_steps"] == [2]
+    assert summary["arms"]["gigpo"]["target_met"] is False  # the target needs 3 seeds
+    assert not math.isnan(summary["arms"]["epo"]["std"])
+
+
+@pytest.mark.parametrize("arm", sorted(rm.ARMS))
+def test_every_arm_composes_with_the_rl_preset(arm: str, tmp_path: Path) -> None:
+    cfg, _ = compose_for_train(["experiment=smollm2_rl", *rm.ARMS[arm], f"model.path={tmp_path}"])
+    assert cfg.model.name == "smollm2-135m" and "kl" not in cfg.algo.loss_terms
+    assert ("entropy_smoothing" in cfg.algo.loss_terms) == (arm == "epo")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--arms", "grpo,nosuch"], "unknown arm(s) nosuch"),
+    (["--seeds", "0,x"], "--seeds takes comma-separated integers"),
+    (["--iterations", "0"], "--iterations must be >= 1"),
+    (["--warm-start", "/nonexistent"], "is not a finished run holding final/"),
+])
+def test_bad_options_are_one_message(args: list[str], message: str, tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "exp_real_model.py"), "--out", str(tmp_path / "o"), *args],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
