@@ -127,6 +127,8 @@ def test_a_mode_that_did_not_reach_its_part_stops_the_bench() -> None:
     bench_rollout.check_mode_reached("shared prefill", False, True, Sampler(), Policy(), lock_step)  # reached
     with pytest.raises(SystemExit, match="mode 'overlap'.*settings.overlap is False.*lock-step calls"):
         bench_rollout.check_mode_reached("overlap", True, True, Sampler(), Policy(), lock_step)
-    assert bench_rollout.update_column([{"max_step": 2e-6, "max_diff": 1e-6, "share_differing": 0.25},
-                                        {"max_step": 1e-5, "max_diff": 1e-7, "share_differing": 0.0}]) \
-        == "0.50; 25.000%"
+    # iteration 0: the reference stepped 2e-6 at most, this variant not at all; iteration 1: 1e-7 apart
+    assert bench_rollout.update_column([
+        {"max_step": 2e-6, "own_max_step": 0.0, "max_diff": 2e-6, "share_differing": 0.25},
+        {"max_step": 1e-5, "own_max_step": 1e-5, "max_diff": 1e-7, "share_differing": 0.0}]) \
+        == "1.00; 25.000% (no step: 0)"

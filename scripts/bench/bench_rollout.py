@@ -537,7 +537,10 @@ def update_column(updates: list[dict[str, float]]) -> str:
         return "-"
     worst = max(u["max_diff"] / max(u["max_step"], 1e-30) for u in updates)
     share = max(u["share_differing"] for u in updates)
-    return f"{worst:.2f}; {100 * share:.3f}%"
+    # a variant that did not move where the reference did (e.g. a gradient that is exactly 0 here, rounding
+    # noise there)
+    still = [str(i) for i, u in enumerate(updates) if u.get("own_max_step", 1.0) == 0 < u["max_step"]]
+    return f"{worst:.2f}; {100 * share:.3f}%" + (f" (no step: {','.join(still)})" if still else "")
 
 
 def print_iterations(results: dict[str, dict[str, dict]], args: argparse.Namespace) -> None:
