@@ -104,7 +104,8 @@ class Architecture:
         return max(self.embedding_params(), self.layer_params())
 
 
-#: Qwen2.5 Instruct models (their config.json), for the hub presets: no network at plan time
+#: the hub presets' models (their config.json): no network at plan time. model=smollm2-135m's package copy
+#: (model.source=package) has the same shape as its hub id
 HUB_ARCHITECTURES: dict[str, Architecture] = {
     "Qwen/Qwen2.5-0.5B-Instruct": Architecture(896, 4864, 24, 14, 2, 151936, tied=True),
     "HuggingFaceTB/SmolLM2-135M-Instruct": Architecture(576, 1536, 30, 9, 3, 49152, tied=True, qkv_bias=False),
