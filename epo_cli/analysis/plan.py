@@ -107,8 +107,8 @@ class Architecture:
 #: the hub presets' models (their config.json): no network at plan time. model=smollm2-135m's package copy
 #: (model.source=package) has the same shape as its hub id
 HUB_ARCHITECTURES: dict[str, Architecture] = {
-    "Qwen/Qwen2.5-0.5B-Instruct": Architecture(896, 4864, 24, 14, 2, 151936, tied=True),
     "HuggingFaceTB/SmolLM2-135M-Instruct": Architecture(576, 1536, 30, 9, 3, 49152, tied=True, qkv_bias=False),
+    "Qwen/Qwen2.5-0.5B-Instruct": Architecture(896, 4864, 24, 14, 2, 151936, tied=True),
     "Qwen/Qwen2.5-1.5B-Instruct": Architecture(1536, 8960, 28, 12, 2, 151936, tied=True),
     "Qwen/Qwen2.5-3B-Instruct": Architecture(2048, 11008, 36, 16, 2, 151936, tied=True),
     "Qwen/Qwen2.5-7B-Instruct": Architecture(3584, 18944, 28, 28, 4, 152064, tied=False),
