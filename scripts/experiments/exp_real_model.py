@@ -3,13 +3,13 @@
     python scripts/experiments/exp_real_model.py --out outputs/real_model [--arms grpo,epo,gigpo,grpo_lora]
         [--seeds 0,1,2] [--iterations 20] [--episodes 64] [--jobs 1] [--quick]
 
-1. zero-shot   epo eval experiment=smollm2_household episodes=E temperature=1.0 seed=EVAL_SEED
-2. warm start  epo train experiment=smollm2_warm_start run_dir=<out>/warm_start trainer.resume=auto
-3. RL          epo train experiment=smollm2_rl <arm> seed=S model.path=<2>/final run_dir=<out>/runs/<arm>-s<S>
-               trainer.resume=auto          (one run per arm and seed)
-4. evaluation  epo eval run=<2|3> episodes=E temperature=1.0 seed=EVAL_SEED: every policy on the same E
-               fixed unseen tasks (eval_in_distribution: tasks the training split never draws)
-5. summary     <out>/summary.json, summary.md (success with 95% intervals, gain over the warm start, the
+1. warm start  epo train experiment=smollm2_warm_start run_dir=<out>/warm_start trainer.resume=auto
+2. RL          epo train experiment=smollm2_rl <arm> seed=S model.path=<1>/final run_dir=<out>/runs/<arm>-s<S>
+               trainer.resume=auto          (one run per arm and seed, --jobs side by side)
+3. evaluation  epo eval experiment=smollm2_household (zero-shot) | run=<1|2> episodes=E temperature=1.0
+               seed=EVAL_SEED: every policy on the same E fixed unseen tasks (eval_in_distribution: tasks the
+               training split never draws), one at a time
+4. summary     <out>/summary.json, summary.md (success with 95% intervals, gain over the warm start, the
                target, entropy per iteration and per turn, EPO's band) and <out>/real_model.png
 
 Every step is resumable: rerunning the same command skips what is done and continues an interrupted training
@@ -249,18 +249,27 @@ def main() -> None:
         p.error(f"--out {a.out} cannot be used as a folder: {err.strerror or err}")
 
     try:
-        zero = evaluate("zero_shot", ["experiment=smollm2_household"], a)
         warm_args = ["experiment=smollm2_warm_start", *(QUICK_WARM if a.quick else ())]
         warm = a.warm_start.resolve() if a.warm_start else train(a.out / "warm_start", warm_args, a.out)
+        jobs = [(arm, seed) for seed in seeds for arm in arms]  # seed-major: every arm's seed 0 first
+
+        def train_arm(job: tuple[str, int]) -> Path:
+            arm, seed = job
+            return train(a.out / "runs" / f"{arm}-s{seed}",
+                         ["experiment=smollm2_rl", *ARMS[arm], f"seed={seed}", f"model.path={warm / 'final'}",
+                          f"trainer.total_steps={a.iterations}", "trainer.save_every=2", "trainer.keep_checkpoints=1",
+                          *(QUICK_RL if a.quick else ())], a.out)
+
+        # training first (the jobs share the cores), then every evaluation, one at a time
+        with ThreadPoolExecutor(max_workers=a.jobs) as pool:
+            list(pool.map(train_arm, jobs))
+        zero = evaluate("zero_shot", ["experiment=smollm2_household"], a)
         warm_eval = evaluate("warm_start", [f"run={warm}"], a)
         say(f"zero-shot {cell(zero)}; warm start {cell(warm_eval)}")
 
         def one(job: tuple[str, int]) -> tuple[str, int, dict]:
             arm, seed = job
             run = a.out / "runs" / f"{arm}-s{seed}"
-            train(run, ["experiment=smollm2_rl", *ARMS[arm], f"seed={seed}", f"model.path={warm / 'final'}",
-                        f"trainer.total_steps={a.iterations}", "trainer.save_every=2", "trainer.keep_checkpoints=1",
-                        *(QUICK_RL if a.quick else ())], a.out)
             result = evaluate(run.name, [f"run={run}"], a)
             rows = training_rows(run)
             entropy = {**entropy_stats(rows), "curve": [r["policy/entropy"] for r in rows]}
@@ -271,12 +280,10 @@ def main() -> None:
                                "parts_s": {k: statistics.mean(r.get(k, 0.0) for r in rows) if rows else math.nan
                                            for k in (*PARTS, "perf/generate_s", "perf/env_s")}}
 
-        jobs = [(arm, seed) for seed in seeds for arm in arms]  # seed-major: every arm's seed 0 first
         results: dict[str, dict[int, dict]] = {arm: {} for arm in arms}
-        with ThreadPoolExecutor(max_workers=a.jobs) as pool:
-            for arm, seed, data in pool.map(one, jobs):
-                results[arm][seed] = data
-                say(f"{LABELS[arm]} seed {seed}: {cell(data['eval'])}")
+        for arm, seed, data in map(one, jobs):
+            results[arm][seed] = data
+            say(f"{LABELS[arm]} seed {seed}: {cell(data['eval'])}")
         summary = summarize(a, zero, warm_eval, results)
         (a.out / "summary.json").write_text(json.dumps(json_ready(summary), indent=1, allow_nan=False) + "\n")
         write_markdown(summary, a.out / "summary.md")
