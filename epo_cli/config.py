@@ -658,7 +658,44 @@ class TrainerConfig:
 
 
 @dataclass
+class VLLMRolloutConfig:
+    """rollout.engine=vllm's memory settings (epo_cli/rollout/engines/vllm_engine.py)."""
+
+    #: CPU: GiB of KV cache, a whole number (VLLM_CPU_KVCACHE_SPACE; unset, vLLM would reserve 90% of RAM)
+    kv_cache_gib: int = num(1, ge=1)
+    #: GPU: share of the device's memory vLLM may take (weights + KV cache), beside the trainer's
+    gpu_memory_utilization: float = num(0.3, gt=0, le=1)
+    #: GPU: free vLLM's weights and KV cache while the update runs (vLLM sleep mode; no-op on CPU)
+    sleep_during_update: bool = True
+    #: most sequences vLLM schedules in one step
+    max_num_seqs: int = num(256, ge=1)
+    #: let vLLM download a hub id (else the policy must be a local folder, as this offline setup needs)
+    allow_hub: bool = False
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """The bounds of the rollout/training mismatch corrections (epo_cli/algos/rollout_correction.py): token
+    weights min(pi_trainer / pi_engine, token_cap) (Yao et al. 2025's truncated importance sampling) and a
+    sequence mask dropping rows whose geometric-mean ratio leaves [1/seq_bound, seq_bound]. The mismatch
+    metrics count the tokens and rows past them (rollout/tis_truncated_share, rollout/seq_masked_share)."""
+
+    #: token-level cap on the importance weight (verl's rollout_is_threshold default: 2.0)
+    token_cap: float = num(2.0, gt=1)
+    #: sequence mask bound on the per-token geometric-mean ratio (verl's geometric mask: [1/bound, bound])
+    seq_bound: float = num(2.0, gt=1)
+
+
+@dataclass
 class RolloutConfig:
+    #: what generates the rollouts: hf (rollout/generation.py) | vllm | a plugin's "package.module:Class"
+    engine: str = one_of("hf", registry="rollout_engines")
+    vllm: VLLMRolloutConfig = field(default_factory=VLLMRolloutConfig)
+    #: log rollout/logp_diff_* (engine vs trainer log-probs of the sampled tokens) every step; null: on for
+    #: every engine but hf, whose log-probs come from the module the trainer scores with (their difference
+    #: is rounding that depends on how rows were batched: it would make the metrics batch-dependent)
+    mismatch_metrics: bool | None = None
+    correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     max_new_tokens: int = num(64, ge=1)
     max_prompt_tokens: int = num(1024, ge=1)
     #: sampling temperature of the training rollouts (> 0: the policy gradient needs a sampling policy; at

@@ -58,12 +58,13 @@ from epo_cli.config import (
 from epo_cli.envs import env_config_class
 from epo_cli.errors import ConfigError
 from epo_cli.registry import Registry
+from epo_cli.rollout.engines import ROLLOUT_ENGINES, register_plugin_engine
 from epo_cli.rollout.prompts import get_template
 from epo_cli.training.curriculum import CURRICULA, check_curriculum, check_levels_fit
 from epo_cli.training.memory import check_memory
 
 #: every registry a `one_of(registry=...)` field may name
-_REGISTRIES: dict[str, Registry] = {**REGISTRIES, "curricula": CURRICULA}
+_REGISTRIES: dict[str, Registry] = {**REGISTRIES, "curricula": CURRICULA, "rollout_engines": ROLLOUT_ENGINES}
 
 
 def _schema_for(cfg: DictConfig) -> DictConfig:
@@ -140,6 +141,7 @@ def validate(raw: DictConfig) -> DictConfig:
         key = getattr(err, "full_key", None) or _unresolvable_key(raw)
         where = f"at '{key}'" if key else "(a ${...} interpolation)"
         raise ConfigError(f"Invalid config value {where}: {str(err).splitlines()[0]}") from None
+    register_plugin_engine(str(cfg.rollout.engine))  # rollout.engine=package.module:Class (a plugin)
     registries = {key: registry.names() for key, registry in _REGISTRIES.items()}
     check_field_rules(cfg, RunConfig, registries=registries, schemas={"env": env_config_class(env_name)})
     if cfg.algo.estimator == "auto":

@@ -70,7 +70,8 @@ from epo_cli.models.loading import (
     model_source,
     resolve_dtype,
 )
-from epo_cli.rollout.episodes import Episode, ExpertPolicy, ModelPolicy, Policy
+from epo_cli.rollout.engines.base import evaluation_policy
+from epo_cli.rollout.episodes import Episode, ExpertPolicy, Policy
 from epo_cli.rollout.prompts import PromptBuilder, chat_encoder
 from epo_cli.rundir.checkpoint_paths import resolve_checkpoint
 from epo_cli.rundir.folder import load_run_config, lock_folder, override_keys
@@ -308,7 +309,7 @@ def build_policy(opts: EvalCommandConfig, cfg: DictConfig, suite: EnvSuite, temp
     which = opts.checkpoint or ("final" if has_final or opts.run is None else "latest")
     model, tokenizer, source, resolved = load_model(cfg, suite, opts.run, which, device)
     check_context(model, cfg.rollout.max_prompt_tokens, cfg.rollout.max_new_tokens, source)
-    policy = ModelPolicy.from_rollout(model, tokenizer, cfg.rollout, temperature, len(tokenizer))
+    policy = evaluation_policy(model, tokenizer, cfg, source, temperature)  # through rollout.engine
     # latest/best move as training goes on: name the file after the step they resolved to
     label = (resolved or which) if opts.run is not None else "model"
     return policy, tokenizer, PolicyInfo(label, which if opts.run is not None else None, resolved or which,

@@ -335,6 +335,87 @@ def _reserve_cache(cache, capacity: int) -> None:
 # ---- generation ------------------------------------------------------------------------------------------
 
 
+class _Batch:
+    """The rows still in the decode batch: their KV cache, attention mask, next positions and which original
+    row each is (`rows`). `prefill` builds it; `drop_finished` and `advance` change it."""
+
+    def __init__(self, cache, mask: torch.Tensor, next_position: torch.Tensor, rows: torch.Tensor,
+                 prompt_width: int, cache_kw: str) -> None:
+        self.cache, self.mask, self.next_position, self.rows = cache, mask, next_position, rows
+        self.prompt_width, self.cache_kw = prompt_width, cache_kw
+
+    @classmethod
+    def prefill(cls, model: nn.Module, prompts: list[list[int]], pad_id: int, shared_prefill: bool,
+                max_new_tokens: int) -> tuple[_Batch, torch.Tensor]:
+        """Run the prompts through the model (each distinct prompt once with shared_prefill: its cache rows
+        are then copied to every row that has it); the batch and the rows' next-token logits [B, V] float32."""
+        device = next(model.parameters()).device
+        distinct, row_of = _distinct_prompts(prompts) if shared_prefill else (prompts, None)
+        ids, mask = left_pad(distinct, pad_id, device)  # [U, P]
+        position = positions_from_mask(mask)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=position, use_cache=True, logits_to_keep=1)
+        cache = _output_cache(out)
+        logits = out.logits[:, -1].float()  # [U, V]
+        if row_of is not None:  # copy each distinct prompt's cache (and its next-token logits) to its rows
+            index = torch.tensor(row_of, device=device)  # [B] -> row in the distinct batch
+            cache.batch_select_indices(index)
+            mask, position, logits = mask[index], position[index], logits[index]
+        num_rows, prompt_width = len(prompts), mask.shape[1]
+        # the attention mask of every step, allocated once: step t attends to prompt_width + t + 1 columns
+        mask = torch.cat([mask, mask.new_ones((num_rows, max_new_tokens))], dim=1)
+        if _takes_boolean_4d_mask(model):
+            mask = mask.bool()[:, None, None, :]  # [B, 1, 1, width]
+        _reserve_cache(cache, prompt_width + max_new_tokens)
+        rows = torch.arange(num_rows, device=device)
+        return cls(cache, mask, position[:, -1] + 1, rows, prompt_width, _cache_kwarg(model)), logits
+
+    def drop(self, keep: torch.Tensor) -> None:
+        """Keep only batch rows `keep` (indices), with their cache rows."""
+        self.cache.batch_select_indices(keep)
+        self.mask, self.next_position, self.rows = self.mask[keep], self.next_position[keep], self.rows[keep]
+
+    def advance(self, model: nn.Module, tokens: torch.Tensor, step: int) -> torch.Tensor:
+        """Feed each row's step-`step` token; the next-token logits [B, V] float32."""
+        out = model(input_ids=tokens[:, None], attention_mask=self.mask[..., :self.prompt_width + step + 1],
+                    position_ids=self.next_position[:, None], use_cache=True, **{self.cache_kw: self.cache})
+        self.cache = _output_cache(out)
+        self.next_position = self.next_position + 1
+        return out.logits[:, -1].float()
+
+
+class _StopCheck:
+    """Which rows a step's tokens finish: EOS (or pad), or the stop string (the matcher flags candidates, the
+    decode-based check on the last STOP_WINDOW tokens confirms them; module docstring)."""
+
+    def __init__(self, tokenizer, stop: str, vocab: int, num_rows: int, device: torch.device) -> None:
+        self.tokenizer, self.stop = tokenizer, stop
+        self.is_eos = torch.zeros(vocab, dtype=torch.bool, device=device)
+        for token in {tokenizer.eos_token_id, tokenizer.pad_token_id} - {None}:
+            if token < vocab:
+                self.is_eos[token] = True
+        self.matcher = stop_matcher(tokenizer, stop, vocab, device) if stop else None
+        self.state = torch.zeros(num_rows, dtype=torch.long, device=device)  # per batch row
+
+    def finished(self, tokens: torch.Tensor, live: torch.Tensor, generated: torch.Tensor, rows: torch.Tensor,
+                 step: int) -> list[int]:
+        """The live batch rows that `tokens` (this step's, [B]) finish; advances the stop automaton."""
+        flagged = self.is_eos[tokens]  # EOS ends a row; a flagged stop is confirmed below
+        if self.matcher is not None:
+            flagged = flagged | self.matcher.completes[self.state, tokens]
+            self.state = self.matcher.next_state[self.state, tokens]
+        elif self.stop:  # no matcher for this tokenizer: the decode-based check on every row
+            flagged = torch.ones_like(flagged)
+        done = []
+        for b in (flagged & live).nonzero()[:, 0].tolist():
+            window = generated[int(rows[b]), max(0, step + 1 - STOP_WINDOW):step + 1].tolist()
+            if bool(self.is_eos[int(tokens[b])]) or self.stop in self.tokenizer.decode(window):
+                done.append(b)
+        return done
+
+    def keep(self, index: torch.Tensor) -> None:
+        self.state = self.state[index]
+
+
 @torch.no_grad()
 def generate(
     model: nn.Module,
@@ -355,44 +436,19 @@ def generate(
     produces); the scoring forward applies the same limit.
     shared_prefill: prefill each distinct prompt once (module docstring).
     logprobs: if given (an empty list), filled with each response token's log-probability under the
-    sampling temperature (before top-k/top-p), row by row: a diagnostic; training scores its own.
+    sampling temperature (before top-k/top-p), row by row: the engine's side of the mismatch metrics.
     compact_below: finished rows leave the batch once the live share of its rows is below this (1.0: at
     every finish; 0: never). It changes no token, only the work.
     """
     device = next(model.parameters()).device
-    pad_id = tokenizer.pad_token_id
-    cache_kw = _cache_kwarg(model)
-
-    distinct, row_of = _distinct_prompts(prompts) if shared_prefill else (prompts, None)
-    ids, mask = left_pad(distinct, pad_id, device)  # [U, P]
-    position = positions_from_mask(mask)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=position, use_cache=True, logits_to_keep=1)
-    cache = _output_cache(out)
-    logits = out.logits[:, -1].float()  # [U, V]
-    if row_of is not None:  # copy each distinct prompt's cache (and its next-token logits) to its rows
-        index = torch.tensor(row_of, device=device)  # [B] -> row in the distinct batch
-        cache.batch_select_indices(index)
-        mask, position, logits = mask[index], position[index], logits[index]
-    num_rows, prompt_width, vocab = len(prompts), mask.shape[1], logits.shape[-1]
-    next_position = position[:, -1] + 1  # [B]
-    # the attention mask of every step, allocated once: step t attends to prompt_width + t + 1 columns
-    mask = torch.cat([mask, mask.new_ones((num_rows, params.max_new_tokens))], dim=1)
-    if _takes_boolean_4d_mask(model):
-        mask = mask.bool()[:, None, None, :]  # [B, 1, 1, width]
+    batch, logits = _Batch.prefill(model, prompts, tokenizer.pad_token_id, shared_prefill, params.max_new_tokens)
+    num_rows, vocab = len(prompts), logits.shape[-1]
     keys = seed_keys(seeds, device) if seeds is not None else None
-    _reserve_cache(cache, prompt_width + params.max_new_tokens)
-
-    is_eos = torch.zeros(vocab, dtype=torch.bool, device=device)
-    for token in {tokenizer.eos_token_id, tokenizer.pad_token_id} - {None}:
-        if token < vocab:
-            is_eos[token] = True
-    matcher = stop_matcher(tokenizer, params.stop, vocab, device) if params.stop else None
-    stop_state = torch.zeros(num_rows, dtype=torch.long, device=device)
+    stops = _StopCheck(tokenizer, params.stop, vocab, num_rows, device)
 
     generated = torch.zeros((num_rows, params.max_new_tokens), dtype=torch.long, device=device)
     token_logprobs = torch.zeros((num_rows, params.max_new_tokens), device=device) if logprobs is not None else None
     lengths = [params.max_new_tokens] * num_rows  # until a row finishes
-    rows = torch.arange(num_rows, device=device)  # original index of each batch row
     live = torch.ones(num_rows, dtype=torch.bool, device=device)  # batch rows still generating
     live_count = num_rows
     for step in range(params.max_new_tokens):
@@ -400,39 +456,25 @@ def generate(
             logits = logits[:, :vocab_limit]
         uniforms = counter_uniforms(keys, step) if keys is not None else None
         tokens = sample_next(logits, params, uniforms, check=live)  # finished rows' samples are ignored
+        rows = batch.rows
         generated[rows, step] = tokens
         if token_logprobs is not None:
             scaled = logits / params.temperature if params.temperature > 0 else logits
             token_logprobs[rows, step] = scaled.log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
-
-        flagged = is_eos[tokens]  # EOS ends a row; a flagged stop is confirmed below
-        if matcher is not None:
-            flagged = flagged | matcher.completes[stop_state, tokens]
-            stop_state = matcher.next_state[stop_state, tokens]
-        elif params.stop:  # no matcher for this tokenizer: the decode-based check on every row
-            flagged = torch.ones_like(flagged)
-        for b in (flagged & live).nonzero()[:, 0].tolist():
-            row = int(rows[b])
-            token = int(tokens[b])
-            window = generated[row, max(0, step + 1 - STOP_WINDOW):step + 1].tolist()
-            if bool(is_eos[token]) or params.stop in tokenizer.decode(window):
-                live[b] = False
-                live_count -= 1
-                lengths[row] = step + 1
+        for b in stops.finished(tokens, live, generated, rows, step):
+            live[b] = False
+            live_count -= 1
+            lengths[int(rows[b])] = step + 1
         if live_count == 0 or step + 1 == params.max_new_tokens:
             break
         if live_count < compact_below * len(rows):  # finished rows leave the batch, with their cache rows
             index = live.nonzero()[:, 0]
-            cache.batch_select_indices(index)
-            mask, tokens, next_position, rows = mask[index], tokens[index], next_position[index], rows[index]
-            stop_state, live = stop_state[index], live[index]
+            batch.drop(index)
+            stops.keep(index)
+            tokens, live = tokens[index], live[index]
             if keys is not None:
                 keys = keys[index]
-        out = model(input_ids=tokens[:, None], attention_mask=mask[..., :prompt_width + step + 1],
-                    position_ids=next_position[:, None], use_cache=True, **{cache_kw: cache})
-        cache = _output_cache(out)
-        next_position = next_position + 1
-        logits = out.logits[:, -1].float()
+        logits = batch.advance(model, tokens, step)
 
     tokens_of = generated.tolist()
     responses = [tokens_of[row][:lengths[row]] for row in range(num_rows)]

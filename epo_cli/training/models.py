@@ -1,9 +1,11 @@
-"""The models of a run, built once: tokenizer, policy (DeepSpeed engine + the copy that generates), the
-frozen reference (a `kl` loss term) and the critic (estimator gae).
+"""The models of a run, built once: tokenizer, policy (DeepSpeed engine + the module that scores), the
+rollout engine that generates (rollout.engine), the frozen reference (a `kl` loss term) and the critic
+(estimator gae).
 
-The update part (training/update.py) trains `engine` and `critic_engine`; the group sampler, evaluation
-and the scoring forward use `policy.module` (the engine's module, or under ZeRO-3 a full copy gathered
-after each update: engine.RolloutModule), which `refresh()` brings up to date.
+The update part (training/update.py) trains `engine` and `critic_engine`; the scoring forward uses
+`policy.module` (the engine's module, or under ZeRO-3 a full copy gathered after each update:
+engine.RolloutModule); the group sampler and evaluation sample through `rollout_engine`
+(`sampling_policy`). `sync_weights()`, the trainer's step after each update, brings both up to date.
 """
 
 from __future__ import annotations
@@ -24,7 +26,14 @@ from epo_cli.models.loading import (
     model_source,
     resolve_dtype,
 )
-from epo_cli.rollout.episodes import ModelPolicy
+from epo_cli.rollout.engines import mismatch_metrics_on
+from epo_cli.rollout.engines.base import (
+    EngineContext,
+    EnginePolicy,
+    RolloutEngine,
+    build_rollout_engine,
+    sampling_config,
+)
 from epo_cli.training.engine import DistInfo, EngineSettings, RolloutModule, build_engine, inference_copy
 from epo_cli.training.packing import enable_packing
 
@@ -39,18 +48,33 @@ class Models:
     ref_model: nn.Module | None  # frozen reference (only with a `kl` loss term)
     critic_engine: Any | None = None  # the critic's DeepSpeed engine (estimator gae only)
     critic: RolloutModule | None = None
+    rollout_engine: RolloutEngine | None = None  # what generates the rollouts (rollout.engine)
 
-    def refresh(self) -> None:
-        """The generating copies of the policy (and critic) take the updated weights (collective, ZeRO-3)."""
-        self.policy.refresh()
+    def sync_weights(self) -> None:
+        """After an update (or a resume): the rollout engine and the scoring copies take the trained weights
+        (every rank calls it: ZeRO-3 gathers), and the scoring modules return to eval mode (the update left
+        them in train mode: dropout)."""
+        if self.rollout_engine is not None:
+            self.rollout_engine.sync_weights()  # refreshes policy's copy first (the engines read it)
+        else:
+            self.policy.refresh()
+        self.policy.module.eval()
         if self.critic is not None:
             self.critic.refresh()
+            self.critic.module.eval()
 
-    def sampling_policy(self, rollout: Any, temperature: float | None = None) -> ModelPolicy:
-        """The policy that plays episodes: `policy.module` sampling with the rollout.* settings, at `temperature`
-        (default: rollout.temperature, the training rollouts')."""
+    def refresh(self) -> None:
+        """The old name of sync_weights (scripts and other callers)."""
+        self.sync_weights()
+
+    def sampling_policy(self, rollout: Any, temperature: float | None = None) -> EnginePolicy:
+        """The policy that plays episodes: the rollout engine sampling with the rollout.* settings at
+        `temperature` (default: rollout.temperature, the training rollouts'; it then keeps the engine's
+        log-probs for the mismatch metrics)."""
+        training = temperature is None
         temperature = rollout.temperature if temperature is None else temperature
-        return ModelPolicy.from_rollout(self.policy.module, self.tokenizer, rollout, temperature, self.vocab_limit)
+        return EnginePolicy(self.rollout_engine, self.tokenizer, sampling_config(rollout, temperature),
+                            rollout.generation_batch_size, keep_logprobs=training and mismatch_metrics_on(rollout))
 
 
 @dataclass(frozen=True)
@@ -69,6 +93,7 @@ class ModelSettings:
     weight_decay: float  # the policy's (the critic's is 0)
     critic_lr: float  # algo.value.lr, else algo.lr
     engine: EngineSettings  # DeepSpeed (ZeRO stage, batch sizes, precision)
+    rollout: Any = None  # the rollout section: rollout.engine and its settings (None: the hf engine's defaults)
 
     @classmethod
     def from_config(cls, cfg: Any, dist: DistInfo) -> ModelSettings:
@@ -77,7 +102,7 @@ class ModelSettings:
                    max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.seed, pack_tokens=algo.pack_tokens,
                    reference="kl" in algo.loss_terms, critic=algo.estimator == "gae", lr=algo.lr,
                    weight_decay=algo.weight_decay, critic_lr=algo.value.lr or algo.lr,
-                   engine=EngineSettings.from_config(cfg, dist))
+                   engine=EngineSettings.from_config(cfg, dist), rollout=cfg.rollout)
 
 
 def build_models(settings: ModelSettings, dist: DistInfo, suite: EnvSuite) -> Models:
@@ -104,6 +129,19 @@ def build_models(settings: ModelSettings, dist: DistInfo, suite: EnvSuite) -> Mo
         critic_template = inference_copy(critic, stage)
         models.critic_engine = build_engine(critic, settings.engine, lr=settings.critic_lr)
         models.critic = RolloutModule(models.critic_engine, critic_template, stage)
-        models.critic.refresh()  # ZeRO-3 copies take rank 0's weights, which DeepSpeed broadcast
-    models.policy.refresh()
+    models.rollout_engine = build_rollout_engine(rollout_section(settings).engine, EngineContext(
+        models.policy, tokenizer, models.vocab_limit, rollout_section(settings), source, dtype, dist.device,
+        settings.max_prompt_tokens + settings.max_new_tokens, settings.seed, model_cfg.lora.rank > 0))
+    models.sync_weights()  # ZeRO-3 copies take rank 0's weights, which DeepSpeed broadcast
     return models
+
+
+def rollout_section(settings: ModelSettings) -> Any:
+    """The rollout section the engine is built from (ModelSettings built in code: the schema's defaults)."""
+    if settings.rollout is not None:
+        return settings.rollout
+    from omegaconf import OmegaConf
+
+    from epo_cli.config import RolloutConfig
+
+    return OmegaConf.structured(RolloutConfig)

@@ -19,10 +19,12 @@ One RL iteration (`rl_step`, numbered as there). Steps 1-5 are public methods th
                                                       + lambda*beta_k*entropy_smoothing)
                       engine.backward(loss); one engine.step() per mini-batch; critic likewise (ppo);
                       returns every row scored; then skipped steps and finite weights checked on all ranks
+    sync           <- the rollout engine (rollout.engine: hf | vllm) and the scoring copies take the updated
+                      weights (Models.sync_weights; ZeRO-3 gathers them, vLLM reloads them) and eval mode
     6 entropy      <- per-turn statistics of the rollout's entropies (all-reduced; no extra forward pass),
                       fluctuation monitor (EntropyControl); collapse/* diagnostics (CollapseWatch,
                       training/collapse.py; algo.diagnostics)
-    7 state        <- entropy history and schedule (EntropyControl), rollout copy of the weights, curriculum
+    7 state        <- entropy history and schedule (EntropyControl), curriculum
     8 metrics      <- epo_cli/training/step_metrics.py; the collapse alert (CollapseWatch.alert)
 Around each step (`_loop`): the learning rate from its schedule before; evaluate every eval_every, log,
 checkpoint every save_every after (`_after_step`). SFT (training/sft.py) uses the same loop and update.
@@ -242,6 +244,12 @@ class Trainer:
         update_s = time.perf_counter() - t0
         metrics.update(result.metrics)
         batch = result.batch
+        metrics.update(self.mismatch_metrics(rollout, batch))  # engine vs trainer log-probs (the rollout's)
+
+        # sync: the rollout engine and the scoring copies take the updated weights (every rank: a collective)
+        t0 = time.perf_counter()
+        self.sync_weights()
+        metrics["perf/sync_s"] = time.perf_counter() - t0
 
         # 6. entropy statistics of the rollout (all ranks; no extra forward pass), the fluctuation monitor;
         #    collapse diagnostics, before step 7 so that EPO's band is the one this step was trained against
@@ -251,9 +259,8 @@ class Trainer:
         metrics.update(self.collapse.metrics(batch, rollout.episodes, self.entropy.history, step, subgoal_coef, width))
 
         # 7. state: entropy history (its references use steps 0..k-1 only, paper: Href(k)) and schedule, the
-        #    rollout's copy of the weights, the curriculum (true task success per level, all ranks)
+        #    curriculum (true task success per level, all ranks)
         self.entropy.observe(entropy)
-        self.models.refresh()
         reduced = reduce_sums(rollout_sums(rollout.episodes, rollout.stats), self.dist.device)
         self.curriculum.observe(step, level_results(reduced))
 
@@ -269,7 +276,12 @@ class Trainer:
     def sample(self, step: int, total: int) -> Rollout:
         """Step 1: this rank's episodes of step `step` with the rollout policy (GroupSampler.sample); every
         `on_rollout` callback then sees the rollout."""
-        rollout = self.sampler.sample(self.models.sampling_policy(self.cfg.rollout), step, total)
+        policy = self.models.sampling_policy(self.cfg.rollout)
+        rollout = self.sampler.sample(policy, step, total)
+        if policy.keep_logprobs:  # the engine's log-probs of each row's response (the mismatch metrics)
+            batch = rollout.batch
+            rollout = replace(rollout, engine_logprobs=[policy.logprobs_of(p, r) for p, r in
+                                                        zip(batch.prompt_ids, batch.response_ids)])
         for callback in self.on_rollout:
             callback(rollout, step)
         return rollout
@@ -298,8 +310,26 @@ class Trainer:
 
     def update(self, batch: TurnBatch, coefs: Coefficients, step: int) -> UpdateResult:
         """Step 5: the policy (and critic) update on `batch` (PolicyUpdate.run), then its checks on every rank."""
+        self.models.rollout_engine.before_update()  # vLLM on a shared GPU: sleeps (sync_weights wakes it)
         result = self.policy_update.run(batch, coefs.loss, step, self.entropy.history)
         return self._check_update_on_all_ranks(result)
+
+    def sync_weights(self) -> None:
+        """The step after the update: the rollout engine takes the trained weights (hf: ZeRO-3's copy gathered;
+        vllm: reloaded, its prefix cache reset) and the scoring modules go back to eval mode (Models.sync_weights).
+        The one place weights reach the rollouts; every rank calls it."""
+        self.models.sync_weights()
+
+    def mismatch_metrics(self, rollout: Rollout, batch: TurnBatch) -> dict[str, float]:
+        """rollout/logp_diff_* and friends (algos/rollout_correction.py): the engine's log-probs of the sampled
+        tokens against the trainer's old log-probs (all ranks: all-reduced); {} when rollout.mismatch_metrics
+        is off (the sampling policy then kept none)."""
+        from epo_cli.algos.rollout_correction import mismatch_metrics_from_sums, mismatch_sums
+
+        if rollout.engine_logprobs is None:
+            return {}
+        sums = mismatch_sums(rollout.engine_logprobs, batch.old_logprobs, self.cfg.rollout.correction)
+        return mismatch_metrics_from_sums(sums, all_reduce_sum, all_reduce_max, self.dist.device)
 
     def turn_width(self, step: int, total: int) -> int:
         """How many turn slots the entropy statistics have: env.max_turns, or the curriculum's longer limit
@@ -310,7 +340,7 @@ class Trainer:
         """One behaviour-cloning step on the demonstrations `data` (training/sft.py)."""
         coefs = loss_coefficients(self.cfg.algo, 0.0, 0.0, 0.0)
         result = self._check_update_on_all_ranks(sft_step(self.policy_update, data, coefs, step))
-        self.models.policy.refresh()
+        self.sync_weights()
         return result.metrics
 
     def _check_update_on_all_ranks(self, result: UpdateResult) -> UpdateResult:
@@ -340,7 +370,7 @@ class Trainer:
             self.state = TrainState(**payload["trainer"])
             self.entropy.load_state_dict(payload)
             self.curriculum.load_state_dict(payload.get("curriculum", {}))
-        self.models.refresh()
+        self.models.sync_weights()
 
     def _maybe_checkpoint(self, done_steps: int, total: int, metrics: dict[str, float]) -> None:
         trainer, best_key = self.cfg.trainer, self.cfg.trainer.best_metric
