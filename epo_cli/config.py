@@ -124,7 +124,11 @@ class Switch:
 #: keys renamed since runs were saved with them: old -> new (a saved config.yaml is read with the new names,
 #: and an override that gives an old one is told the new one)
 RENAMED_KEYS = {"algo.phase.value": "algo.phase.coef", "algo.phase.beta_start": "algo.phase.start",
-                "algo.phase.beta_peak": "algo.phase.peak", "algo.phase.beta_end": "algo.phase.end"}
+                "algo.phase.beta_peak": "algo.phase.peak", "algo.phase.beta_end": "algo.phase.end",
+                "algo.entropy.decay": "algo.turn_decay"}
+
+#: values renamed since runs were saved with them: key -> {old value: new value} (likewise read and told)
+RENAMED_VALUES = {"algo.kl.schedule": {"two_phase": "phase_kl_ramp"}}
 
 
 #: how a true/false setting is written, wherever it is given (Hydra reads these words in any case)
@@ -206,7 +210,6 @@ class ValueConfig:
 class EntropyTermConfig:
     #: token_mean (verl-style) | trajectory (EPO Eq. 2, nested mean) | turn_decay (gamma^t weights)
     mode: str = one_of("token_mean", registry="entropy_modes")
-    decay: float = num(0.9, gt=0, le=1)
 
 
 @dataclass
@@ -239,7 +242,7 @@ class PhaseConfig:
     start: float = num(0.1, ge=0)
     peak: float = num(0.5, ge=0)
     end: float = num(0.2, ge=0)
-    #: algo.kl.schedule=two_phase: the KL weight, 0 while exploring, then kl_start -> kl_end
+    #: algo.kl.schedule=phase_kl_ramp: the KL weight, 0 while exploring, then kl_start -> kl_end
     kl_start: float = num(0.2, ge=0)
     kl_end: float = num(0.8, ge=0)
 
@@ -250,7 +253,7 @@ class KLConfig:
     #: k1 | k2 | k3 (= low_var_kl, clamped)
     estimator: str = one_of("low_var_kl", registry="kl_estimators")
     aggregation: str = one_of("token-mean", registry="aggregations")
-    #: constant (coef), or two_phase (weight taken from algo.phase's KL ramp: 0, then kl_start -> kl_end)
+    #: constant (coef), or phase_kl_ramp (weight taken from algo.phase's KL ramp: 0, then kl_start -> kl_end)
     schedule: str = one_of("constant", registry="kl_schedules")
 
 
@@ -414,6 +417,9 @@ class AlgoConfig:
     #: chance per turn that the demonstrator takes another admissible command than the expert's (keeping the
     #: expert's thought): a noisy teacher, whose clone RL can improve on (docs/learning.md)
     demo_slip: float = num(0.0, ge=0, lt=1)
+    #: the turn-decay aggregation (algo.entropy.mode=turn_decay, any `turn-decay` aggregation): turn t of an
+    #: episode weighs turn_decay ** t
+    turn_decay: float = num(0.9, gt=0, le=1)
     # term settings
     policy_clip: PolicyClipConfig = field(default_factory=PolicyClipConfig)
     value: ValueConfig = field(default_factory=ValueConfig)

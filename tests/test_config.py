@@ -18,7 +18,7 @@ def shipped_options() -> list[tuple[str, str]]:
 
 
 #: what a preset leaves to the command line (`${required:...}`): improve_on_teacher continues a warm start
-PRESET_NEEDS = {"improve_on_teacher": ["model.path=/a/warm/start/final"]}
+PRESET_NEEDS = {"improve_on_teacher": ["model.path=/a/warm/start/final"], "smollm2_rl": ["model.path=/a/warm/start/final"]}
 
 
 #: env options that are a preset of another environment (their env.name is that environment's)
@@ -88,7 +88,11 @@ def test_behaviour_cloning_is_an_algorithm_without_an_rl_base() -> None:
     (["algo=grpo", "algo.group_size=1"], "needs algo.group_size >= 2"),
     (["entropy.schedule=sine"], "Valid values"),
     # a key renamed to its schedule argument's name: the new name, not the closest old one (kl_start)
-    (["algo.phase.beta_start=0.2"], "Unknown config key 'algo.phase.beta_start': it was renamed algo.phase.start"),
+    (["algo.phase.beta_start=0.2"], "Unknown config key 'algo.phase.beta_start': it was renamed to algo.phase.start"),
+    # renamed for what they are: the turn-decay aggregation's discount, the KL weight's ramp over algo.phase
+    (["algo.entropy.decay=0.5"], "Unknown config key 'algo.entropy.decay': it was renamed to algo.turn_decay"),
+    (["algo.kl.schedule=two_phase"], "algo.kl.schedule=two_phase was renamed to phase_kl_ramp (a run saved with "
+                                     "the old name still loads). Use algo.kl.schedule=phase_kl_ramp."),
 ])
 def test_bad_config_is_one_clear_error(overrides: list[str], needle: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -163,6 +167,24 @@ def test_a_run_saved_with_the_old_phase_keys_still_loads(tmp_path) -> None:
     loaded = load_run_config(tmp_path)
     assert OmegaConf.to_container(loaded.algo.phase) == OmegaConf.to_container(cfg.algo.phase)
     assert loaded.algo.phase.start == 0.3 and loaded.algo.phase.coef == 1.5
+
+
+def test_a_run_saved_with_the_old_kl_ramp_and_turn_decay_names_still_loads(tmp_path) -> None:
+    """algo.entropy.decay became algo.turn_decay (another section) and algo.kl.schedule=two_phase became
+    phase_kl_ramp: a run saved before is read under the new names, with its values."""
+    from omegaconf import OmegaConf
+
+    from epo_cli.rundir.folder import load_run_config
+
+    cfg = compose(["algo=epo", "algo.kl.schedule=phase_kl_ramp", "algo.entropy.mode=turn_decay",
+                   "algo.turn_decay=0.7"])
+    saved = OmegaConf.to_container(cfg, resolve=True)
+    saved["algo"]["entropy"]["decay"] = saved["algo"].pop("turn_decay")
+    saved["algo"]["kl"]["schedule"] = "two_phase"
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(saved)))
+    loaded = load_run_config(tmp_path)
+    assert OmegaConf.to_container(loaded.algo) == OmegaConf.to_container(cfg.algo)
+    assert loaded.algo.turn_decay == 0.7 and loaded.algo.kl.schedule == "phase_kl_ramp"
 
 
 def test_conf_ships_in_the_wheel(tmp_path) -> None:

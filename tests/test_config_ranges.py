@@ -257,14 +257,18 @@ UNUSED = [
     (["algo=epo", "algo.phase.peak=0.9"],
      "algo.phase.peak=0.9: no effect in this run (read only with algo.phase.schedule=two_phase)."),
     (["algo=epo", "algo.phase.kl_end=0.9"],
-     "algo.phase.kl_end=0.9: no effect in this run (read only with algo.kl.schedule=two_phase)."),
+     "algo.phase.kl_end=0.9: no effect in this run (read only with algo.kl.schedule=phase_kl_ramp)."),
     (["algo=epo", "entropy.peak=0.01"], "entropy.peak=0.01: no effect in this run (read only with "
                                         "entropy.schedule=two_phase)."),
-    (["algo=epo", "algo.kl.schedule=two_phase", "algo.kl.coef=0.5"],
+    (["algo=epo", "algo.kl.schedule=phase_kl_ramp", "algo.kl.coef=0.5"],
      "algo.kl.coef=0.5: no effect in this run (read only with algo.kl.schedule=constant)."),
     (["algo=ppo", "algo.grpo.mean_over=trajectories"],
      "algo.grpo.mean_over=trajectories: no effect in this run (read only with algo.estimator=gigpo|grpo)."),
-    (["algo=epo", "algo.entropy.mode=turn_decay", "algo.entropy.decay=0.5"], None),
+    (["algo=epo", "algo.entropy.mode=turn_decay", "algo.turn_decay=0.5"], None),
+    (["algo=epo", "algo.turn_decay=0.5"], "algo.turn_decay=0.5: no effect in this run (read only with "
+     "algo.policy_clip.aggregation=turn-decay or algo.entropy.mode=turn_decay or "
+     "algo.entropy_smoothing.aggregation=turn-decay or algo.kl.aggregation=turn-decay or "
+     "algo.nll_aggregation=turn-decay)."),
     (["curriculum.replay_share=0.5"], "curriculum.replay_share=0.5: no effect in this run (read only with "
                                       "curriculum.name=staged)."),
     (["curriculum.start_turns=4"], "curriculum.start_turns=4: no effect in this run (curriculum.horizon=false)."),

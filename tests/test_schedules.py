@@ -27,16 +27,16 @@ def test_registry_names():
     # one registry serves lambda and beta_k; the KL weight's names are its own
     assert set(SCHEDULES.names()) == {"constant", "linear", "cosine", "exp_anneal", "two_phase", "adaptive_target",
                                       "delayed_linear", "paper", "warmup_cosine"}
-    assert set(KL_SCHEDULES) == {"constant", "two_phase"}
+    assert set(KL_SCHEDULES) == {"constant", "phase_kl_ramp"}
     # a section can use the schedules whose parameters it holds: the entropy group has no gamma (paper) nor
     # warm-up keys; algo.phase has no decay_rate (exp_anneal) nor adaptive_target's keys
     assert set(WEIGHTS["lam"].choices()) == {
         "constant", "linear", "cosine", "exp_anneal", "two_phase", "adaptive_target", "delayed_linear"}
     assert set(WEIGHTS["beta"].choices()) == {"paper", "constant", "two_phase", "linear", "cosine", "delayed_linear"}
-    assert WEIGHTS["kl"].choices() == ["constant", "two_phase"]
+    assert WEIGHTS["kl"].choices() == ["constant", "phase_kl_ramp"]
     # each KL schedule's parameters are in the section its entry names: algo.kl.coef, algo.phase's KL ramp
-    assert [WEIGHTS["kl"].section(name) for name in ("constant", "two_phase")] == ["algo.kl", "algo.phase"]
-    assert schedule_parameters("two_phase", KL_SCHEDULES) == ["kl_start", "kl_end", "exploration_share"]
+    assert [WEIGHTS["kl"].section(name) for name in ("constant", "phase_kl_ramp")] == ["algo.kl", "algo.phase"]
+    assert schedule_parameters("phase_kl_ramp", KL_SCHEDULES) == ["kl_start", "kl_end", "exploration_share"]
 
 
 def test_a_section_holds_a_schedules_parameters_under_its_argument_names():
@@ -99,7 +99,7 @@ ARTICLE = PhaseConfig(
 )
 def test_two_phase_article_numbers(step, beta, kl):
     assert build_phase_schedule(ARTICLE)(step, 100) == pytest.approx(beta)
-    kl_weight = build_kl_schedule(AlgoConfig(kl=KLConfig(schedule="two_phase"), phase=ARTICLE))
+    kl_weight = build_kl_schedule(AlgoConfig(kl=KLConfig(schedule="phase_kl_ramp"), phase=ARTICLE))
     assert kl_weight(step, 100) == pytest.approx(kl)
 
 

@@ -131,7 +131,7 @@ def test_the_part_is_built_from_its_settings_alone_and_weighs_turns_by_their_dec
 
 
 def test_settings_from_a_run_config() -> None:
-    """from_config reads each setting once; the turn decay is algo.entropy.decay (EPO: 0.9), the critic's lr
+    """from_config reads each setting once; the turn decay is algo.turn_decay (EPO: 0.9), the critic's lr
     falls back to algo.lr, and a clamping monitor turns scoring reuse off."""
     settings = PolicyUpdateSettings.from_config(compose(["algo=epo", "seed=7"]))
     assert (settings.seed, settings.turn_decay, settings.critic_lr) == (7, 0.9, settings.lr)

@@ -491,7 +491,7 @@ def build_value_term(algo: Any) -> LossTerm:
 
 
 def required_aggregations(terms: nn.ModuleDict | list[LossTerm]) -> list[str]:
-    """Weight modes the micro-batches must carry for these terms (turn-decay uses algo.entropy.decay)."""
+    """Weight modes the micro-batches must carry for these terms (turn-decay uses algo.turn_decay)."""
     modules = terms.values() if isinstance(terms, nn.ModuleDict) else terms
     return sorted({term.aggregation for term in modules})
 

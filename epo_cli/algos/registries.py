@@ -199,11 +199,11 @@ for _name in ("k1", "k2", "k3", "low_var_kl"):  # low_var_kl is k3 (verl's name)
 
 ENTROPY_MODES.register("token_mean", "token-mean")  # verl's entropy bonus
 ENTROPY_MODES.register("trajectory", "trajectory")  # EPO Eq. 2: tokens -> turns -> trajectories
-ENTROPY_MODES.register("turn_decay", "turn-decay", reads=("algo.entropy.decay",))  # turn t weighs decay^t
+ENTROPY_MODES.register("turn_decay", "turn-decay", reads=("algo.turn_decay",))  # turn t weighs decay^t
 
 for _name in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "trajectory"):
     AGGREGATIONS.declare(_name)
-AGGREGATIONS.declare("turn-decay", reads=("algo.entropy.decay",))
+AGGREGATIONS.declare("turn-decay", reads=("algo.turn_decay",))
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -280,7 +280,7 @@ class KLRamp(Schedule):
 #: algo.kl.schedule -> the schedule of the KL weight; `sections`: the algo section that holds its parameters
 KL_SCHEDULES = Registry("KL schedule", root="algo")
 KL_SCHEDULES.register("constant", Constant, config=Constant, sections=("kl",))  # algo.kl.coef
-KL_SCHEDULES.register("two_phase", KLRamp, config=KLRamp, sections=("phase",))  # algo.phase's KL ramp
+KL_SCHEDULES.register("phase_kl_ramp", KLRamp, config=KLRamp, sections=("phase",))  # algo.phase's KL ramp
 
 
 def schedule_parameters(name: str, registry: Registry = SCHEDULES) -> list[str]:
@@ -337,7 +337,7 @@ def build_phase_schedule(cfg: Any) -> Schedule:
 
 
 def build_kl_schedule(algo: Any) -> Schedule:
-    """The KL weight, from algo.kl.schedule: algo.kl.coef (constant), or algo.phase's KL ramp (two_phase)."""
+    """The KL weight, from algo.kl.schedule: algo.kl.coef (constant), or algo.phase's KL ramp (phase_kl_ramp)."""
     section = KL_SCHEDULES.entry(algo.kl.schedule).sections[0]
     return build_schedule(algo.kl.schedule, getattr(algo, section), KL_SCHEDULES)
 

@@ -36,6 +36,7 @@ from epo_cli.algos.schedules import WEIGHTS, Weight, build_schedule, schedule_pa
 from epo_cli.compose.overrides import (
     blame_preset,
     check_override_forms,
+    check_renamed_values,
     check_required,
     hydra_overrides,
     preset_settings,
@@ -142,6 +143,7 @@ def validate(raw: DictConfig) -> DictConfig:
         where = f"at '{key}'" if key else "(a ${...} interpolation)"
         raise ConfigError(f"Invalid config value {where}: {str(err).splitlines()[0]}") from None
     register_plugin_engine(str(cfg.rollout.engine))  # rollout.engine=package.module:Class (a plugin)
+    check_renamed_values(cfg)
     registries = {key: registry.names() for key, registry in _REGISTRIES.items()}
     check_field_rules(cfg, RunConfig, registries=registries, schemas={"env": env_config_class(env_name)})
     if cfg.algo.estimator == "auto":

@@ -22,7 +22,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from epo_cli.config import GROUPS, RENAMED_KEYS, config_dir, group_options, schema_at
+from epo_cli.config import GROUPS, RENAMED_KEYS, RENAMED_VALUES, config_dir, group_options, schema_at
 from epo_cli.envs import env_config_class
 from epo_cli.errors import ConfigError
 
@@ -30,8 +30,8 @@ from epo_cli.errors import ConfigError
 def unknown_key_message(full_key: str, env_name: str) -> str:
     """An unknown key: the closest valid one and the keys of its section (or the new name of a renamed key)."""
     if full_key in RENAMED_KEYS:
-        return (f"Unknown config key '{full_key}': it was renamed {RENAMED_KEYS[full_key]} (a schedule's "
-                "parameters are named after its arguments). Use that name.")
+        return (f"Unknown config key '{full_key}': it was renamed to {RENAMED_KEYS[full_key]} (a run saved with "
+                "the old name still loads). Use that name.")
     parent, _, leaf = full_key.rpartition(".")
     owner = schema_at(parent, env_config_class(env_name))
     valid = [f.name for f in fields(owner)] if owner is not None else []
@@ -45,6 +45,16 @@ def unknown_key_message(full_key: str, env_name: str) -> str:
     if parent in GROUPS or parent == "":
         msg += "\nFix the override, or run `epo config show` to see every key and its value."
     return msg
+
+
+def check_renamed_values(cfg: DictConfig) -> None:
+    """A value renamed since (RENAMED_VALUES, e.g. algo.kl.schedule=two_phase): its new name, not the list
+    of valid values."""
+    for key, renamed in RENAMED_VALUES.items():
+        value = OmegaConf.select(cfg, key, default=None)
+        if isinstance(value, str) and value in renamed:
+            raise ConfigError(f"{key}={value} was renamed to {renamed[value]} (a run saved with the old name "
+                              f"still loads). Use {key}={renamed[value]}.")
 
 
 def translate_hydra_error(err: Exception) -> ConfigError:

@@ -34,7 +34,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from epo_cli.compose import validate
-from epo_cli.config import RENAMED_KEYS
+from epo_cli.config import RENAMED_KEYS, RENAMED_VALUES
 from epo_cli.errors import ConfigError, UserError
 from epo_cli.rundir.received import ReceivedFileError, read_json
 from epo_cli.rundir.saved_state import check_saved_config, load_yaml
@@ -158,8 +158,15 @@ def load_run_config(run: Path, command_line: dict[str, Any] | None = None,
     for old, new in RENAMED_KEYS.items():  # saved before the key was renamed: the same setting, its new name
         section, _, name = old.rpartition(".")
         node = OmegaConf.select(raw, section, default=None)
-        if isinstance(node, DictConfig) and name in node and new.rpartition(".")[2] not in node:
-            node[new.rpartition(".")[2]] = node.pop(name)
+        new_section, _, new_name = new.rpartition(".")
+        new_node = OmegaConf.select(raw, new_section, default=None)
+        if isinstance(node, DictConfig) and name in node and not (isinstance(new_node, DictConfig)
+                                                                   and new_name in new_node):
+            OmegaConf.update(raw, new, node.pop(name), force_add=True)  # the new key may be in another section
+    for key, renamed in RENAMED_VALUES.items():  # likewise a value renamed since
+        value = OmegaConf.select(raw, key, default=None)
+        if isinstance(value, str) and value in renamed:
+            OmegaConf.update(raw, key, renamed[value])
     check_saved_config(raw, path)  # every section and key present: a file cut short is refused
     for key in RETIRED_KEYS:
         section, _, name = key.rpartition(".")

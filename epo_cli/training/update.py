@@ -80,8 +80,7 @@ class PolicyUpdateSettings:
             mini_batch_size=algo.mini_batch_size, micro_batch_size=algo.micro_batch_size,
             pack_tokens=algo.pack_tokens, lr=algo.lr, critic_lr=algo.value.lr or algo.lr,
             value_coef=algo.value.coef,
-            # the YAML key lives in the entropy term's section (algo.entropy.decay), which also weighs turns
-            turn_decay=algo.entropy.decay,
+            turn_decay=algo.turn_decay,
             # algo.monitor.action=clamp: this step's coefficients need every entropy before the update
             reuse_scoring_forward=bool(algo.reuse_scoring_forward) and algo.monitor.action != "clamp",
         )
