@@ -17,7 +17,7 @@ def shipped_options() -> list[tuple[str, str]]:
     return [(g, o) for g in GROUPS if (config_dir() / g).is_dir() for o in group_options(g)]
 
 
-#: what a preset leaves to the command line (`${required:...}`): improve_on_teacher continues a warm start
+#: what a preset leaves to the command line (`${required:...}`): improve_on_teacher and smollm2_rl continue a warm start
 PRESET_NEEDS = {"improve_on_teacher": ["model.path=/a/warm/start/final"], "smollm2_rl": ["model.path=/a/warm/start/final"]}
 
 
