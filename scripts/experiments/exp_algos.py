@@ -27,7 +27,7 @@ import json
 import statistics
 from pathlib import Path
 
-from exp_common import epo, eval_rate, fluctuation, mean_std, rows_of, warm_start_run
+from exp_common import epo, eval_rate, fluctuation, rows_of, seed_cell, warm_start_run
 from omegaconf import OmegaConf
 
 ALGO_NAMES = {"ppo": "PPO", "grpo": "GRPO", "gigpo": "GiGPO", "epo_ppo": "PPO+EPO", "epo": "GRPO+EPO"}
@@ -92,7 +92,8 @@ def main() -> None:
     for group in sorted(results, key=lambda g: (order.index(g.split(" ")[0]) if g.split(" ")[0] in order else 99, g)):
         r = results[group]
         cells = [group, str(len(r["t1"]))] + [
-            mean_std(r[k]) for k in ("t1", "greedy", "train_last", "swing_mean", "swing_max", "sigma", "entropy_range")]
+            seed_cell(r[k])
+            for k in ("t1", "greedy", "train_last", "swing_mean", "swing_max", "sigma", "entropy_range")]
         lines.append("| " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     (out / "results.md").write_text(table + f"\n\nCurves: {sweep / 'plots' / 'index.md'}\n")

@@ -102,8 +102,9 @@ def fluctuation(rows: list[dict]) -> dict[str, float]:
             "entropy_range": (max(h) - min(h)) / statistics.mean(h) if h else float("nan")}
 
 
-def mean_std(xs: list[float]) -> str:
-    """`mean ± std` over seeds (sample std), the value alone for one seed, `-` for none (3 decimals)."""
+def seed_cell(xs: list[float]) -> str:
+    """A table cell of a statistic over seeds: `mean ± std` (sample std), the value alone for one seed, `-` for
+    none (3 decimals; epo_cli.analysis.sweep_summary.mean_pm_std; `mean_std` is the (mean, std) pair)."""
     return mean_pm_std(xs, ".3f", ".3f")
 
 

@@ -36,9 +36,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from exp_common import is_finished, run_jobs, seed_major, train_logged
-
-from epo_cli.analysis.sweep_summary import mean_pm_std
+from exp_common import is_finished, run_jobs, seed_cell, seed_major, train_logged
 
 HOUSEHOLD_LEVELS = ["tiny_open_pick_place", "small_pick_and_light", "medium_with_transforms",
                     "large_all_tasks", "alfworld_size_all_tasks"]
@@ -154,11 +152,6 @@ def smoothed(values: list[float | None], k: int) -> list[float | None]:
     return out
 
 
-def mean_sd(xs: list[float]) -> str:
-    """`mean ± std` over seeds, 3 decimals (the one format: epo_cli.analysis.sweep_summary.mean_pm_std)."""
-    return mean_pm_std(xs, ".3f", ".3f")
-
-
 def summary_rows(results: list[RunResult], threshold: float, smooth: int, steps: int) -> list[list[str]]:
     rows = []
     for arm in ARMS:
@@ -175,7 +168,7 @@ def summary_rows(results: list[RunResult], threshold: float, smooth: int, steps:
             mean = f"{statistics.fmean(hit):.1f}" if hit else f">{steps}"
             return f"{mean} ({len(hit)}/{len(xs)} seeds)"
 
-        rows.append([arm, str(len(rs)), mean_sd(final_eval), mean_sd(best_eval), reach(reach_eval),
+        rows.append([arm, str(len(rs)), seed_cell(final_eval), seed_cell(best_eval), reach(reach_eval),
                      reach(reach_train), f"{max(max(r.level) for r in rs):.0f}",
                      f"{statistics.fmean(r.wall_s for r in rs) / 60:.1f}"])
     return rows

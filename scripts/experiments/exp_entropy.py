@@ -42,9 +42,9 @@ from exp_common import (
     epo,
     eval_rate,
     fluctuation,
-    mean_std,
     rows_of,
     run_jobs,
+    seed_cell,
     study_parser,
     warm_start_run,
 )
@@ -144,7 +144,7 @@ def table(runs: list[dict], arms: list[str], base: dict[str, float]) -> str:
     lines.append("| warm start (SFT) | | " + " | ".join(warm) + " |")
     for key in arms:
         rs = [r for r in runs if r["arm"] == key]
-        cells = [mean_std([r[k] for r in rs]) if all(k in r for r in rs) else "-" for k, _ in shown]
+        cells = [seed_cell([r[k] for r in rs]) if all(k in r for r in rs) else "-" for k, _ in shown]
         lines.append(f"| {ARMS[key].label} | {len(rs)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

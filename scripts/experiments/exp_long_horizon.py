@@ -337,7 +337,8 @@ def collect(out: Path, arms: list[str], a: argparse.Namespace) -> list[dict]:
     return runs
 
 
-def mean_sd(xs: list[float]) -> tuple[float | None, float | None]:
+def mean_std(xs: list[float]) -> tuple[float | None, float | None]:
+    """Mean and sample std over seeds (None, None without a value; std 0 for one: JSON-ready)."""
     xs = [x for x in xs if x is not None]
     if not xs:
         return None, None
@@ -358,7 +359,7 @@ def arm_summary(rs: list[dict], threshold: float) -> dict:
         s[k] = statistics.fmean(r[k] for r in rs)
     for split in ("target", "longer"):
         for k in ("success", "episode_len", "moves", "revisits", "dead_end_visits", "entropy"):
-            s[f"{split}_{k}"], s[f"{split}_{k}_std"] = mean_sd([r[split][k] for r in rs if split in r])
+            s[f"{split}_{k}"], s[f"{split}_{k}_std"] = mean_std([r[split][k] for r in rs if split in r])
         s[f"{split}_per_seed"] = [r[split]["success"] for r in rs if split in r]
         shares = [r[split]["action_shares"] for r in rs if split in r]
         s[f"{split}_action_shares"] = ({kind: statistics.fmean(sh[kind] for sh in shares) for kind in ACTION_KINDS}
