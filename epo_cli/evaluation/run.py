@@ -70,7 +70,7 @@ from epo_cli.models.loading import (
     model_source,
     resolve_dtype,
 )
-from epo_cli.rollout.engines.base import evaluation_policy
+from epo_cli.rollout.engines.build import evaluation_policy
 from epo_cli.rollout.episodes import Episode, ExpertPolicy, Policy
 from epo_cli.rollout.prompts import PromptBuilder, chat_encoder
 from epo_cli.rundir.checkpoint_paths import resolve_checkpoint

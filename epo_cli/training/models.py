@@ -13,8 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from omegaconf import OmegaConf
 from torch import nn
 
+from epo_cli.config import RolloutConfig
 from epo_cli.envs.base import EnvSuite
 from epo_cli.models.loading import (
     ValueModel,
@@ -27,13 +29,8 @@ from epo_cli.models.loading import (
     resolve_dtype,
 )
 from epo_cli.rollout.engines import mismatch_metrics_on
-from epo_cli.rollout.engines.base import (
-    EngineContext,
-    EnginePolicy,
-    RolloutEngine,
-    build_rollout_engine,
-    sampling_config,
-)
+from epo_cli.rollout.engines.base import EngineContext, EnginePolicy, RolloutEngine, sampling_config
+from epo_cli.rollout.engines.build import build_rollout_engine
 from epo_cli.training.engine import DistInfo, EngineSettings, RolloutModule, build_engine, inference_copy
 from epo_cli.training.packing import enable_packing
 
@@ -138,10 +135,4 @@ def build_models(settings: ModelSettings, dist: DistInfo, suite: EnvSuite) -> Mo
 
 def rollout_section(settings: ModelSettings) -> Any:
     """The rollout section the engine is built from (ModelSettings built in code: the schema's defaults)."""
-    if settings.rollout is not None:
-        return settings.rollout
-    from omegaconf import OmegaConf
-
-    from epo_cli.config import RolloutConfig
-
-    return OmegaConf.structured(RolloutConfig)
+    return settings.rollout if settings.rollout is not None else OmegaConf.structured(RolloutConfig)

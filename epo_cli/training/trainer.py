@@ -46,6 +46,7 @@ from omegaconf import DictConfig
 
 from epo_cli.algos.advantages import AdvantageEstimator
 from epo_cli.algos.losses import LossStack, build_loss_terms, build_value_term, loss_coefficients
+from epo_cli.algos.rollout_correction import mismatch_metrics_from_sums, mismatch_sums
 from epo_cli.algos.schedules import build_kl_schedule, build_lr_schedule, build_phase_schedule
 from epo_cli.config import is_sft
 from epo_cli.envs import EnvSuite, make_suite
@@ -324,8 +325,6 @@ class Trainer:
         """rollout/logp_diff_* and friends (algos/rollout_correction.py): the engine's log-probs of the sampled
         tokens against the trainer's old log-probs (all ranks: all-reduced); {} when rollout.mismatch_metrics
         is off (the sampling policy then kept none)."""
-        from epo_cli.algos.rollout_correction import mismatch_metrics_from_sums, mismatch_sums
-
         if rollout.engine_logprobs is None:
             return {}
         sums = mismatch_sums(rollout.engine_logprobs, batch.old_logprobs, self.cfg.rollout.correction)

@@ -75,20 +75,6 @@ class RolloutEngine(ABC):
         return None
 
 
-def build_rollout_engine(name: str, context: EngineContext) -> RolloutEngine:
-    """The engine rollout.engine names (a registered name or a plugin's "package.module:Class")."""
-    from epo_cli.rollout.engines import ROLLOUT_ENGINES, register_plugin_engine
-
-    register_plugin_engine(name)  # a plugin named in a saved config.yaml: registered in this process too
-    engine_class = ROLLOUT_ENGINES.target(name)
-    if not (isinstance(engine_class, type) and issubclass(engine_class, RolloutEngine)):
-        from epo_cli.errors import UserError
-
-        raise UserError(f"rollout.engine={name} is not a RolloutEngine subclass "
-                        f"(epo_cli.rollout.engines.base.RolloutEngine). Fix: name the engine's class.")
-    return engine_class(context)
-
-
 @dataclass
 class EnginePolicy:
     """episodes.Policy on a RolloutEngine: one generate call per turn (per `batch_size` prompts), sampling
@@ -148,19 +134,3 @@ class FixedWeights:
 
     def refresh(self) -> None:
         return None
-
-
-def evaluation_policy(model: Any, tokenizer: Any, cfg: Any, source: str, temperature: float) -> EnginePolicy:
-    """`epo eval`'s policy: `model` (loaded, in eval mode) sampling through the engine cfg.rollout.engine
-    names, with the rollout.* settings at `temperature`; the engine takes `model`'s weights (a checkpoint's
-    may differ from `source`'s)."""
-    import torch
-
-    param = next(model.parameters())
-    rollout = cfg.rollout
-    engine = build_rollout_engine(str(rollout.engine), EngineContext(
-        FixedWeights(model), tokenizer, len(tokenizer), rollout, source, param.dtype, param.device,
-        rollout.max_prompt_tokens + rollout.max_new_tokens, int(cfg.seed), False))
-    with torch.no_grad():
-        engine.sync_weights()
-    return EnginePolicy(engine, tokenizer, sampling_config(rollout, temperature), rollout.generation_batch_size)
