@@ -19,6 +19,7 @@ waits.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -84,6 +85,12 @@ def bench_env(env: str, model: str, iterations: int, overrides: list[str], out: 
     finally:
         trainer.pool.close()
         trainer.logger.close()
+        for engine in engines.values():
+            engine.close()
+        # the next env's trainer and vLLM engine must not sit beside this one's (two of each ran out of
+        # 24 GiB of RAM here)
+        del trainer, models, engines
+        gc.collect()
     summary = {name: {k: statistics.mean(r[k] for r in rs if r[k] is not None) for k in rs[0]
                       if all(r[k] is not None for r in rs)} for name, rs in rows.items()}
     summary["vllm_start_s"] = vllm_start_s
