@@ -6,8 +6,9 @@ Each numeric field declares its range next to it (`num(default, ge=0, le=1)`) an
 values (`one_of(default, (...))`, or `one_of(default, registry=...)`: the names of a component registry,
 which the caller passes in); `check_field_rules` walks a schema and checks them all. A section that holds a
 switch lists the settings it turns on in `switches` (`Switch`: compose warns when one is set while it is
-off). Composing conf/ with Hydra, merging into these schemas and the rules that span keys live one layer up,
-in epo_cli/compose/.
+off), and the rules that span its keys in `rules` (`Rule`: functions of the run config, defined just above the
+section; compose runs them). Composing conf/ with Hydra and merging into these schemas live one layer up, in
+epo_cli/compose/, with the rules that need more than the schemas (curricula, prompt templates, memory).
 
 Groups (conf/<group>/<option>.yaml) and their schemas:
     algo        AlgoConfig        sft | ppo | grpo | gigpo | epo | epo_ppo
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -119,6 +121,11 @@ class Switch:
     keys: tuple[str, ...]
     on: Callable[[Any], bool]
     why: Callable[[Any], str]
+
+
+#: a rule that spans keys: a function of the whole run config that raises ConfigError (or warns). A section lists
+#: its own in `rules`, each defined just above it; compose runs them after every field's own range
+Rule = Callable[[Any], None]
 
 
 #: keys renamed since runs were saved with them: old -> new (a saved config.yaml is read with the new names,
@@ -289,6 +296,15 @@ class GiGPOConfig:
     eps: float = num(1e-6, gt=0)
 
 
+def _intrinsic_pays_less_than_success(cfg: Any) -> None:
+    algo = cfg.algo
+    if algo.intrinsic.coef > algo.reward_scale:
+        raise ConfigError(f"algo.intrinsic.coef={algo.intrinsic.coef:g} is above algo.reward_scale="
+                          f"{algo.reward_scale:g}, the reward of a success: a single new observation would pay "
+                          "more than solving the task, which teaches wandering. Use a value <= algo.reward_scale "
+                          "(the default bonus is 0.1).")
+
+
 @dataclass
 class IntrinsicConfig:
     """Intrinsic reward (epo_cli/algos/intrinsic.py): an episodic count-based novelty bonus per turn,
@@ -307,6 +323,8 @@ class IntrinsicConfig:
                lambda cfg: _no_rollouts(cfg) if is_sft(cfg.algo) else "algo.intrinsic.kind=none adds no bonus"),
     )
 
+    rules: ClassVar[tuple[Rule, ...]] = (_intrinsic_pays_less_than_success,)
+
 
 @dataclass
 class MonitorConfig:
@@ -324,6 +342,14 @@ class MonitorConfig:
         Switch(("algo.monitor.clamp_scale",), lambda cfg: cfg.algo.monitor.action == "clamp",
                lambda cfg: f"algo.monitor.action={cfg.algo.monitor.action}"),
     )
+
+
+def _entropy_alert_band_ordered(cfg: Any) -> None:
+    diag = cfg.algo.diagnostics
+    if diag.alert_entropy_low is not None and diag.alert_entropy_high is not None \
+            and diag.alert_entropy_low >= diag.alert_entropy_high:
+        raise ConfigError(f"algo.diagnostics.alert_entropy_low={diag.alert_entropy_low:g} must be below "
+                          f"alert_entropy_high={diag.alert_entropy_high:g} (the alert band around the reference).")
 
 
 @dataclass
@@ -356,6 +382,48 @@ class DiagnosticsConfig:
                lambda cfg: "algo.diagnostics.mi_every=0 never measures MI" if cfg.algo.diagnostics.enabled
                else "algo.diagnostics.enabled=false"),
     )
+
+    rules: ClassVar[tuple[Rule, ...]] = (_entropy_alert_band_ordered,)
+
+
+def _demos_given(cfg: Any) -> None:
+    if not str(cfg.algo.demos).strip():
+        raise ConfigError("algo.demos is empty. Give algo.demos=expert (demonstrations played by the env's expert) "
+                          "or the path of a JSONL file of trajectories.")
+
+
+def _estimator_fits_the_base(cfg: Any) -> None:
+    algo = cfg.algo
+    if not is_sft(algo) and algo.estimator == "none":
+        raise ConfigError(f"algo={algo.name} needs an advantage estimator; set algo.estimator.")
+    if is_sft(algo) and algo.estimator != "none":
+        raise ConfigError(f"algo.base=none trains by behaviour cloning on demonstrations, which have no rollouts "
+                          f"to estimate advantages from, so algo.estimator={algo.estimator} cannot be used: give "
+                          "the algorithm an RL base (algo.base=ppo|grpo|gigpo), or train algo=sft.")
+
+
+def _whole_micro_batches(cfg: Any) -> None:
+    algo = cfg.algo
+    if algo.mini_batch_size % algo.micro_batch_size:
+        raise ConfigError(
+            f"algo.mini_batch_size={algo.mini_batch_size} must be divisible by algo.micro_batch_size="
+            f"{algo.micro_batch_size} (each optimizer step is a whole number of micro-batches on every rank); "
+            f"e.g. algo.mini_batch_size={-(-algo.mini_batch_size // algo.micro_batch_size) * algo.micro_batch_size}.")
+
+
+def _dynamic_sampling_needs_groups(cfg: Any) -> None:
+    algo = cfg.algo
+    if algo.dynamic_sampling and algo.group_size < 2:
+        raise ConfigError("algo.dynamic_sampling=true filters groups of rollouts of the same task and needs "
+                          f"algo.group_size >= 2 (got {algo.group_size}); use it with grpo, rloo or gigpo.")
+
+
+def _packing_keeps_samples_apart(cfg: Any) -> None:
+    algo = cfg.algo
+    if algo.pack_tokens and cfg.model.attn_implementation not in ("sdpa", "flash_attention_2", "flash_attention_3"):
+        raise ConfigError(f"algo.pack_tokens={algo.pack_tokens} needs an attention that keeps packed samples apart "
+                          f"(model.attn_implementation=sdpa | flash_attention_2 | flash_attention_3, got "
+                          f"'{cfg.model.attn_implementation}'); or set algo.pack_tokens=0 for padded micro-batches.")
 
 
 @dataclass
@@ -451,6 +519,9 @@ class AlgoConfig:
         Switch(("algo.intrinsic.kind",), lambda cfg: not is_sft(cfg.algo), lambda cfg: _no_rollouts(cfg)),
     )
 
+    rules: ClassVar[tuple[Rule, ...]] = (_demos_given, _estimator_fits_the_base, _whole_micro_batches,
+                                         _dynamic_sampling_needs_groups, _packing_keeps_samples_apart)
+
 
 def is_sft(algo: Any) -> bool:
     """The one rule for behaviour cloning: an algorithm without an RL base (algo.base=none, as algo=sft)
@@ -466,6 +537,13 @@ def _no_rollouts(cfg: Any) -> str:
     return f"algo={cfg.algo.name} plays no rollouts to reward"
 
 
+def _lora_adapts_some_layer(cfg: Any) -> None:
+    if cfg.model.lora.rank > 0 and not cfg.model.lora.target_modules:
+        raise ConfigError(f"model.lora.target_modules is empty while model.lora.rank={cfg.model.lora.rank}: LoRA "
+                          "would adapt no layer. Name the modules (default [q_proj,k_proj,v_proj,o_proj]), or set "
+                          "model.lora.rank=0 for full fine-tuning.")
+
+
 @dataclass
 class LoraConfig:
     rank: int = num(0, ge=0)  # 0 = full fine-tuning
@@ -477,6 +555,42 @@ class LoraConfig:
         Switch(("model.lora.alpha", "model.lora.dropout", "model.lora.target_modules"),
                lambda cfg: cfg.model.lora.rank > 0, lambda cfg: "model.lora.rank=0 fine-tunes all weights"),
     )
+
+    rules: ClassVar[tuple[Rule, ...]] = (_lora_adapts_some_layer,)
+
+
+def _heads_divide(cfg: Any) -> None:
+    model = cfg.model
+    if model.hidden_size % model.num_attention_heads or model.num_attention_heads % model.num_key_value_heads:
+        raise ConfigError(f"model.hidden_size={model.hidden_size} must be divisible by model.num_attention_heads="
+                          f"{model.num_attention_heads}, and that by model.num_key_value_heads="
+                          f"{model.num_key_value_heads}.")
+
+
+def _positions_fit_a_turn(cfg: Any) -> None:
+    model = cfg.model
+    context = cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens
+    if not model.path and model.max_position_embeddings < context:
+        raise ConfigError(f"model.max_position_embeddings={model.max_position_embeddings} is below "
+                          f"rollout.max_prompt_tokens + rollout.max_new_tokens = {context}: a prompt and its "
+                          f"response would not fit the tiny model's positions. Raise it (e.g. "
+                          f"model.max_position_embeddings={max(2048, context)}) or lower the token limits.")
+
+
+def _padded_vocab_covers_the_vocab(cfg: Any) -> None:
+    model = cfg.model
+    if model.padded_vocab_size is not None and model.padded_vocab_size < model.vocab_size:
+        raise ConfigError(f"model.padded_vocab_size={model.padded_vocab_size} is below model.vocab_size="
+                          f"{model.vocab_size}: the embedding needs a row per token. Raise it or set null.")
+
+
+def _tiny_sizes_unused_with_a_path(cfg: Any) -> None:
+    model = cfg.model
+    if model.path:
+        changed = [f.name for f in fields(ModelConfig) if f.name in TINY_SIZE_KEYS and model[f.name] != f.default]
+        if changed:
+            warnings.warn(f"model.path is set, so the tiny-model sizes {', '.join('model.' + k for k in changed)} "
+                          "are ignored (the model's own config.json defines its shape).", stacklevel=4)
 
 
 @dataclass
@@ -512,6 +626,15 @@ class ModelConfig:
     cache_dir: str | None = None
     lora: LoraConfig = field(default_factory=LoraConfig)
 
+    rules: ClassVar[tuple[Rule, ...]] = (_heads_divide, _positions_fit_a_turn, _padded_vocab_covers_the_vocab,
+                                         _tiny_sizes_unused_with_a_path)
+
+
+def _coef_bounds_ordered(cfg: Any) -> None:
+    if cfg.entropy.min_coef > cfg.entropy.max_coef:
+        raise ConfigError(f"entropy.min_coef={cfg.entropy.min_coef:g} must be <= entropy.max_coef="
+                          f"{cfg.entropy.max_coef:g}.")
+
 
 @dataclass
 class EntropyConfig:
@@ -533,6 +656,8 @@ class EntropyConfig:
     adapt_lr: float = num(0.1, gt=0)
     min_coef: float = num(0.0, ge=0)
     max_coef: float = num(0.05, ge=0)
+
+    rules: ClassVar[tuple[Rule, ...]] = (_coef_bounds_ordered,)
 
 
 @dataclass
@@ -570,6 +695,16 @@ class CurriculumConfig:
     )
 
 
+def _offload_needs_its_zero_stage(cfg: Any) -> None:
+    ds = cfg.deepspeed
+    if ds.offload_param and ds.zero_stage != 3:
+        raise ConfigError(f"deepspeed.offload_param=true needs deepspeed.zero_stage=3 (got {ds.zero_stage}): "
+                          "only ZeRO-3 partitions the parameters it would offload.")
+    if ds.offload_optimizer and ds.zero_stage == 0:
+        raise ConfigError("deepspeed.offload_optimizer=true needs deepspeed.zero_stage >= 1 (ZeRO-0 keeps the "
+                          "optimizer on the device).")
+
+
 @dataclass
 class DeepSpeedConfig:
     name: str = "zero0"
@@ -579,6 +714,8 @@ class DeepSpeedConfig:
     #: auto: bf16 on GPU, fp32 on CPU
     precision: str = one_of("auto", ("auto", "fp32", "bf16"))
     activation_checkpointing: bool = False
+
+    rules: ClassVar[tuple[Rule, ...]] = (_offload_needs_its_zero_stage,)
 
 
 @dataclass
@@ -636,6 +773,13 @@ class LoggerConfig:
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
 
 
+def _stop_after_before_the_end(cfg: Any) -> None:
+    tr = cfg.trainer
+    if tr.stop_after is not None and tr.stop_after >= tr.total_steps:
+        warnings.warn(f"trainer.stop_after={tr.stop_after} >= trainer.total_steps={tr.total_steps}: the run "
+                      "ends at total_steps first, so stop_after has no effect.", stacklevel=4)
+
+
 @dataclass
 class TrainerConfig:
     #: RL iterations (rollout + update), or optimizer steps for sft
@@ -661,6 +805,8 @@ class TrainerConfig:
     keep_checkpoints: int = num(2, ge=0)
     #: torch intra-op threads per process (1 is fastest on small CPU machines; torch takes a C int)
     num_threads: int = num(1, ge=1, le=1024)
+
+    rules: ClassVar[tuple[Rule, ...]] = (_stop_after_before_the_end,)
 
 
 @dataclass
@@ -747,7 +893,7 @@ class RunConfig:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Groups and field-rule checks (composition and the rules that span keys live in epo_cli/compose/)
+# Groups and field-rule checks (composition lives in epo_cli/compose/)
 # ----------------------------------------------------------------------------------------------------
 
 #: config groups a user selects with `group=option`

@@ -158,6 +158,15 @@ LOSS_TERMS.declare("kl", config=KLConfig, sections=("kl",), reads=("algo.kl.esti
 LOSS_TERMS.declare("nll", sections=("nll_aggregation",), coef=lambda: 1.0)
 
 
+def check_some_loss_term(cfg: Any) -> None:
+    """algo.loss_terms names at least one of the terms above (compose runs this with the sections' rules)."""
+    algo = cfg.algo
+    if not algo.loss_terms:
+        raise ConfigError("algo.loss_terms is empty: the policy would have no loss to train on. Give at least one "
+                          f"term, e.g. algo.loss_terms=[{'nll' if is_sft(algo) else 'policy_clip'}] (terms: "
+                          f"{', '.join(LOSS_TERMS.names())}).")
+
+
 # ----------------------------------------------------------------------------------------------------
 # Policy losses (the module in the policy_clip slot), KL estimators, entropy modes, aggregations
 # ----------------------------------------------------------------------------------------------------

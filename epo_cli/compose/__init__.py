@@ -6,8 +6,11 @@ section into the schema of env.name). Any unknown key, unknown group option or w
 any work starts, with one `ConfigError` that names the key and the valid choices. Then, in order:
     check_field_rules       each field's declared range and valid values (registry fields: the names the
                             registries hold)
-    _check_sections         the rules that span the keys of a section (batch sizes, model shape, ZeRO, the
-                            curriculum's: epo_cli.training.curriculum.check_curriculum)
+    _check_rules            the rules that span keys: each schema section's `rules` (config.py, each defined
+                            next to its section: batch sizes, model shape, ZeRO, ...), then those that need more
+                            than the schemas (_RULES_BEYOND_THE_SCHEMAS: at least one loss term, best_metric, the
+                            curriculum's, the prompt template, the memory estimate); a new rule is one function
+                            next to its section, listed in its `rules`
     _check_components       each component the config names: its registry entry's `check`; the schedules of
                             the loss's weights; algo.components.<name> against the component's settings dataclass
     warn_unused_settings    one line per reason when a changed setting is read by nothing this run uses
@@ -31,7 +34,7 @@ from omegaconf import BooleanNode, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from epo_cli.algos import REGISTRIES
-from epo_cli.algos.registries import ESTIMATORS, LOSS_TERMS
+from epo_cli.algos.registries import ESTIMATORS, LOSS_TERMS, check_some_loss_term
 from epo_cli.algos.schedules import WEIGHTS, Weight, build_schedule, schedule_parameters, section_keys
 from epo_cli.compose.overrides import (
     blame_preset,
@@ -45,13 +48,11 @@ from epo_cli.compose.overrides import (
 )
 from epo_cli.compose.unused_settings import warn_unused_settings
 from epo_cli.config import (
-    TINY_SIZE_KEYS,
-    ModelConfig,
+    Rule,
     RunConfig,
     check_field_rules,
     check_number_sizes,
     config_dir,
-    is_sft,
     parse_bool,
     schema_at,
     section_schema,
@@ -148,7 +149,7 @@ def validate(raw: DictConfig) -> DictConfig:
     check_field_rules(cfg, RunConfig, registries=registries, schemas={"env": env_config_class(env_name)})
     if cfg.algo.estimator == "auto":
         cfg.algo.estimator = _auto_estimator(cfg.algo.base)
-    _check_sections(cfg)
+    _check_rules(cfg)
     _check_components(cfg, registries)
     warn_unused_settings(cfg, _named_components(cfg), _REGISTRIES)
     OmegaConf.set_readonly(cfg, False)
@@ -258,87 +259,34 @@ def _auto_estimator(base: str) -> str:
     return chosen[0] if chosen else "none"
 
 
-def _check_sections(cfg: DictConfig) -> None:
-    """Rules that span the keys of a section (each field's own range is declared next to it and checked
-    before this; a component's own rules are its registry entry's `check`)."""
-    algo = cfg.algo
-    if not algo.loss_terms:
-        raise ConfigError("algo.loss_terms is empty: the policy would have no loss to train on. Give at least one "
-                          f"term, e.g. algo.loss_terms=[{'nll' if is_sft(algo) else 'policy_clip'}] (terms: "
-                          f"{', '.join(LOSS_TERMS.names())}).")
-    if not str(algo.demos).strip():
-        raise ConfigError("algo.demos is empty. Give algo.demos=expert (demonstrations played by the env's expert) "
-                          "or the path of a JSONL file of trajectories.")
-    if algo.intrinsic.coef > algo.reward_scale:
-        raise ConfigError(f"algo.intrinsic.coef={algo.intrinsic.coef:g} is above algo.reward_scale="
-                          f"{algo.reward_scale:g}, the reward of a success: a single new observation would pay "
-                          "more than solving the task, which teaches wandering. Use a value <= algo.reward_scale "
-                          "(the default bonus is 0.1).")
-    if cfg.model.lora.rank > 0 and not cfg.model.lora.target_modules:
-        raise ConfigError(f"model.lora.target_modules is empty while model.lora.rank={cfg.model.lora.rank}: LoRA "
-                          "would adapt no layer. Name the modules (default [q_proj,k_proj,v_proj,o_proj]), or set "
-                          "model.lora.rank=0 for full fine-tuning.")
-    check_best_metric(cfg)
-    if not is_sft(algo) and algo.estimator == "none":
-        raise ConfigError(f"algo={algo.name} needs an advantage estimator; set algo.estimator.")
-    if is_sft(algo) and algo.estimator != "none":
-        raise ConfigError(f"algo.base=none trains by behaviour cloning on demonstrations, which have no rollouts "
-                          f"to estimate advantages from, so algo.estimator={algo.estimator} cannot be used: give "
-                          "the algorithm an RL base (algo.base=ppo|grpo|gigpo), or train algo=sft.")
-    if algo.mini_batch_size % algo.micro_batch_size:
-        raise ConfigError(
-            f"algo.mini_batch_size={algo.mini_batch_size} must be divisible by algo.micro_batch_size="
-            f"{algo.micro_batch_size} (each optimizer step is a whole number of micro-batches on every rank); "
-            f"e.g. algo.mini_batch_size={-(-algo.mini_batch_size // algo.micro_batch_size) * algo.micro_batch_size}.")
-    if algo.dynamic_sampling and algo.group_size < 2:
-        raise ConfigError("algo.dynamic_sampling=true filters groups of rollouts of the same task and needs "
-                          f"algo.group_size >= 2 (got {algo.group_size}); use it with grpo, rloo or gigpo.")
-    diag = algo.diagnostics
-    if diag.alert_entropy_low is not None and diag.alert_entropy_high is not None \
-            and diag.alert_entropy_low >= diag.alert_entropy_high:
-        raise ConfigError(f"algo.diagnostics.alert_entropy_low={diag.alert_entropy_low:g} must be below "
-                          f"alert_entropy_high={diag.alert_entropy_high:g} (the alert band around the reference).")
-    if algo.pack_tokens and cfg.model.attn_implementation not in ("sdpa", "flash_attention_2", "flash_attention_3"):
-        raise ConfigError(f"algo.pack_tokens={algo.pack_tokens} needs an attention that keeps packed samples apart "
-                          f"(model.attn_implementation=sdpa | flash_attention_2 | flash_attention_3, got "
-                          f"'{cfg.model.attn_implementation}'); or set algo.pack_tokens=0 for padded micro-batches.")
-    if cfg.entropy.min_coef > cfg.entropy.max_coef:
-        raise ConfigError(f"entropy.min_coef={cfg.entropy.min_coef:g} must be <= entropy.max_coef="
-                          f"{cfg.entropy.max_coef:g}.")
-    check_curriculum(cfg.curriculum, cfg.env.max_turns)
-    check_levels_fit(cfg)
-    model = cfg.model
-    if model.hidden_size % model.num_attention_heads or model.num_attention_heads % model.num_key_value_heads:
-        raise ConfigError(f"model.hidden_size={model.hidden_size} must be divisible by model.num_attention_heads="
-                          f"{model.num_attention_heads}, and that by model.num_key_value_heads="
-                          f"{model.num_key_value_heads}.")
-    context = cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens
-    if not model.path and model.max_position_embeddings < context:
-        raise ConfigError(f"model.max_position_embeddings={model.max_position_embeddings} is below "
-                          f"rollout.max_prompt_tokens + rollout.max_new_tokens = {context}: a prompt and its "
-                          f"response would not fit the tiny model's positions. Raise it (e.g. "
-                          f"model.max_position_embeddings={max(2048, context)}) or lower the token limits.")
-    if model.padded_vocab_size is not None and model.padded_vocab_size < model.vocab_size:
-        raise ConfigError(f"model.padded_vocab_size={model.padded_vocab_size} is below model.vocab_size="
-                          f"{model.vocab_size}: the embedding needs a row per token. Raise it or set null.")
-    if model.path:
-        changed = [f.name for f in fields(ModelConfig) if f.name in TINY_SIZE_KEYS and model[f.name] != f.default]
-        if changed:
-            warnings.warn(f"model.path is set, so the tiny-model sizes {', '.join('model.' + k for k in changed)} "
-                          "are ignored (the model's own config.json defines its shape).", stacklevel=3)
-    ds = cfg.deepspeed
-    if ds.offload_param and ds.zero_stage != 3:
-        raise ConfigError(f"deepspeed.offload_param=true needs deepspeed.zero_stage=3 (got {ds.zero_stage}): "
-                          "only ZeRO-3 partitions the parameters it would offload.")
-    if ds.offload_optimizer and ds.zero_stage == 0:
-        raise ConfigError("deepspeed.offload_optimizer=true needs deepspeed.zero_stage >= 1 (ZeRO-0 keeps the "
-                          "optimizer on the device).")
-    tr = cfg.trainer
-    if tr.stop_after is not None and tr.stop_after >= tr.total_steps:
-        warnings.warn(f"trainer.stop_after={tr.stop_after} >= trainer.total_steps={tr.total_steps}: the run "
-                      "ends at total_steps first, so stop_after has no effect.", stacklevel=3)
-    get_template(cfg.env.prompt_template)  # ConfigError listing the template names
-    check_memory(cfg)  # last: the sizes are known to be consistent
+#: the rules of sections that need more than the schemas, each in the module that owns what it checks (config.py
+#: imports none of them); run after the sections' own `rules`, the memory estimate last (the sizes are consistent)
+_RULES_BEYOND_THE_SCHEMAS: tuple[Rule, ...] = (
+    check_some_loss_term,  # the loss-term registry's names
+    check_best_metric,  # trainer.best_metric: the metrics an evaluation logs
+    lambda cfg: check_curriculum(cfg.curriculum, cfg.env.max_turns),
+    check_levels_fit,
+    lambda cfg: get_template(cfg.env.prompt_template),  # ConfigError listing the template names
+    check_memory,
+)
+
+
+def section_rules(schema: type, env_schema: type) -> list[Rule]:
+    """The `rules` of `schema` and of every section under it (the env section's from `env_schema`), in the
+    schemas' order."""
+    found = list(getattr(schema, "rules", ()))
+    for f in fields(schema):
+        nested = env_schema if (schema is RunConfig and f.name == "env") else section_schema(f)
+        if nested is not None:
+            found += section_rules(nested, env_schema)
+    return found
+
+
+def _check_rules(cfg: DictConfig) -> None:
+    """The rules that span keys (each field's own range is checked before this; a component's own rules are
+    its registry entry's `check`): each section's `rules`, then those beyond the schemas."""
+    for rule in (*section_rules(RunConfig, env_config_class(cfg.env.name)), *_RULES_BEYOND_THE_SCHEMAS):
+        rule(cfg)
 
 
 # ----------------------------------------------------------------------------------------------------
