@@ -272,6 +272,17 @@ def only_run_dir(root: Path) -> Path:
     return runs[0]
 
 
+def metrics_rows(run: Path) -> list[dict]:
+    """The rows of `run`'s metrics.jsonl, read by epo's own reader (epo_cli.loggers.jsonl.read_metrics); a line
+    it would skip (truncated, not a row) fails the test instead of a warning."""
+    from epo_cli.loggers.jsonl import read_metrics
+
+    assert (Path(run) / "metrics.jsonl").is_file(), f"{run} has no metrics.jsonl"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return read_metrics(run)
+
+
 def merge_overrides(base: list[str], extra: tuple[str, ...]) -> list[str]:
     """`base` with `extra` on top: an override in `extra` replaces the one for the same key in `base`."""
     keys = {o.split("=", 1)[0] for o in extra}

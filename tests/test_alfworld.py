@@ -23,7 +23,7 @@ from epo_cli.envs.pool import EnvPool
 from epo_cli.envs.subgoals import SUBGOALS
 from epo_cli.errors import ConfigError, UserError
 
-from conftest import REPO, only_run_dir, run_cli, shared_dir
+from conftest import REPO, metrics_rows, only_run_dir, run_cli, shared_dir
 
 if importlib.util.find_spec("alfworld") is None:  # not imported here: importing alfworld creates its data dir
     pytest.skip("alfworld is not installed (pip install 'epo[envs]')", allow_module_level=True)
@@ -261,8 +261,8 @@ def test_grpo_on_alfworld_through_the_cli(tmp_path: Path) -> None:
              "env.max_turns=3", "algo.tasks_per_step=1", "algo.group_size=2", "trainer.total_steps=2",
              "env.eval_splits=[]", "logger.tensorboard=false", f"output_dir={tmp_path}"], cwd=tmp_path)
     run = only_run_dir(tmp_path)
-    rows = [line for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    assert len(rows) == 2 and '"rollout/episode_len": 3.0' in rows[0]
+    rows = metrics_rows(run)
+    assert len(rows) == 2 and rows[0]["rollout/episode_len"] == 3.0
     assert "alfworld" in (run / "config.yaml").read_text().split("versions:")[1]  # env version recorded
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SmallConfig, only_run_dir, run_epo
+from conftest import SmallConfig, metrics_rows, only_run_dir, run_epo
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,7 @@ def train(tmp_path: Path, name: str, *args: str) -> list[dict]:
     run_epo(["train", *args, f"output_dir={out}", f"name={name}"], cwd=out)
     run = only_run_dir(out)
     assert json.loads((run / "status.json").read_text())["status"] == "finished"
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return metrics_rows(run)
 
 
 @pytest.mark.parametrize("name,args,expect", [

@@ -29,7 +29,7 @@ from epo_cli.training.curriculum import (
     build_curriculum,
 )
 
-from conftest import only_run_dir, run_epo
+from conftest import metrics_rows, only_run_dir, run_epo
 
 LEVELS = ["tiny_open_pick_place", "small_pick_and_light", "medium_with_transforms"]
 
@@ -473,8 +473,7 @@ def test_cli_staged_grpo_promotes_and_resumes(warm_start_short: Path, tmp_path: 
 
 
 def _metric_rows(run: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [r for r in rows if "curriculum/level" in r]
+    return [r for r in metrics_rows(run) if "curriculum/level" in r]
 
 
 def _checkpoint_curriculum_state(run: Path) -> dict:

@@ -35,6 +35,8 @@ from typing import Any
 
 import pytest
 
+from conftest import metrics_rows
+
 REPO = Path(__file__).resolve().parent.parent
 
 #: one RL iteration = 2 tasks x 2 rollouts of <= 6 turns; mini-batches of 8 samples in micro-batches of 2,
@@ -208,7 +210,7 @@ def _launch_harness(root: Path, runs: dict[str, list[str]], ranks: int, warm: Pa
 
 
 def _metrics(run: Path) -> list[dict[str, float]]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return metrics_rows(run)
 
 
 def _compare(reference: dict[str, float], other: dict[str, float], what: str) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import fields
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from epo_cli.config import AlgoConfig
 from epo_cli.errors import ConfigError
 from epo_cli.rollout.batch import TurnBatch
 
-from conftest import SmallConfig, only_run_dir, run_epo
+from conftest import SmallConfig, metrics_rows, only_run_dir, run_epo
 
 
 def make_batch(trajs) -> TurnBatch:
@@ -225,7 +224,7 @@ def dynamic_sampling_run(warm_start: Path, out: Path, steps: int, *extra: str) -
                                 "trainer.eval_every=0"), "algo.dynamic_sampling=true",
              "algo.dynamic_sampling_max_rounds=2", *extra,
              f"output_dir={out}", f"name={out.name}"], cwd=out)
-    return [json.loads(line) for line in (only_run_dir(out) / "metrics.jsonl").read_text().splitlines()]
+    return metrics_rows(only_run_dir(out))
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ from epo_cli.errors import ConfigError
 from epo_cli.evaluation.run import EVAL_JSON_FIELDS, EvalCommandConfig, evaluate_run, parse_eval_args
 from epo_cli.evaluation.split import mean_interval, wilson_interval
 
-from conftest import SmallConfig, one_error, run_cli, run_epo
+from conftest import SmallConfig, metrics_rows, one_error, run_cli, run_epo
 
 #: a tiny sft run: enough for checkpoints, final/ and one evaluation at the end
 TINY_RUN = ["train", *SmallConfig().sft("trainer.eval_episodes=2", "env.eval_splits=[eval_in_distribution]")]
@@ -113,7 +113,7 @@ def tiny_run(epo_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _final_eval_metrics(run: Path) -> dict[str, float]:
-    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    last = metrics_rows(run)[-1]
     return {k: v for k, v in last.items() if k.startswith("eval/eval_in_distribution/")}
 
 

@@ -14,6 +14,8 @@ import pytest
 from epo_cli.launch.setup import compose_for_train
 from tests.test_benchmarks import script_temp_dir
 
+from conftest import metrics_rows, only_run_dir
+
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts" / "experiments"
 sys.path.insert(0, str(SCRIPTS))
 
@@ -116,10 +118,8 @@ def test_quick_mode_writes_a_summary_and_redoes_nothing(tmp_path: Path) -> None:
     assert continued["iterations"] == 3 and set(continued["arms"]) == {"grpo", "epo_count"}
     assert "continued to 3 at the learning rate" in continued["settings"]
     for arm in ("grpo", "epo_count"):
-        before = [json.loads(r) for r in next((out / "runs" / arm / "it2-seed0").glob("*/*/metrics.jsonl"))
-                  .read_text().splitlines()]
-        after = [json.loads(r) for r in next((more / "runs" / arm / "it3-seed0").glob("*/*/metrics.jsonl"))
-                 .read_text().splitlines()]
+        before = metrics_rows(only_run_dir(out / "runs" / arm / "it2-seed0"))
+        after = metrics_rows(only_run_dir(more / "runs" / arm / "it3-seed0"))
         assert [r["step"] for r in before] == [1, 2] and [r["step"] for r in after] == [1, 2, 3]
         assert after[:2] == before and after[2]["perf/lr"] == before[1]["perf/lr"]
         assert continued["arms"][arm]["runs"] == 1 and 0.0 <= continued["arms"][arm]["target_success"] <= 1.0

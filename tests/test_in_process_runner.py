@@ -3,7 +3,6 @@ gives (same metrics, same exit codes and messages) and leave no process-wide sta
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 from pathlib import Path
@@ -11,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SmallConfig, merge_overrides, only_run_dir, run_cli, run_epo
+from conftest import SmallConfig, merge_overrides, metrics_rows, only_run_dir, run_cli, run_epo
 
 
 def test_merge_overrides_replaces_shared_keys_and_keeps_the_rest() -> None:
@@ -42,7 +41,7 @@ def test_in_process_run_equals_the_console_script(warm_start_short: Path, small_
         out.mkdir()
         proc = runner([*args, f"output_dir={out}", "name=same"], cwd=out)
         assert "rollout/success" in proc.stdout or "step 1/1" in proc.stdout, proc.stdout[-2000:]
-        rows[name] = json.loads((only_run_dir(out) / "metrics.jsonl").read_text().splitlines()[0])
+        rows[name] = metrics_rows(only_run_dir(out))[0]
     after = _process_state()
     assert torch.equal(before.pop("rng"), after.pop("rng"))
     assert before == after

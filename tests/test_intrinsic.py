@@ -4,7 +4,6 @@ warned)."""
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import re
@@ -18,7 +17,7 @@ from epo_cli.algos.intrinsic import count_bonus, intrinsic_rewards, intrinsic_sc
 from epo_cli.envs.base import Task
 from epo_cli.launch.setup import compose_for_train
 from epo_cli.rollout.episodes import Episode, Turn, episodes_to_batch
-from tests.conftest import only_run_dir, run_epo
+from tests.conftest import metrics_rows, only_run_dir, run_epo
 
 
 def test_count_bonus_by_hand() -> None:
@@ -116,7 +115,7 @@ def _first_step(tmp_path: Path, name: str, small_config, warm: Path, *extra: str
     out = tmp_path / name
     run_epo(["train", *small_config.rl("algo=grpo", f"model.path={warm / 'final'}", "trainer.total_steps=1",
                                        "trainer.save_every=0", f"output_dir={out}", *extra)], cwd=tmp_path)
-    return json.loads((only_run_dir(out) / "metrics.jsonl").read_text().splitlines()[0])
+    return metrics_rows(only_run_dir(out))[0]
 
 
 def test_the_bonus_changes_the_update_not_the_rollout(tmp_path: Path, small_config, warm_start_short: Path) -> None:

@@ -10,7 +10,7 @@ import torch
 
 from epo_cli.training.engine import GuardedAdamW
 
-from conftest import SmallConfig, only_run_dir, run_epo
+from conftest import SmallConfig, metrics_rows, only_run_dir, run_epo
 
 SHORT_SFT = ["train", *SmallConfig().sft("algo.demo_episodes=4")]
 
@@ -50,8 +50,8 @@ def test_non_finite_updates_stop_the_run_with_a_message(tmp_path: Path, epo_cach
     assert "2 consecutive updates had a non-finite loss or gradient" in proc.stderr
     assert "Traceback" not in proc.stderr
     run = only_run_dir(tmp_path)
-    rows = (run / "metrics.jsonl").read_text().splitlines()
-    assert len(rows) == 1 and '"perf/skipped_updates": 1.0' in rows[0]  # logged, then stopped in step 2
+    rows = metrics_rows(run)
+    assert len(rows) == 1 and rows[0]["perf/skipped_updates"] == 1.0  # logged, then stopped in step 2
     # the checkpoint after step 1 holds the initial weights: the skipped update changed nothing
     state = torch.load(run / "checkpoints" / "step_1" / "mp_rank_00_model_states.pt", weights_only=True)["module"]
     from transformers import AutoModelForCausalLM

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import SmallConfig, one_error, run_epo
+from conftest import SmallConfig, metrics_rows, one_error, run_epo
 
 
 def fake_run(path: Path) -> Path:
@@ -323,5 +323,5 @@ def test_a_sigterm_during_a_checkpoint_save_stops_right_after_it(tmp_path: Path,
     assert "stopped after step 1" in proc.stderr, proc.stderr[-2000:]
     status = json.loads((run / "status.json").read_text())
     assert status["status"] == "stopped" and status["step"] == 1 and status["signal"] == "SIGTERM"
-    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert [row["step"] for row in metrics_rows(run)] == [1]
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_1"

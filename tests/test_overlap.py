@@ -8,7 +8,6 @@ different times).
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import time
@@ -23,7 +22,7 @@ from epo_cli.rollout.episodes import EpisodeSlot, ModelPolicy, PlayConfig, run_e
 from epo_cli.rollout.generation import SamplingConfig
 from epo_cli.rollout.prompts import PromptBuilder, chat_encoder
 
-from conftest import only_run_dir, run_epo
+from conftest import metrics_rows, only_run_dir, run_epo
 
 
 class EchoEnv(Env):
@@ -151,7 +150,7 @@ def test_overlap_through_the_cli_trains_on_the_same_rollouts(warm_start_short: P
                  f"rollout.overlap={overlap}", "algo.tasks_per_step=2", "algo.group_size=2", "env.max_turns=4",
                  "trainer.total_steps=1", "env.eval_splits=[]", "logger.tensorboard=false", f"output_dir={out}"],
                 cwd=tmp_path)
-        rows[overlap] = json.loads((only_run_dir(out) / "metrics.jsonl").read_text().splitlines()[0])
+        rows[overlap] = metrics_rows(only_run_dir(out))[0]
     same_keys = [k for k in rows["false"] if k.startswith(("rollout/", "loss/", "policy/"))]
     assert "rollout/episode_len" in same_keys and "loss/policy_clip" in same_keys
     assert {k: rows["true"][k] for k in same_keys} == {k: rows["false"][k] for k in same_keys}

@@ -200,9 +200,7 @@ def test_cli_packed_and_reused_equals_padded(warm_start, tmp_path) -> None:
     """Through `epo train`: packed micro-batches + scoring reuse (the defaults) against padded micro-batches
     with a separate scoring pass give the same iteration (same rollout, same losses), and the packed run
     computes no padding."""
-    import json
-
-    from conftest import SmallConfig, only_run_dir, run_epo
+    from conftest import SmallConfig, metrics_rows, only_run_dir, run_epo
 
     common = ["algo=epo", f"model.path={warm_start / 'final'}", "trainer.total_steps=1",
               *SmallConfig().run("algo.tasks_per_step=2", "algo.group_size=4", "trainer.eval_every=0")]
@@ -211,7 +209,7 @@ def test_cli_packed_and_reused_equals_padded(warm_start, tmp_path) -> None:
         out = tmp_path / name
         out.mkdir()
         run_epo(["train", *common, *extra, f"output_dir={out}", f"name={name}"], cwd=out)
-        rows[name] = json.loads((only_run_dir(out) / "metrics.jsonl").read_text().splitlines()[0])
+        rows[name] = metrics_rows(only_run_dir(out))[0]
     packed, padded = rows["packed"], rows["padded"]
     assert packed["perf/padding_efficiency"] == 1.0 and padded["perf/padding_efficiency"] < 0.99
     assert packed["perf/scoring_reused"] > 0 and padded["perf/scoring_reused"] == 0.0

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from epo_cli.analysis.report import entropy_reference, mean_band
 
-from conftest import SmallConfig, only_run_dir, run_cli, run_epo
+from conftest import SmallConfig, metrics_rows, only_run_dir, run_cli, run_epo
 
 PLOTS = ("entropy.png", "entropy_fluctuation.png", "success.png", "kl.png", "coefficients.png", "lr.png",
          "collapse.png", "entropy_turns.png")
@@ -140,7 +140,7 @@ def test_collapse_panel_from_a_real_run(warm_start_short: Path, tmp_path: Path) 
                     "algo.diagnostics.alert_mi=1000", "algo.diagnostics.alert_entropy_low=null",
                     "algo.diagnostics.alert_entropy_high=null", f"output_dir={tmp_path}", "name=real"], cwd=tmp_path)
     run = only_run_dir(tmp_path)
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(run)
     assert [r["collapse/alert"] for r in rows] == [1.0, 1.0]
     for key in ("collapse/mi", "collapse/reward_std", "collapse/zero_std_groups", "collapse/adv_signal_share",
                 "policy/entropy_turn/0"):

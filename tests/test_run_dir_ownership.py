@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, SmallConfig, one_error, run_epo, terminal_signal_dispositions
+from conftest import REPO, SmallConfig, metrics_rows, one_error, run_epo, terminal_signal_dispositions
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
@@ -159,8 +159,8 @@ def test_two_trains_on_one_run_dir_at_once_the_second_refuses(tmp_path: Path, ep
     finally:
         first.send_signal(signal.SIGTERM)  # it stops at the end of its step, with a checkpoint
         first.wait(timeout=300)
-    steps = [line.split('"step": ')[1].split(",")[0] for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [str(i) for i in range(1, len(steps) + 1)], steps
+    steps = [row["step"] for row in metrics_rows(run)]
+    assert steps == list(range(1, len(steps) + 1)), steps
 
 
 def test_the_lock_is_released_when_the_command_ends(finished_run: Path, tmp_path: Path) -> None:

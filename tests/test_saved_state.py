@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 from epo_cli.rundir.saved_state import ADDED_KEYS, check_saved_config
 
-from conftest import SmallConfig, run_epo
+from conftest import SmallConfig, metrics_rows, run_epo
 
 SFT = ["train", *SmallConfig().sft("trainer.total_steps=3", "trainer.stop_after=2", "trainer.save_every=1")]
 
@@ -178,7 +178,7 @@ def test_auto_resumes_for_real(stopped_run: Path, tmp_path: Path) -> None:
     proc = run_epo(["train", "trainer.resume=auto", f"run_dir={run}"], cwd=tmp_path)
     assert "at step 2" in proc.stdout
     assert json.loads((run / "status.json").read_text())["status"] == "finished"
-    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    assert [row["step"] for row in metrics_rows(run)] == [1, 2, 3]
 
 
 @pytest.mark.parametrize("total", [1, 2])

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli, run_epo, terminal_signal_dispositions
+from conftest import metrics_rows, run_cli, run_epo, terminal_signal_dispositions
 
 pytestmark = pytest.mark.slow
 
@@ -32,10 +32,6 @@ RL_ARGS = ["algo=epo", "env.level=tiny_open_pick_place", "env.prompt_template=co
            "algo.tasks_per_step=2", "algo.group_size=4", "algo.mini_batch_size=512", "algo.micro_batch_size=16",
            "trainer.eval_every=0", "env.eval_splits=[]", "logger.tensorboard=false", "trainer.save_every=0",
            "trainer.total_steps=4"]
-
-
-def metrics_rows(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 def status(run: Path) -> dict:

@@ -12,16 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SmallConfig, only_run_dir, run_cli, run_epo
+from conftest import SmallConfig, metrics_rows, only_run_dir, run_cli, run_epo
 
 pytestmark = pytest.mark.slow
 
 #: a small, fast RL shape on the level the warm start was trained on (conftest.SmallConfig.rl)
 RL_ARGS = SmallConfig().rl()
-
-
-def metrics_rows(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 def train(tmp_path: Path, name: str, *args: str) -> Path:
