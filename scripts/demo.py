@@ -17,11 +17,18 @@ same level, from its own mistakes. The table says, for each arm, whether it reac
 Each command is printed before it runs, so the demo doubles as a tour of the CLI. `--quick` shrinks every
 step (a few SFT and RL steps, a few evaluation episodes) to check the pipeline in a minute: its numbers
 mean nothing.
+
+Run again (after it finished, or after a Ctrl-C) with the same --out, the demo says first what it does with
+each run it finds there, before anything runs: a finished run is reused (and its evaluation, when its run was
+reused too), an interrupted run with a checkpoint is continued (`epo train trainer.resume=<run>`), and
+anything else (an interrupted run without a checkpoint, an RL run from another warm start, a damaged folder) is
+moved aside to <stage>.old-<time>/ and that stage starts over in a fresh folder.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -35,10 +42,35 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from epo_cli.analysis.report import Group, draw_entropy_band, draw_metric, load_run
-from epo_cli.rundir.folder import read_yaml_data
+from epo_cli.rundir.checkpoint_paths import latest_tag
+from epo_cli.rundir.folder import read_status, read_yaml_data
 
 console = Console(highlight=False)
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+#: the CPU kernels the demo's commands compute with, on any x86-64 machine with AVX2: what moved the demo's
+#: numbers between machines was the instruction set torch's, MKL's and oneDNN's kernels pick by themselves
+#: (AVX-512 here; measured: AVX2 kernels change the warm start's loss in the 5th digit and then its sampled
+#: tokens), not the commits since 901cf2b nor the thread count (both measured: identical tokens). Pinned to
+#: AVX2, the tokens are the same on every AVX2 machine; set a variable yourself to choose otherwise.
+PINNED_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def has_avx2() -> bool:
+    """Whether this CPU runs AVX2 (x86-64 Linux: /proc/cpuinfo's flags); elsewhere the kernels stay as chosen."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " avx2" in line for line in f)
+    except OSError:
+        return False
+
+
+def pin_kernels(env: dict[str, str]) -> dict[str, str]:
+    """`env` with PINNED_KERNELS where the CPU has AVX2 (a value already set is kept)."""
+    return {**PINNED_KERNELS, **env} if has_avx2() else dict(env)
+
+
+os.environ.update(pin_kernels(dict(os.environ)))  # every epo command the demo starts inherits them
 
 WARM_PRESET = "noisy_warm_start"
 RL_PRESET = "improve_on_teacher"
@@ -50,6 +82,22 @@ QUICK_EVAL = ["rollout.max_new_tokens=16"]
 ARMS = ("grpo", "epo")
 #: the gain over the warm start's eval success an arm must reach to count as having learned
 TARGET_GAIN = 0.2
+
+
+#: the promise that the demo's tokens stay as the README's table was measured (tests/test_reliability5_b_demo.py):
+#: the warm start shrunk to DIGEST_STEPS steps, evaluated as the demo evaluates on DIGEST_EPISODES episodes, and
+#: the SHA-256 of what it played (its episodes and decoded responses). A change that moves the demo's tokens
+#: changes it: measure the demo again and update README.md's table and this digest in the same commit.
+DIGEST_STEPS, DIGEST_EPISODES = 100, 8
+WARM_START_DIGEST = "80bf4e82ace4d3dd3d4f10ce257a71f25dc3fd2bb1e2d5a099cad33ad4a465a0"
+
+
+def played_digest(eval_folder: Path) -> str:
+    """SHA-256 of an evaluation's episodes (task, outcome, turns) and its samples file (the decoded responses)."""
+    result = json.loads(next(eval_folder.glob("*.json")).read_text())
+    samples = Path(result["samples"]).read_text() if result.get("samples") else ""
+    played = json.dumps(result["per_episode"], sort_keys=True) + "\n" + samples.replace(str(eval_folder), "")
+    return hashlib.sha256(played.encode()).hexdigest()
 
 
 def command(args: list[str]) -> list[str]:
@@ -93,6 +141,66 @@ def only_run(root: Path) -> Path:
     return runs[0]
 
 
+@dataclass
+class Stage:
+    """What a (re)run of the demo does with one stage's folder (warm_start/, grpo/, epo/): `action` is fresh (no
+    run there: train one), reuse (a finished run), resume (an interrupted run with a checkpoint: continue it)
+    or again (what is there cannot be used: moved aside, then trained afresh)."""
+
+    root: Path
+    action: str
+    run: Path | None = None
+    why: str = ""
+
+
+def is_finished(run: Path) -> bool:
+    return (run / "final").is_dir() and read_status(run).get("status") == "finished"
+
+
+def find_stage(root: Path, model_path: Path | None = None) -> Stage:
+    """The stage at `root`: its one run's state (an RL stage's run must start from `model_path`)."""
+    if not root.exists():
+        return Stage(root, "fresh")
+    runs = [p for p in root.glob("*/*") if (p / "config.yaml").is_file()]
+    if len(runs) != 1:
+        return Stage(root, "again", why=f"it holds {len(runs)} runs, not one")
+    run = runs[0]
+    try:
+        config = _read_config(run)
+        started_from, total = config["model"]["path"], int(config["trainer"]["total_steps"])
+    except Exception:  # noqa: BLE001 - a damaged config.yaml: the run cannot be reused
+        return Stage(root, "again", run, "its config.yaml cannot be read")
+    if model_path is not None and started_from != str(model_path):
+        return Stage(root, "again", run, f"it started from {started_from}, not from this warm start")
+    if is_finished(run):
+        return Stage(root, "reuse", run)
+    try:
+        tag = latest_tag(run) or ""
+    except Exception:  # noqa: BLE001 - a damaged checkpoints/latest: nothing to continue from
+        tag = ""
+    if tag.startswith("step_") and tag[len("step_"):].isdigit():
+        if int(tag[len("step_"):]) < total:
+            return Stage(root, "resume", run)
+        return Stage(root, "again", run, "its last checkpoint is its last step, but its final policy is missing")
+    return Stage(root, "again", run, "it stopped before its first checkpoint")
+
+
+def say_stage(name: str, stage: Stage) -> None:
+    """One line, before anything runs, saying what the demo does with this stage."""
+    text = {"fresh": "trains a new run",
+            "reuse": f"reuses the finished run {stage.run}",
+            "resume": f"continues the interrupted run {stage.run} from its last checkpoint",
+            "again": f"starts over in a fresh folder ({stage.why}; the old one is kept as "
+                     f"{stage.root.name}.old-<time>/)"}[stage.action]
+    console.print(f"[bold]{name}:[/] {text}", soft_wrap=True)
+
+
+def clear_stage(stage: Stage) -> None:
+    """Move an unusable stage folder aside (never deleted: it may hold something the user wants)."""
+    if stage.action == "again":
+        stage.root.rename(stage.root.with_name(f"{stage.root.name}.old-{time.strftime('%Y%m%d-%H%M%S')}"))
+
+
 def metrics_rows(run: Path | None) -> list[dict]:
     path = run / "metrics.jsonl" if run else None
     if not path or not path.exists():
@@ -119,10 +227,14 @@ class Arm:
     rows: list[dict] = field(default_factory=list)
     total: int | None = None  # trainer.total_steps, from the run's config once it exists
 
+    done: bool = False  # a finished run reused: nothing to start
+
     def start(self, cwd: Path) -> None:
+        if self.done:
+            return
         show(self.args)
         console.print(f"  (output: {self.log})")
-        self.proc = subprocess.Popen(command(self.args), cwd=cwd, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(command(self.args), cwd=cwd, stdout=self.log.open("a"), stderr=subprocess.STDOUT)
 
     def poll(self) -> int | None:
         if self.run is None:
@@ -130,6 +242,8 @@ class Arm:
             self.run = runs[0] if runs else None
             self.total = _read_config(self.run)["trainer"]["total_steps"] if self.run else None
         self.rows = metrics_rows(self.run)
+        if self.done:
+            return 0
         return self.proc.poll() if self.proc else None
 
 
@@ -171,11 +285,21 @@ def follow(arms: list[Arm], columns: list) -> None:
             time.sleep(1.0)
 
 
-def evaluate(label: str, run: Path, out: Path, opts: list[str], cwd: Path) -> dict:
+def evaluate(label: str, run: Path, out: Path, opts: list[str], cwd: Path, reuse: bool = False) -> dict:
     """`epo eval` as a user types it, and its JSON: the demo is a tour of the command line, so it runs the
-    command itself (scripts/experiments/ call epo_cli.evaluation.run.evaluate_run in-process instead)."""
-    epo(["eval", f"run={run}", *opts, f"out={out / label}"], cwd)
-    return json.loads(next((out / label).glob("*.json")).read_text())
+    command itself (scripts/experiments/ call epo_cli.evaluation.run.evaluate_run in-process instead).
+    `reuse`: the run was reused, so an earlier evaluation of it with the same options is reused too."""
+    folder = out / label
+    earlier = sorted(folder.glob("*.json")) if folder.is_dir() else []
+    if reuse and len(earlier) == 1:
+        result = json.loads(earlier[0].read_text())
+        if result.get("run") == str(run) and result.get("command", "").endswith(" ".join([*opts, f"out={folder}"])):
+            console.print(f"\n{label}: reusing the evaluation {earlier[0]}", soft_wrap=True)
+            return result
+    if folder.exists():  # an evaluation of another run or with other options: made again
+        folder.rename(folder.with_name(f"{folder.name}.old-{time.strftime('%Y%m%d-%H%M%S')}"))
+    epo(["eval", f"run={run}", *opts, f"out={folder}"], cwd)
+    return json.loads(next(folder.glob("*.json")).read_text())
 
 
 def entropy_swing(rows: list[dict]) -> float:
@@ -242,8 +366,8 @@ def main() -> None:
     try:
         run_demo()
     except KeyboardInterrupt:
-        console.print("[yellow]interrupted:[/] every run stopped at the end of a step with its checkpoint (epo "
-                      "train trainer.resume=<run> continues one); rerun the demo with a fresh --out to start over.")
+        console.print("[yellow]interrupted:[/] every run stopped at the end of a step with its checkpoint; run the "
+                      "demo again with the same --out (`make demo`) to continue where it stopped.")
         sys.exit(130)
 
 
@@ -259,17 +383,37 @@ def run_demo() -> None:
     episodes = 4 if args.quick else args.episodes
     common = ["logger.tensorboard=false"] if args.quick else []
 
+    # 0. what is there from an earlier demo in this folder (said before anything runs)
+    warm_stage = find_stage(out / "warm_start")
+    say_stage("warm start", warm_stage)
+    stages = {}
+    for algo in ARMS:
+        if warm_stage.action == "reuse":
+            stages[algo] = find_stage(out / algo, warm_stage.run / "final")
+        else:  # a new or continued warm start: RL runs from an earlier one are not its arms
+            stages[algo] = Stage(out / algo, "again" if (out / algo).exists() else "fresh",
+                                 why="the warm start is trained again")
+        say_stage(algo.upper(), stages[algo])
+
     # 1. warm start
-    epo(["train", f"experiment={WARM_PRESET}", *common, *(QUICK_WARM if args.quick else []),
-         f"output_dir={out / 'warm_start'}"], out)
+    clear_stage(warm_stage)
+    if warm_stage.action == "resume":
+        epo(["train", f"trainer.resume={warm_stage.run}"], out)
+    elif warm_stage.action != "reuse":
+        epo(["train", f"experiment={WARM_PRESET}", *common, *(QUICK_WARM if args.quick else []),
+             f"output_dir={out / 'warm_start'}"], out)
     warm = only_run(out / "warm_start")
 
     # 2. GRPO and EPO from it, side by side: same seed, same tasks
     arms = []
     for algo in ARMS:
+        stage = stages[algo]
+        clear_stage(stage)
         rl_args = ["train", f"experiment={RL_PRESET}", f"algo={algo}", f"model.path={warm / 'final'}", *common,
                    *(QUICK_RL if args.quick else []), f"output_dir={out / algo}"]
-        arms.append(Arm(algo, rl_args, out / algo, out / f"{algo}.log"))
+        if stage.action == "resume":
+            rl_args = ["train", f"trainer.resume={stage.run}"]
+        arms.append(Arm(algo, rl_args, out / algo, out / f"{algo}.log", done=stage.action == "reuse"))
     rl_start = time.perf_counter()
     run_arms(arms, out)
     rl_seconds = time.perf_counter() - rl_start
@@ -279,9 +423,9 @@ def run_demo() -> None:
     level, max_turns = _rl_env(runs["grpo"])
     opts = [f"episodes={episodes}", "temperature=1.0", "seed=0", "split=eval_in_distribution",
             f"env.level={level}", f"env.max_turns={max_turns}", *(QUICK_EVAL if args.quick else [])]
-    results = {"warm start": evaluate("warm_start", warm, out / "eval", opts, out)}
+    results = {"warm start": evaluate("warm_start", warm, out / "eval", opts, out, warm_stage.action == "reuse")}
     for arm in arms:
-        results[arm.name.upper()] = evaluate(arm.name, runs[arm.name], out / "eval", opts, out)
+        results[arm.name.upper()] = evaluate(arm.name, runs[arm.name], out / "eval", opts, out, arm.done)
 
     # 4. summary
     table = Table(title=f"epo demo: household ({level}, {max_turns} turns), {episodes} fixed tasks, T=1.0")
