@@ -129,7 +129,8 @@ def plan(overrides: list[str] = OVERRIDES_ARG,
          as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON.")) -> None:
     """Memory per rank and time per iteration of a run before it starts, whether it fits N GPUs of M GiB, and the
     single change that makes it fit: `epo plan experiment=paper/epo_alfworld_grpo_epo_3b --gpus 8 --gpu-mem 24`."""
-    run_plan(list(overrides or []), gpus, gpu_mem, device, throughput, prompt_tokens, response_tokens, as_json)
+    cfg, _ = compose_for_train(list(overrides or []))  # trainer.resume=<run>: that run's saved config
+    run_plan(cfg, gpus, gpu_mem, device, throughput, prompt_tokens, response_tokens, as_json)
 
 
 @config_app.command("show", context_settings=EXTRA, epilog=groups_help())

@@ -18,7 +18,11 @@ def shipped_options() -> list[tuple[str, str]]:
 
 
 #: what a preset leaves to the command line (`${required:...}`): improve_on_teacher and smollm2_rl continue a warm start
-PRESET_NEEDS = {"improve_on_teacher": ["model.path=/a/warm/start/final"], "smollm2_rl": ["model.path=/a/warm/start/final"]}
+PRESET_NEEDS = {"improve_on_teacher": ["model.path=/a/warm/start/final"],
+                "smollm2_rl": ["model.path=/a/warm/start/final"],
+                # at the default micro-batch (16 rows of 1024 + 64 tokens) its backward can hold ~24 GiB: refused
+                # on a machine of 24 GiB (training/memory.py), so the option is composed with 4 rows
+                "qwen2.5-0.5b-random": ["algo.micro_batch_size=4"]}
 
 
 #: env options that are a preset of another environment (their env.name is that environment's)

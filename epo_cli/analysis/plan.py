@@ -625,12 +625,10 @@ def render(plan: Plan) -> None:
         console.print(f"[yellow]note:[/] {note}")
 
 
-def run_plan(overrides: list[str], gpus: int | None, gpu_mem: float | None, device: str, throughput: str | None,
+def run_plan(cfg: DictConfig, gpus: int | None, gpu_mem: float | None, device: str, throughput: str | None,
              prompt: int | None, response: int | None, as_json: bool) -> Plan:
-    """`epo plan`: compose and validate the config (a resumed run's own, as `epo train` would), estimate, print."""
-    from epo_cli.launch.setup import compose_for_train  # trainer.resume=<run>: that run's saved config
-
-    cfg, _ = compose_for_train(overrides)
+    """`epo plan`: estimate and print the plan of a composed, validated config (the caller composes it as `epo
+    train` would: a resumed run's own config for trainer.resume=<run>)."""
     if cfg.trainer.resume and not as_json:
         print(f"planning the resumed run {cfg.run_dir} (its config.yaml, with this command's overrides on top)")
     plan = make_plan(cfg, gpus, gpu_mem, device, throughput, prompt, response)

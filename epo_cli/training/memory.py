@@ -32,6 +32,7 @@ import resource
 from dataclasses import dataclass
 from typing import Any
 
+from epo_cli.analysis.plan import architecture, kv_cache_bytes, policy_activations
 from epo_cli.errors import ConfigError
 
 #: bytes a trained parameter takes at least: fp32 weight, its gradient, and Adam's two moments
@@ -124,15 +125,11 @@ def _float_bytes(model: Any) -> int:
 
 
 def _architecture(model: Any) -> Any:
-    from epo_cli.analysis.plan import architecture  # plan imports compose, which imports this module
-
     return architecture(model)
 
 
 def generation_estimate(cfg: Any, rows: int, rows_text: list[str], fix: str) -> Estimate:
     """The tiny model generating for `rows` sequences at once (rollout.generation_batch_size caps them)."""
-    from epo_cli.analysis.plan import kv_cache_bytes
-
     model, rollout = cfg.model, cfg.rollout
     if int(rollout.generation_batch_size):
         rows, rows_text = min(rows, int(rollout.generation_batch_size)), [
@@ -153,7 +150,6 @@ def generation_estimate(cfg: Any, rows: int, rows_text: list[str], fix: str) -> 
 
 def update_estimate(cfg: Any) -> Estimate:
     """One training micro-batch of the tiny model (activations kept for backward, one layer's scores)."""
-    from epo_cli.analysis.plan import policy_activations
 
     model, algo, rollout = cfg.model, cfg.algo, cfg.rollout
     arch, softmax_vocab = _architecture(model)
