@@ -135,7 +135,8 @@ def test_unselected_component_settings_warn() -> None:
                                "Schedules it can use: adaptive_target, constant, cosine, delayed_linear, exp_anneal, "
                                "linear, two_phase."),
     ("algo.phase.schedule=warmup_cosine", "algo.phase.schedule=warmup_cosine takes warmup_ratio, min_lr_ratio"),
-    ("algo.kl.schedule=linear", "Invalid value 'linear' for 'algo.kl.schedule'. Valid values: constant, phase_kl_ramp."),
+    ("algo.kl.schedule=linear",
+     "Invalid value 'linear' for 'algo.kl.schedule'. Valid values: constant, phase_kl_ramp."),
     ("algo.policy_loss=clipcov", "Did you mean 'clip_cov'? Valid values: clip, clip_cov, kl_cov."),
 ])
 def test_unknown_names_fail_at_config_time_listing_the_registry(override: str, message: str) -> None:
