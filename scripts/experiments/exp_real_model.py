@@ -26,6 +26,7 @@ import math
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -260,9 +261,21 @@ def main() -> None:
                           f"trainer.total_steps={a.iterations}", "trainer.save_every=2", "trainer.keep_checkpoints=1",
                           *(QUICK_RL if a.quick else ())], a.out)
 
-        # training first (the jobs share the cores), then every evaluation, one at a time
+        # training first (the jobs share the cores), then every evaluation, one at a time; after a run fails
+        # or is stopped, no queued run starts (pool.map has submitted them all)
+        stopped = threading.Event()
+
+        def train_unless_stopped(job: tuple[str, int]) -> None:
+            if stopped.is_set():
+                return
+            try:
+                train_arm(job)
+            except BaseException:
+                stopped.set()
+                raise
+
         with ThreadPoolExecutor(max_workers=a.jobs) as pool:
-            list(pool.map(train_arm, jobs))
+            list(pool.map(train_unless_stopped, jobs))
         zero = evaluate("zero_shot", ["experiment=smollm2_household"], a)
         warm_eval = evaluate("warm_start", [f"run={warm}"], a)
         say(f"zero-shot {cell(zero)}; warm start {cell(warm_eval)}")
