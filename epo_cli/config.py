@@ -838,6 +838,17 @@ class RolloutCorrectionConfig:
     seq_bound: float = num(2.0, gt=1)
 
 
+#: the lowest sampling temperature (below it, logits / temperature overflow float32); 0 means greedy where allowed
+MIN_TEMPERATURE = 0.01
+
+
+def _eval_temperature_greedy_or_sampled(cfg: Any) -> None:
+    t = cfg.rollout.eval_temperature
+    if 0 < t < MIN_TEMPERATURE:
+        raise ConfigError(f"rollout.eval_temperature={t:g} is out of range; allowed: 0 (greedy) or "
+                          f"{MIN_TEMPERATURE:g} <= value (below it, logits / temperature overflow float32).")
+
+
 @dataclass
 class RolloutConfig:
     #: what generates the rollouts: hf (rollout/generation.py) | vllm | a plugin's "package.module:Class"
@@ -852,12 +863,12 @@ class RolloutConfig:
     max_prompt_tokens: int = num(1024, ge=1)
     #: sampling temperature of the training rollouts (> 0: the policy gradient needs a sampling policy; at
     #: least 0.01: below, logits / temperature overflow float32 and the sampled tokens' log-probs are not finite)
-    temperature: float = num(1.0, ge=0.01)
+    temperature: float = num(1.0, ge=MIN_TEMPERATURE)
     top_p: float = num(1.0, gt=0, le=1)
     #: 0 = no top-k filter
     top_k: int = num(0, ge=0)
     #: evaluation during training; 0 = greedy
-    eval_temperature: float = num(0.4, ge=0)
+    eval_temperature: float = num(0.4, ge=0)  # 0 or >= MIN_TEMPERATURE (its rule below)
     #: generation stops at this string (or EOS)
     stop: str = "</action>"
     #: envs generated for in one batched `generate` call (0 = all active envs)
@@ -871,6 +882,8 @@ class RolloutConfig:
     shared_prefill: bool = True
     #: decoded trajectories written to samples/ per evaluation
     num_samples_to_save: int = num(4, ge=0)
+
+    rules: ClassVar[tuple[Rule, ...]] = (_eval_temperature_greedy_or_sampled,)
 
 
 @dataclass

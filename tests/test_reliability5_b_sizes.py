@@ -111,3 +111,17 @@ def test_the_estimates_by_hand() -> None:
     kv = 6 * (1024 + 64) * 2 * 2 * 32 * 4  # rows x tokens x layers x (k, v) x kv_dim x fp32
     mlp = 6 * 1024 * 3 * 256 * 4  # rows x prompt x (gate, up, product) x intermediate x fp32
     assert generation.bytes == kv + mlp
+
+
+@pytest.mark.parametrize("args, text", [
+    (["eval", "policy=random", "temperature=1e-300", "episodes=1"],
+     "temperature=1e-300 is out of range; allowed: 0.01 <= value"),
+    (["eval", "policy=random", "rollout.eval_temperature=1e-300", "episodes=1"],
+     "rollout.eval_temperature=1e-300 is out of range; allowed: 0 (greedy) or 0.01 <= value"),
+    (["train", "rollout.eval_temperature=0.001", "trainer.total_steps=1"],
+     "rollout.eval_temperature=0.001 is out of range"),
+])
+def test_a_temperature_below_the_floor_is_refused_everywhere(args: list[str], text: str, tmp_path: Path) -> None:
+    """rollout.temperature's floor (0.01) holds for `epo eval temperature=` and rollout.eval_temperature too
+    (0 stays greedy): 1e-300 made every logit overflow and the error then blamed non-finite weights."""
+    one_error(run_epo(args, tmp_path, expect=2), text)

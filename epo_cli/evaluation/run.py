@@ -48,7 +48,7 @@ from rich.console import Console
 from rich.table import Table
 
 from epo_cli.compose import compose, validate
-from epo_cli.config import GROUPS, parse_bool
+from epo_cli.config import GROUPS, MIN_TEMPERATURE, parse_bool
 from epo_cli.envs import make_suite
 from epo_cli.envs.base import EnvSuite
 from epo_cli.envs.pool import EnvPool
@@ -178,9 +178,9 @@ def check_eval_options(opts: EvalCommandConfig, overrides: list[str]) -> None:
                           "model.path=<HF folder> with the run's settings as overrides.")
     if opts.greedy and opts.temperature is not None:
         raise ConfigError("Pass either greedy=true or temperature=T, not both.")
-    if opts.temperature is not None and not (opts.temperature > 0 and math.isfinite(opts.temperature)):
-        raise ConfigError(f"temperature={opts.temperature:g} is out of range; allowed: 0 < value. For greedy "
-                          "decoding pass greedy=true.")
+    if opts.temperature is not None and not (opts.temperature >= MIN_TEMPERATURE and math.isfinite(opts.temperature)):
+        raise ConfigError(f"temperature={opts.temperature:g} is out of range; allowed: {MIN_TEMPERATURE:g} <= value "
+                          "(below it, logits / temperature overflow float32). For greedy decoding pass greedy=true.")
 
 
 def eval_config(opts: EvalCommandConfig, overrides: list[str]) -> DictConfig:
