@@ -101,11 +101,18 @@ LONG_FILES = ("test_stop_and_resume.py", "test_distributed.py", "test_alfworld.p
 WARM_START_FIXTURES = ("warm_start", "warm_start_short")
 
 
+#: files that start vLLM inside the test process: they run after every other file, since vLLM's in-process engine
+#: replaces torch.distributed's group of one that in-process `epo` runs share (a later run_epo on that worker
+#: failed with "Group ... is not registered")
+IN_PROCESS_VLLM_FILES = ("test_vllm_engine.py",)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Order the files (each file's tests keep their order): one file that needs a warm start first, so
     that a worker starts building it at once; then the files that need none, while it builds; then the
-    other files that need one. Within each group the LONG_FILES come first, longest first. Every xdist
-    worker collects and orders the same way (the order is a function of the collected items only)."""
+    other files that need one; the IN_PROCESS_VLLM_FILES last. Within each group the LONG_FILES come first,
+    longest first. Every xdist worker collects and orders the same way (the order is a function of the
+    collected items only)."""
     files: dict[str, list[pytest.Item]] = {}
     for item in items:
         files.setdefault(item.path.name, []).append(item)
@@ -117,9 +124,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         rank = {name: i for i, name in enumerate(LONG_FILES)}
         return sorted(names, key=lambda name: rank.get(name, len(LONG_FILES)))  # stable: the rest in order
 
-    warm = by_length([name for name in files if needs_warm_start(name)])
-    other = by_length([name for name in files if not needs_warm_start(name)])
-    order = warm[:1] + other + warm[1:]
+    last = [name for name in IN_PROCESS_VLLM_FILES if name in files]
+    warm = by_length([name for name in files if needs_warm_start(name) and name not in last])
+    other = by_length([name for name in files if not needs_warm_start(name) and name not in last])
+    order = warm[:1] + other + warm[1:] + last
     items[:] = [item for name in order for item in files[name]]
 
 
