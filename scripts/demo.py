@@ -70,8 +70,6 @@ def pin_kernels(env: dict[str, str]) -> dict[str, str]:
     return {**PINNED_KERNELS, **env} if has_avx2() else dict(env)
 
 
-os.environ.update(pin_kernels(dict(os.environ)))  # every epo command the demo starts inherits them
-
 WARM_PRESET = "noisy_warm_start"
 RL_PRESET = "improve_on_teacher"
 #: what --quick changes (a pipeline check, not a result)
@@ -363,6 +361,9 @@ def print_table(table: Table) -> None:
 
 
 def main() -> None:
+    # every epo command the demo starts inherits the pinned kernels; set here, not at import, so that a test
+    # importing this script leaves its own process's environment (and the subprocesses it starts) as they were
+    os.environ.update(pin_kernels(dict(os.environ)))
     try:
         run_demo()
     except KeyboardInterrupt:
