@@ -31,6 +31,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from exp_common import say
+
+from epo_cli.loggers.jsonl import read_metrics
 from epo_cli.rundir.writable import json_ready
 
 EPO = [sys.executable, "-m", "epo_cli"]
@@ -53,11 +56,6 @@ QUICK_EVAL = ("env.max_turns=2", "rollout.max_new_tokens=8")
 PARTS = ("perf/rollout_s", "perf/score_s", "perf/update_s")
 #: the issue's target over the warm start's success: every seed at least +0.2, the mean at least +0.3
 SEED_GAIN, MEAN_GAIN = 0.2, 0.3
-
-
-def say(line: str) -> None:
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
 
 
 def run_logged(args: list[str], log: Path, cwd: Path) -> None:
@@ -100,12 +98,8 @@ def evaluate(name: str, source: list[str], a: argparse.Namespace) -> dict:
     return json.loads(found[0].read_text())
 
 
-def rows_of(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
 def training_rows(run: Path) -> list[dict]:
-    return [r for r in rows_of(run) if "policy/entropy" in r]
+    return [r for r in read_metrics(run) if "policy/entropy" in r]
 
 
 def entropy_stats(rows: list[dict]) -> dict:
