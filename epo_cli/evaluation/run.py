@@ -69,6 +69,7 @@ from epo_cli.models.loading import (
     load_tokenizer,
     model_source,
     resolve_dtype,
+    weight_name_problem,
 )
 from epo_cli.rollout.engines.build import evaluation_policy
 from epo_cli.rollout.episodes import Episode, ExpertPolicy, Policy
@@ -250,12 +251,15 @@ def _load_state(model: Any, state: dict[str, Any], ckpt: Path) -> None:
                         f"({len(wrong)} tensors differ, e.g. {'; '.join(wrong[:2])}). Evaluate it without the "
                         "model overrides, with those the run was trained with, or evaluate checkpoint=final.")
     missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
-    missing = [k for k in missing if k.split("base_model.model.")[-1] not in tied]
-    if missing or unexpected:
-        raise UserError(f"Checkpoint '{ckpt}' does not fit the model of this run's config (missing "
-                        f"{missing[:3]}, unexpected {unexpected[:3]}). Evaluate checkpoint=final, or pass "
-                        "the model overrides the run was trained with.")
+    # the model's own rules excuse a name (a weight it ties to one the file holds), as for a model folder;
+    # under LoRA the rules are the base model's, and its names lack PEFT's prefix
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = {"missing_keys": [k.removeprefix("base_model.model.") for k in missing],
+             "unexpected_keys": [k.removeprefix("base_model.model.") for k in unexpected]}
+    problem = weight_name_problem(base, names)
+    if problem is not None:
+        raise UserError(f"Checkpoint '{ckpt}' does not fit the model of this run's config: {problem}. Evaluate "
+                        "checkpoint=final, or pass the model overrides the run was trained with.")
 
 
 def load_model(cfg: DictConfig, suite: EnvSuite, run: Path | None, which: str, device: Any

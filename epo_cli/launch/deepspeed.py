@@ -20,7 +20,6 @@ failure is one message naming launcher.master_port.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -38,6 +37,7 @@ from epo_cli.launch.setup import prepare_run_dir
 from epo_cli.rundir import trust
 from epo_cli.rundir.checkpoint_paths import latest_tag
 from epo_cli.rundir.folder import read_status
+from epo_cli.rundir.received import ReceivedFileError, read_json
 from epo_cli.training.deepspeed_config import PORT_ATTEMPTS, free_port
 from epo_cli.training.lifecycle import latest_step, record_status, record_stopped, stopped_message
 from epo_cli.training.stop import STOP, Interrupted, exit_code, write_relay
@@ -217,9 +217,10 @@ def read_rank_records(run: Path) -> list[dict[str, Any]]:
     records = []
     for path in sorted((Path(run) / "ranks").glob("rank*.error")):
         try:
-            records.append(json.loads(path.read_text()))
-        except (OSError, json.JSONDecodeError):
-            continue
+            records.append(read_json(path, "sweep record", within=Path(run)))
+        except (OSError, ReceivedFileError):
+            continue  # half written, or not a record epo wrote: the launcher reports what it has
+    records = [r for r in records if isinstance(r, dict) and isinstance(r.get("time", 0.0), (int, float))]
     return sorted(records, key=lambda r: r.get("time", 0.0))
 
 

@@ -48,6 +48,7 @@ from epo_cli.errors import UserError, err_console  # noqa: E402
 from epo_cli.launch.libraries import quiet_libraries  # noqa: E402
 from epo_cli.rundir import trust  # noqa: E402
 from epo_cli.rundir.folder import load_run_config  # noqa: E402
+from epo_cli.rundir.writable import write_file  # noqa: E402
 from epo_cli.training import checkpoint  # noqa: E402
 from epo_cli.training.deepspeed_config import port_taken  # noqa: E402
 from epo_cli.training.lifecycle import run_training  # noqa: E402
@@ -112,9 +113,7 @@ def record_failure(run: Path, rank: int, err: BaseException, timeout_s: float | 
             "time": time.time(),
             "traceback": "".join(traceback.format_exception(type(err), err, err.__traceback__))[-8000:],
         }
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(payload, indent=1))
-        tmp.replace(path)
+        write_file(path, json.dumps(payload, indent=1))
     except Exception:  # noqa: BLE001 - best effort
         pass
 

@@ -75,7 +75,7 @@ from epo_cli.rundir.folder import (
     release_folders,
     write_status,
 )
-from epo_cli.rundir.writable import json_ready, prepare_output_dir
+from epo_cli.rundir.writable import json_ready, open_for_writing, prepare_output_dir, write_file
 
 log = logging.getLogger("epo.sweep")
 
@@ -115,7 +115,7 @@ class SweepJob:
         _write_json(run / "sweep_job.json", record)
         log.info(f"job {hc.job.num}: {' '.join(overrides)} -> {run}")
         started = time.perf_counter()
-        with open(run / "train.log", "w") as out:
+        with open_for_writing(run / "train.log") as out:
             rc = _run_job(cmd, out)
         record.update(exit_code=rc, ended=_now(), duration_s=round(time.perf_counter() - started, 1))
         if rc != 0:
@@ -187,9 +187,7 @@ def _now() -> str:
 
 def _write_json(path: Path, payload: dict[str, Any]) -> None:
     """JSON as the standard has it: a non-finite number (a failed job's worst objective, -inf) is null."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(json_ready(payload), indent=2, default=str, allow_nan=False))
-    tmp.replace(path)
+    write_file(path, json.dumps(json_ready(payload), indent=2, default=str, allow_nan=False))
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -193,8 +193,10 @@ def weight_name_problem(model: nn.Module, loading: dict[str, Any]) -> str | None
     that the file holds (its tied-weights map, e.g. lm_head.weight to the embedding), and the names its class
     says to ignore when missing or unexpected (_keys_to_ignore_on_load_*). Buffers that are not persistent
     are not weights of the file at all (not in the state dict), so they are never missing."""
-    tied = getattr(model, "all_tied_weights_keys", None) or getattr(model, "_tied_weights_keys", None) or {}
-    tied = tied if isinstance(tied, dict) else {name: None for name in tied}  # transformers 4: a list of names
+    tied = getattr(model, "all_tied_weights_keys", None)  # transformers 5: what this model's config ties
+    if tied is None:  # transformers 4: the class's list of names, tied only when the config ties embeddings
+        names = getattr(model, "_tied_weights_keys", None) or []
+        tied = {name: None for name in names} if getattr(model.config, "tie_word_embeddings", False) else {}
 
     def ignored(name: str, attribute: str) -> bool:
         return any(re.search(pattern, name) for pattern in getattr(model, attribute, None) or [])

@@ -25,6 +25,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from epo_cli.rundir.received import ReceivedFileError, read_json
+from epo_cli.rundir.writable import write_file
+
 #: the signals that ask a run to stop after the current step
 STOP_SIGNALS: tuple[signal.Signals, ...] = tuple(
     s for s in (getattr(signal, n, None) for n in ("SIGTERM", "SIGINT", "SIGUSR1")) if s is not None)
@@ -98,9 +101,9 @@ class StopRequest:
         relay = Path(run) / RELAY_FILE
         if relay.exists():
             try:
-                return int(json.loads(relay.read_text())["signal"])
-            except (OSError, ValueError, KeyError, TypeError):
-                return int(signal.SIGTERM)  # a half-written relay still asks to stop
+                return int(read_json(relay, "sweep record", within=Path(run))["signal"])
+            except (ReceivedFileError, OSError, ValueError, KeyError, TypeError):
+                return int(signal.SIGTERM)  # a half-written (or planted) relay still asks to stop
         return None
 
 
@@ -108,9 +111,7 @@ def write_relay(run: Path, signum: int) -> None:
     """Ask every rank of the run in `run` to stop after its current step."""
     path = Path(run) / RELAY_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"signal": int(signum), "name": signal_name(signum)}))
-    tmp.replace(path)
+    write_file(path, json.dumps({"signal": int(signum), "name": signal_name(signum)}))
 
 
 def _say(text: str) -> None:
