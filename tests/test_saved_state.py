@@ -188,3 +188,18 @@ def test_total_steps_at_or_below_the_checkpoint_is_refused(stopped_run: Path, tm
     proc = run_epo(["train", f"trainer.resume={run}", f"trainer.total_steps={total}"], cwd=tmp_path, expect=2)
     one_error(proc, "is at step 2", f"trainer.total_steps={total}", "nothing is left to train")
     assert snapshot(run) == before
+
+
+def test_auto_with_a_preset_that_requires_a_value_compares_with_the_command_s_value(tmp_path: Path) -> None:
+    """A preset's ${required:...} key (experiment=improve_on_teacher's model.path) is given by the command
+    itself; comparing the groups used to compose them without it and refused every such resume (the real-model
+    study could not continue with its own command)."""
+    from epo_cli.compose import compose
+    from epo_cli.launch.setup import groups_that_disagree
+
+    command = ["model.path=/runs/warm/final", "trainer.total_steps=40", f"run_dir={tmp_path}"]
+    saved = compose(["experiment=improve_on_teacher", *command])
+    assert groups_that_disagree(["experiment=improve_on_teacher"], saved, command) == []
+    saved.env.max_turns = 9  # what the preset sets, and the run does not have
+    assert groups_that_disagree(["experiment=improve_on_teacher"], saved, command) == [
+        "env.max_turns: the run has 9, this command 15"]

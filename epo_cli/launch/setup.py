@@ -9,7 +9,9 @@ the run directory, so all ranks agree on what runs. Nothing here imports torch o
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -20,7 +22,7 @@ from epo_cli.errors import ConfigError, UserError, err_console
 from epo_cli.models.packaged import resolve_source
 from epo_cli.rundir.checkpoint_paths import ResumeTarget, latest_tag, locate_resume, resolve_checkpoint
 from epo_cli.rundir.folder import check_lengths, load_run_config, new_run_dir, override_keys, write_config
-from epo_cli.rundir.saved_state import check_resume_step, groups_that_disagree, read_trainer_state
+from epo_cli.rundir.saved_state import check_resume_step, read_trainer_state
 
 
 def compose_for_train(overrides: list[str]) -> tuple[DictConfig, list[str]]:
@@ -64,7 +66,7 @@ def resumed_config(target: ResumeTarget, overrides: list[str], auto: bool = Fals
         raise ConfigError(f"When resuming, config groups cannot change ({', '.join(groups)}); only "
                           "section.key=value overrides apply on top of the run's saved config.")
     if groups:  # auto: a preemptible job reruns its own command; its groups must describe the run
-        conflicts = groups_that_disagree(groups, base, override_keys(dotted))
+        conflicts = groups_that_disagree(groups, base, dotted)
         if conflicts:
             raise ConfigError(f"trainer.resume=auto continues the run in {target.run} with its own config, and "
                               f"this command's config groups ({', '.join(groups)}) would change it:\n  "
@@ -81,6 +83,42 @@ def resumed_config(target: ResumeTarget, overrides: list[str], auto: bool = Fals
     cfg = validate(merged)
     check_resume_step(state["trainer"]["step"], cfg.trainer.total_steps, target.checkpoint)
     return cfg
+
+
+def _leaves(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, Mapping):
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            out.update(_leaves(v, f"{prefix}{k}."))
+        return out
+    return {prefix.rstrip("."): node}
+
+
+_ABSENT = object()
+#: keys that name a run rather than configure it: a resume may always differ in them
+IDENTITY_KEYS = ("name", "run_dir", "output_dir", "trainer.resume", "trainer.stop_after")
+
+
+def groups_that_disagree(groups: list[str], saved: DictConfig, dotted: list[str]) -> list[str]:
+    """`group=option` selections of a command that resumes a run with trainer.resume=auto must describe that
+    run: every setting of a selected group's section (for `experiment=`, every setting the preset changes)
+    must equal the run's saved value, unless an override of the command sets it anyway. Returns
+    'key: the run has A, this command B' for each that does not (empty: the command is the run's own).
+    The groups are composed with the command's `dotted` overrides: a preset's ${required:...} value (e.g.
+    model.path) is one of them, and those keys are the command's anyway."""
+    overridden = override_keys(dotted)
+    selected, defaults = compose([*groups, *dotted]), compose([])
+    chosen, base, run = (_leaves(OmegaConf.to_container(c, resolve=True)) for c in (selected, defaults, saved))
+    sections = {g.split("=", 1)[0].lstrip("+~") for g in groups} - {"experiment"}
+    out = []
+    for key, value in chosen.items():
+        in_section = key.split(".")[0] in sections
+        if key in overridden or key.startswith(IDENTITY_KEYS) or not (in_section or value != base.get(key)):
+            continue
+        if run.get(key, _ABSENT) != value:
+            out.append(f"{key}: the run has {run.get(key, 'nothing')!r}, this command {value!r}")
+    return out
+
 
 
 def hydra_free(overrides: list[str]) -> list[str]:

@@ -34,7 +34,6 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from epo_cli.compose import compose
 from epo_cli.config import RunConfig
 from epo_cli.envs import ENV_SUITES, env_config_class
 from epo_cli.errors import ConfigError, UserError
@@ -294,37 +293,6 @@ def check_resume_step(step: int, total_steps: int, folder: Path) -> None:
                           f"is left to train. To continue, pass a larger trainer.total_steps (e.g. "
                           f"trainer.total_steps={step + max(1, total_steps)}); to use the trained policy, "
                           "evaluate the run (`epo eval run=<run>`).")
-
-
-def _leaves(node: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(node, Mapping):
-        out: dict[str, Any] = {}
-        for k, v in node.items():
-            out.update(_leaves(v, f"{prefix}{k}."))
-        return out
-    return {prefix.rstrip("."): node}
-
-
-#: keys that name a run rather than configure it: a resume may always differ in them
-IDENTITY_KEYS = ("name", "run_dir", "output_dir", "trainer.resume", "trainer.stop_after")
-
-
-def groups_that_disagree(groups: list[str], saved: DictConfig, overridden: set[str]) -> list[str]:
-    """`group=option` selections of a command that resumes a run with trainer.resume=auto must describe that
-    run: every setting of a selected group's section (for `experiment=`, every setting the preset changes)
-    must equal the run's saved value, unless an override of the command sets it anyway. Returns
-    'key: the run has A, this command B' for each that does not (empty: the command is the run's own)."""
-    selected, defaults = compose(groups), compose([])
-    chosen, base, run = (_leaves(OmegaConf.to_container(c, resolve=True)) for c in (selected, defaults, saved))
-    sections = {g.split("=", 1)[0].lstrip("+~") for g in groups} - {"experiment"}
-    out = []
-    for key, value in chosen.items():
-        in_section = key.split(".")[0] in sections
-        if key in overridden or key.startswith(IDENTITY_KEYS) or not (in_section or value != base.get(key)):
-            continue
-        if run.get(key, MISSING) != value:
-            out.append(f"{key}: the run has {run.get(key, 'nothing')!r}, this command {value!r}")
-    return out
 
 
 # ---- a model folder (model.path=, a run's final/) -------------------------------------------------------------
