@@ -107,7 +107,7 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
         except ConfigError as err:
             raise ConfigError(blame_preset(str(err), preset)) from None
     for w in caught:
-        warnings.warn(blame_preset(str(w.message), preset), w.category, stacklevel=2)
+        warnings.warn(blame_preset(str(w.message), preset, warning=True), w.category, stacklevel=2)
     return cfg
 
 

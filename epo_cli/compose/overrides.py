@@ -162,14 +162,18 @@ def preset_settings(overrides: list[str] | tuple[str, ...]) -> dict[str, str]:
     return {key: f"experiment={chosen[-1]}" for key in leaves(data, "") if key not in given}
 
 
-def blame_preset(message: str, preset: dict[str, str]) -> str:
-    """`message` with a note naming the preset that set the keys it mentions (the user did not set them)."""
+def blame_preset(message: str, preset: dict[str, str], warning: bool = False) -> str:
+    """`message` with a note naming the preset that set the keys it mentions (the user did not set them).
+    `warning`: the message is a warning, so the run goes on and the note only says where the value came from."""
     # a key the message is about, not one of the valid keys or values it lists ("Valid keys in 'env': name, ...")
     about = "\n".join(line for line in message.splitlines() if not line.startswith("Valid "))
     named = [key for key in preset if re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", about)]
     if not named:
         return message
     keys = ", ".join(named)
+    if warning:
+        return (f"{message} (note: {keys} {'is' if len(named) == 1 else 'are'} set by the preset "
+                f"{preset[named[0]]}, not on this command line.)")
     if "Unknown config key" in message:  # the user's selection took the key away: only dropping one helps
         message = message.replace("\nFix the override, or run `epo config show` to see every key and its value.", "")
         return (f"{message}\n(note: {keys} {'is' if len(named) == 1 else 'are'} set by the preset "

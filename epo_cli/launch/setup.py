@@ -9,6 +9,7 @@ the run directory, so all ranks agree on what runs. Nothing here imports torch o
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -107,7 +108,9 @@ def groups_that_disagree(groups: list[str], saved: DictConfig, dotted: list[str]
     The groups are composed with the command's `dotted` overrides: a preset's ${required:...} value (e.g.
     model.path) is one of them, and those keys are the command's anyway."""
     overridden = override_keys(dotted)
-    selected, defaults = compose([*groups, *dotted]), compose([])
+    with warnings.catch_warnings():  # the run's own compose (validate, below) warns once; these only compare
+        warnings.simplefilter("ignore")
+        selected, defaults = compose([*groups, *dotted]), compose([])
     chosen, base, run = (_leaves(OmegaConf.to_container(c, resolve=True)) for c in (selected, defaults, saved))
     sections = {g.split("=", 1)[0].lstrip("+~") for g in groups} - {"experiment"}
     out = []
