@@ -72,7 +72,11 @@ def test_every_schema_key_is_checked_and_a_complete_config_passes(stopped_run: P
     raw = OmegaConf.load(stopped_run / "config.yaml")
     raw.pop("meta")
     check_saved_config(raw, stopped_run / "config.yaml")  # the run's own, complete file
-    assert ADDED_KEYS == ()  # a key added to the schemas is listed there, so older runs still load
+    # a key added to the schemas is listed there, so older runs still load, with its default
+    assert ADDED_KEYS == ("rollout.correction.mode",)
+    older = raw.copy()
+    del older.rollout.correction["mode"]  # a run saved before the key existed
+    check_saved_config(older, stopped_run / "config.yaml")
     del raw.rollout["num_samples_to_save"]  # one key of the last section: what a cut leaves
     from epo_cli.errors import UserError
 
@@ -203,3 +207,22 @@ def test_auto_with_a_preset_that_requires_a_value_compares_with_the_command_s_va
     saved.env.max_turns = 9  # what the preset sets, and the run does not have
     assert groups_that_disagree(["experiment=improve_on_teacher"], saved, command) == [
         "env.max_turns: the run has 9, this command 15"]
+
+
+@pytest.mark.parametrize(("saved", "loads"), [(1.0, True), (4.0, True), (1.5, False)])
+def test_a_key_now_integer_saved_as_a_whole_float_still_loads(saved: float, loads: bool, stopped_run: Path,
+                                                              tmp_path: Path) -> None:
+    """rollout.vllm.kv_cache_gib became an int after runs saved it as 1.0 (the warm start of the real-model
+    study could not be evaluated); a whole number loads as that int, anything else is refused naming it."""
+    from epo_cli.errors import UserError
+    from epo_cli.rundir.folder import load_run_config
+
+    run = copy_of(stopped_run, tmp_path)
+    raw = OmegaConf.load(run / "config.yaml")
+    raw.rollout.vllm.kv_cache_gib = saved
+    (run / "config.yaml").write_text(OmegaConf.to_yaml(raw))
+    if loads:
+        assert load_run_config(run).rollout.vllm.kv_cache_gib == int(saved)
+    else:
+        with pytest.raises(UserError, match="rollout.vllm.kv_cache_gib"):
+            load_run_config(run)

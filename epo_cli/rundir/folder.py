@@ -130,6 +130,8 @@ def write_config(run: Path, cfg: DictConfig, overrides: list[str], env_versions:
 #: keys that earlier versions saved in config.yaml and that no longer exist: dropped when a run is read,
 #: so that its runs can still be resumed and evaluated (they had no effect, or the note says what replaced them)
 RETIRED_KEYS = ("trainer.log_every", "algo.dynamic_sampling_metric")
+#: keys whose type became int after runs saved them as a float: a saved whole number (1.0) is that int
+NOW_INTEGER_KEYS = ("rollout.vllm.kv_cache_gib",)
 #: what replaced a retired key that had an effect: warned when a run that relied on it is read
 RETIRED_NOTES = {"algo.dynamic_sampling_metric": (
     "algo.dynamic_sampling", "dynamic sampling now keeps the groups the estimator gives a non-zero advantage "
@@ -167,6 +169,10 @@ def load_run_config(run: Path, command_line: dict[str, Any] | None = None,
         value = OmegaConf.select(raw, key, default=None)
         if isinstance(value, str) and value in renamed:
             OmegaConf.update(raw, key, renamed[value])
+    for key in NOW_INTEGER_KEYS:  # any other value is left for the schema to refuse, naming the key
+        value = OmegaConf.select(raw, key, default=None)
+        if isinstance(value, float) and value.is_integer():
+            OmegaConf.update(raw, key, int(value))
     check_saved_config(raw, path)  # every section and key present: a file cut short is refused
     for key in RETIRED_KEYS:
         section, _, name = key.rpartition(".")

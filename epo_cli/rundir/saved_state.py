@@ -49,9 +49,11 @@ from epo_cli.rundir.received import (
 
 #: written into trainer_state.json by epo_cli.training.checkpoint.save
 CHECKPOINT_FORMAT = "epo-checkpoint/2"
-#: keys added to the schemas after runs were saved without them: filled from their defaults (none yet; a key
-#: added to the schemas goes here, so that older runs still resume and evaluate)
-ADDED_KEYS: tuple[str, ...] = ()
+#: keys added to the schemas after runs were saved without them: filled from their defaults (a key added to
+#: the schemas goes here, so that older runs still resume and evaluate with the behaviour they were saved with)
+ADDED_KEYS: tuple[str, ...] = (
+    "rollout.correction.mode",  # default none: the loss of a run saved before it had no correction
+)
 
 
 # ---- config.yaml ---------------------------------------------------------------------------------------------
