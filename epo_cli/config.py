@@ -832,6 +832,9 @@ class RolloutCorrectionConfig:
     sequence mask dropping rows whose geometric-mean ratio leaves [1/seq_bound, seq_bound]. The mismatch
     metrics count the tokens and rows past them (rollout/tis_truncated_share, rollout/seq_masked_share)."""
 
+    #: what the policy loss applies: none (the metrics only) | tis (token weights min(ratio, token_cap)) | mask
+    #: (rows outside seq_bound dropped) | tis_and_mask; any but none keeps the engine's log-probs
+    mode: str = one_of("none", ("none", "tis", "mask", "tis_and_mask"))
     #: token-level cap on the importance weight (verl's rollout_is_threshold default: 2.0)
     token_cap: float = num(2.0, gt=1)
     #: sequence mask bound on the per-token geometric-mean ratio (verl's geometric mask: [1/bound, bound])

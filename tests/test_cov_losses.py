@@ -38,7 +38,8 @@ def batch(log_ratio=None):
     old = logp - (torch.zeros(2, 3) if log_ratio is None else torch.tensor(log_ratio))
     mb = make_mb(MASK, old_logprobs=old, advantages=ADV)
     out_logp = logp.clone().requires_grad_(True)
-    return mb, PolicyOutputs(logprobs=out_logp, entropy=torch.zeros(2, 3))
+    # the log-ratio as the update sets it beside the forward (PolicyUpdate.train_micro_batch)
+    return mb, PolicyOutputs(logprobs=out_logp, entropy=torch.zeros(2, 3), log_ratio=out_logp - old)
 
 
 def close(x, expected, atol=1e-5):

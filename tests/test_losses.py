@@ -52,10 +52,13 @@ def make_mb(mask, turn_index=None, num_turns=None, decay=0.9, **fields) -> Micro
     )
 
 
-def outputs(logprobs, entropy=None, values=None) -> PolicyOutputs:
+def outputs(logprobs, entropy=None, values=None, old=None) -> PolicyOutputs:
+    """The current policy's outputs; `old` (the old log-probs): with the log-ratio the update sets beside
+    the forward (PolicyUpdate.train_micro_batch), which the policy terms read."""
     logprobs = torch.as_tensor(logprobs, dtype=torch.float32).requires_grad_(True)
     entropy = torch.zeros_like(logprobs) if entropy is None else torch.as_tensor(entropy, dtype=torch.float32)
-    return PolicyOutputs(logprobs=logprobs, entropy=entropy.requires_grad_(True), values=values)
+    log_ratio = None if old is None else logprobs - torch.as_tensor(old, dtype=torch.float32)
+    return PolicyOutputs(logprobs=logprobs, entropy=entropy.requires_grad_(True), values=values, log_ratio=log_ratio)
 
 
 def test_registries():
@@ -94,7 +97,7 @@ OLD_LOGP = -1.0
 
 def _clip_case(dual_clip):
     mb = make_mb(torch.ones(6, 1), advantages=torch.tensor(ADV), old_logprobs=torch.full((6, 1), OLD_LOGP))
-    out = outputs([[OLD_LOGP + math.log(r)] for r in RATIO])
+    out = outputs([[OLD_LOGP + math.log(r)] for r in RATIO], old=mb.old_logprobs)
     term = PolicyClipLoss(clip_low=0.2, clip_high=0.3, dual_clip=dual_clip)
     return term(mb, out), out
 
@@ -126,7 +129,7 @@ def test_policy_clip_uses_its_aggregation():
     # token-mean: -1/4; seq-mean-token-mean: (-1 + 0)/2 = -0.5
     mask = [[1, 0, 0], [1, 1, 1]]
     mb = make_mb(mask, advantages=torch.tensor([1.0, 0.0]), old_logprobs=torch.zeros(2, 3))
-    out = outputs(torch.zeros(2, 3))
+    out = outputs(torch.zeros(2, 3), old=mb.old_logprobs)
     assert PolicyClipLoss()(mb, out)[0].item() == pytest.approx(-0.25)
     assert PolicyClipLoss(aggregation="seq-mean-token-mean")(mb, out)[0].item() == pytest.approx(-0.5)
 
@@ -312,7 +315,7 @@ def test_loss_stack_total_metrics_and_formula():
         ref_logprobs=torch.tensor([[-1.5, -0.5], [-1.0, 0.0]]),
         entropy_ref=torch.tensor([1.0, 1.0]),
     )
-    out = outputs([[-1.0, -1.0], [-1.0, 0.0]], [[0.2, 1.0], [2.0, 0.0]])
+    out = outputs([[-1.0, -1.0], [-1.0, 0.0]], [[0.2, 1.0], [2.0, 0.0]], old=mb.old_logprobs)
     total, metrics = stack(mb, out, coefs)
     # ratio 1 everywhere: policy_clip = token-mean(-A) = (-1 - 1 + 1)/3 = -1/3
     # kl k3 at logr [0.5, -0.5, 0]: (0.1065307 + 0.1487213)/3 = 0.0850840

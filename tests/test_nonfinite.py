@@ -119,15 +119,16 @@ def test_weights_that_turn_nonfinite_stop_the_run_naming_the_step(kind: str, sma
     cloning and RL updates alike."""
     from epo_cli.training.update import PolicyUpdate
 
-    original = PolicyUpdate.mini_batch_step
+    original = PolicyUpdate.run
 
-    def poisoned(self: PolicyUpdate, shared, rows, position, tally) -> None:
-        original(self, shared, rows, position, tally)
-        if position[0] == 1:  # step index 1 = the second step
+    def poisoned(self: PolicyUpdate, batch, coefs, step, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        result = original(self, batch, coefs, step, *args, **kwargs)
+        if step == 1:  # step index 1 = the second step
             with torch.no_grad():
                 next(self.models.engine.module.parameters()).view(-1)[0] = math.nan
+        return result
 
-    monkeypatch.setattr(PolicyUpdate, "mini_batch_step", poisoned)
+    monkeypatch.setattr(PolicyUpdate, "run", poisoned)
     run = tmp_path / "run"
     shape = small_config.sft if kind == "sft" else partial(small_config.rl, "algo=grpo")
     proc = run_epo(["train", *shape("trainer.total_steps=4", "trainer.save_every=1"), f"run_dir={run}"],

@@ -73,6 +73,7 @@ def _accumulate(model, batch, groups, packed, terms, coefs, modes, critic=None):
         # a per-turn smoothing reference, NaN (no history) for turn 0
         mb.entropy_ref = torch.where(mb.turn_index == 0, torch.nan, 0.4 + 0.5 * mb.turn_index.float())
         out = policy_forward(model, mb, temperature=0.7, vocab_limit=None)
+        out.log_ratio = out.logprobs - mb.old_logprobs  # as PolicyUpdate.train_micro_batch sets it
         loss, _ = terms(mb, out, coefs)
         loss.backward()
         total += float(loss)

@@ -161,7 +161,8 @@ def test_toy_term_is_built_into_the_stack_with_its_coef() -> None:
                     old_logprobs=torch.tensor([[-1.0, -2.0]]), ref_logprobs=torch.tensor([[-1.0, -2.0]]),
                     advantages=torch.zeros(1), num_real=1,
                     weights={m: normalized_weights(m, mask, turn, turns) for m in AGGREGATIONS})
-    out = PolicyOutputs(logprobs=torch.tensor([[-1.0, -2.0]], requires_grad=True), entropy=torch.zeros(1, 2))
+    logprobs = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    out = PolicyOutputs(logprobs=logprobs, entropy=torch.zeros(1, 2), log_ratio=logprobs - mb.old_logprobs)
     total, metrics = LossStack(terms)(mb, out, coefs)
     assert metrics["loss/toy"].item() == pytest.approx(2.5)
     assert total.item() == pytest.approx(0.625)

@@ -168,7 +168,9 @@ def test_one_optimizer_step_over_micro_batches_is_a_step_on_the_whole_mini_batch
     mb = collate(batch, list(range(len(batch))), 0, CPU.device)
     for mode in sorted(update.aggregation_modes()):  # no denominator given: this micro-batch's own sum
         mb.weights[mode] = normalized_weights(mode, mb.response_mask, mb.turn_index, mb.num_turns, 0.9)
-    loss, terms = update.loss_stack(mb, policy_forward(expected, mb, 1.0, VOCAB), _coefs(update))
+    out = policy_forward(expected, mb, 1.0, VOCAB)
+    out.log_ratio = out.logprobs - mb.old_logprobs  # as PolicyUpdate.train_micro_batch sets it
+    loss, terms = update.loss_stack(mb, out, _coefs(update))
     loss.backward()
     with torch.no_grad():
         for p in expected.parameters():
@@ -235,20 +237,20 @@ COV_LOSSES = {  # ratio 0.5 of the batch's 18 response tokens: 9 chosen (an exac
 
 def _chosen_tokens(loss: str, micro_batch_size: int, reuse: bool) -> set[tuple[int, int]]:
     """(row, response position) of every token the update's micro-batches are told to act on, over one update
-    of the whole batch as one mini-batch (micro_batch_backward sees them as mb.token_select)."""
+    of the whole batch as one mini-batch (train_micro_batch sees them as mb.token_select)."""
     update = _update("algo.mini_batch_size=6", f"algo.micro_batch_size={micro_batch_size}", *COV_LOSSES[loss])
     batch = _batch()
     scored = update.score(batch, step=0) if reuse else update.forward_scores(batch).apply(batch)
     chosen: set[tuple[int, int]] = set()
-    backward = update.micro_batch_backward
+    train = update.train_micro_batch
 
-    def spy(mb, rows, batch, coefs, reuse):  # noqa: ANN001, ANN202
+    def spy(mb, rows, shared):  # noqa: ANN001, ANN202
         for i, r in enumerate(rows):
-            k = len(batch.response_ids[r])
+            k = len(shared.batch.response_ids[r])
             chosen.update((r, p) for p in torch.nonzero(mb.token_select[i, :k]).flatten().tolist())
-        return backward(mb, rows, batch, coefs, reuse)
+        return train(mb, rows, shared)
 
-    update.micro_batch_backward = spy
+    update.train_micro_batch = spy
     update.run(scored, _coefs(update), step=0)
     return chosen
 

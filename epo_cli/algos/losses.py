@@ -60,6 +60,9 @@ class PolicyOutputs:
     logprobs: Tensor  # [B, R] log p(y_i | ...) of the response tokens
     entropy: Tensor  # [B, R] entropy of the full next-token distribution, at the sampling temperature
     values: Tensor | None = None  # [B] critic values (value term only)
+    #: log pi_theta - log pi_old of the response tokens, set by the update beside the forward
+    #: (PolicyUpdate.train_micro_batch); exp() of it is every policy term's ratio
+    log_ratio: Tensor | None = None  # [B, R]
 
 
 def _weights(mb: MicroBatch, mode: str) -> Tensor:
@@ -72,6 +75,12 @@ def _require(value: Tensor | None, what: str, term: str) -> Tensor:
     if value is None:
         raise ValueError(f"loss term '{term}' needs {what}, which this micro-batch does not have")
     return value
+
+
+def _behaviour_corrected(pg: Tensor, mb: MicroBatch) -> Tensor:
+    """The per-token policy loss [B, R] times the rollout correction's fixed weights (truncated importance
+    weights and/or the sequence mask, epo_cli/algos/rollout_correction.py), where the update set them."""
+    return pg if mb.correction is None else pg * mb.correction
 
 
 class LossTerm(nn.Module):
@@ -112,7 +121,8 @@ class PolicyClipLoss(LossTerm):
         """Per-token clipped surrogate [B, R], which tokens any clip bounds [B, R] bool, the token
         weights [B, R] and the detached diagnostics (without the loss value)."""
         w = _weights(mb, self.aggregation)  # [B, R]
-        pg, pg1, pg2, dual_active, ratio, log_ratio = self._clipped(mb, out.logprobs)  # [B, R] each
+        log_ratio = _require(out.log_ratio, "the log-ratio to the old policy", self.name)  # [B, R]
+        pg, pg1, pg2, dual_active, ratio = self._clipped(mb, log_ratio)  # [B, R] each
         with torch.no_grad():
             metrics = {
                 "policy/clipfrac": weighted_sum(w, (pg2 > pg1).float()),
@@ -120,13 +130,11 @@ class PolicyClipLoss(LossTerm):
                 # k3 estimator of KL(old || new) (Schulman's blog; cleanrl's approx_kl)
                 "policy/approx_kl": weighted_sum(w, (ratio - 1.0) - log_ratio),
             }
-        return pg, (pg2 > pg1) | dual_active, w, metrics
+        return _behaviour_corrected(pg, mb), (pg2 > pg1) | dual_active, w, metrics
 
-    def _clipped(self, mb: MicroBatch, logprobs: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-        """(pg, pg1, pg2, dual_active, ratio, log_ratio), each [B, R], for the current log-probs [B, R]."""
-        old_logp = _require(mb.old_logprobs, "old_logprobs", self.name)  # [B, R]
+    def _clipped(self, mb: MicroBatch, log_ratio: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """(pg, pg1, pg2, dual_active, ratio), each [B, R], for the log-ratio [B, R] to the old policy."""
         adv = _require(mb.advantages, "advantages", self.name)[:, None]  # [B, 1]
-        log_ratio = logprobs - old_logp  # [B, R]
         ratio = torch.exp(log_ratio)  # [B, R]
         pg1 = -adv * ratio  # [B, R]
         pg2 = -adv * torch.clamp(ratio, 1.0 - self.clip_low, 1.0 + self.clip_high)  # [B, R]
@@ -136,7 +144,7 @@ class PolicyClipLoss(LossTerm):
             pg3 = -adv * self.dual_clip  # [B, 1]
             dual_active = (adv < 0) & (pg > pg3)
             pg = torch.where(dual_active, pg3.expand_as(pg), pg)
-        return pg, pg1, pg2, dual_active, ratio, log_ratio
+        return pg, pg1, pg2, dual_active, ratio
 
     def forward(self, mb: MicroBatch, out: PolicyOutputs) -> tuple[Tensor, dict[str, Tensor]]:
         pg, _, w, metrics = self.surrogate(mb, out)  # [B, R], _, [B, R]
@@ -199,7 +207,8 @@ class ClipCovLoss(PolicyClipLoss):
 
     def eligible(self, mb: MicroBatch, logprobs: Tensor) -> Tensor:
         """Real tokens the PPO clip (or dual clip) does not already bound. [B, R] bool"""
-        _, pg1, pg2, dual_active, _, _ = self._clipped(mb, logprobs.detach())
+        old_logp = _require(mb.old_logprobs, "old_logprobs", self.name)  # [B, R]
+        _, pg1, pg2, dual_active, _ = self._clipped(mb, logprobs.detach() - old_logp)
         return mb.response_mask & ~((pg2 > pg1) | dual_active)
 
     def select(self, mb: MicroBatch, out: PolicyOutputs, ppo_clipped: Tensor | None = None) -> Tensor:
@@ -258,12 +267,11 @@ class KLCovLoss(LossTerm):
 
     def forward(self, mb: MicroBatch, out: PolicyOutputs) -> tuple[Tensor, dict[str, Tensor]]:
         w = _weights(mb, self.aggregation)  # [B, R]
-        old_logp = _require(mb.old_logprobs, "old_logprobs", self.name)  # [B, R]
         adv = _require(mb.advantages, "advantages", self.name)[:, None]  # [B, 1]
-        log_ratio = out.logprobs - old_logp  # [B, R]
+        log_ratio = _require(out.log_ratio, "the log-ratio to the old policy", self.name)  # [B, R]
         ratio = torch.exp(log_ratio)  # [B, R]
         selected = self.select(mb, out)  # [B, R]
-        pg = -adv * ratio + self.ppo_kl_coef * log_ratio.abs() * selected  # [B, R]
+        pg = _behaviour_corrected(-adv * ratio + self.ppo_kl_coef * log_ratio.abs() * selected, mb)  # [B, R]
         loss = weighted_sum(w, pg)
         with torch.no_grad():
             metrics = {

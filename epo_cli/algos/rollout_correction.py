@@ -16,8 +16,13 @@ ratio_t = exp(log_ratio_t):
 
 Metrics of one step (all ranks' tokens): rollout/logp_diff_mean and rollout/logp_diff_max (|log_ratio_t|),
 rollout/mismatch_kl (k3), rollout/tis_truncated_share (tokens with ratio_t > C), rollout/seq_masked_share
-(rows the sequence mask would drop). The weights and the mask are returned as tensors for a policy loss to
-multiply in (`token_tis_weights`, `sequence_mask`); this module imports no config.
+(rows the sequence mask would drop); they are logged whether or not a correction is applied.
+
+rollout.correction.mode applies them (`correction_weights`, off by default): `tis` multiplies each token's
+policy loss by w_t, `mask` zeroes the rows outside the sequence bound, `tis_and_mask` does both (verl's
+rollout_is=token with rollout_rs=geometric). The policy terms multiply the weights in before aggregating
+(epo_cli/algos/losses.py: _behaviour_corrected), as verl multiplies rollout_is_weights into pg_losses; the
+clip fraction and approx_kl are not reweighted. This module imports no config.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+#: rollout.correction.mode: what the policy loss applies
+CORRECTION_MODES = ("none", "tis", "mask", "tis_and_mask")
 
 #: the sums one rank contributes; all-reduced by sum except logp_diff_max (max)
 SUM_KEYS = ("tokens", "abs_diff", "k3", "truncated", "rows", "masked")
@@ -46,7 +54,33 @@ def sequence_mask(trainer_logprobs: Tensor, engine_logprobs: Tensor, response_ma
     return mean.abs() <= limit
 
 
-def mismatch_sums(engine_logprobs: Sequence[Sequence[float] | None] | None, trainer_logprobs: Sequence[Tensor],
+def correction_weights(mode: str, trainer_logprobs: Tensor, engine_logprobs: Sequence[Tensor | None],
+                       response_mask: Tensor, cap: float, bound: float) -> Tensor | None:
+    """The fixed weights [B, R] the policy loss multiplies in for `mode` (CORRECTION_MODES; None for "none"):
+    token TIS weights min(ratio_t, cap), times 0 on the rows the sequence mask drops. `trainer_logprobs`
+    [B, R] are the old policy's (the scoring forward's), `engine_logprobs` the engine's per row (a row
+    without them, None or of another length, keeps weight 1: nothing to correct it by; padding rows too)."""
+    if mode == "none":
+        return None
+    B, R = trainer_logprobs.shape
+    engine = torch.zeros_like(trainer_logprobs)  # [B, R]
+    known = torch.zeros(B, dtype=torch.bool, device=trainer_logprobs.device)  # [B]
+    for i, row in enumerate(engine_logprobs[:B]):
+        n = int(response_mask[i].sum())
+        if row is not None and len(row) == n:
+            engine[i, :n] = row.to(engine)
+            known[i] = True
+    mask = response_mask & known[:, None]  # [B, R] the tokens with both log-probs
+    weights = torch.ones_like(trainer_logprobs)  # [B, R]
+    if mode in ("tis", "tis_and_mask"):
+        weights = torch.where(mask, token_tis_weights(trainer_logprobs, engine, cap), weights)
+    if mode in ("mask", "tis_and_mask"):
+        kept = sequence_mask(trainer_logprobs, engine, mask, bound) | ~known  # [B]
+        weights = weights * kept[:, None].to(weights)
+    return weights
+
+
+def mismatch_sums(engine_logprobs: Sequence[Tensor | Sequence[float] | None] | None, trainer_logprobs: Sequence[Tensor],
                   correction: Any) -> dict[str, float]:
     """This rank's sums for the mismatch metrics (SUM_KEYS, plus `max_abs_diff`). Rows without the engine's
     log-probs (None) or whose lengths differ from the trainer's are left out. `correction`: token_cap, seq_bound."""
@@ -58,7 +92,7 @@ def mismatch_sums(engine_logprobs: Sequence[Sequence[float] | None] | None, trai
     for engine, trainer in zip(engine_logprobs, trainer_logprobs):
         if engine is None or trainer is None or len(engine) != len(trainer) or len(engine) == 0:
             continue
-        log_ratio = trainer.detach().double().cpu() - torch.tensor(engine, dtype=torch.float64)
+        log_ratio = trainer.detach().double().cpu() - torch.as_tensor(engine, dtype=torch.float64)
         sums["tokens"] += len(engine)
         sums["abs_diff"] += float(log_ratio.abs().sum())
         sums["max_abs_diff"] = max(sums["max_abs_diff"], float(log_ratio.abs().max()))

@@ -45,6 +45,9 @@ class TurnBatch:
     #: the part of `reward` that is the intrinsic bonus (algo.intrinsic; epo_cli/algos/intrinsic.py), kept
     #: apart for the metrics; None when the run has none
     intrinsic: Tensor | None = None  # [N] float
+    #: the rollout engine's log-probs of each response's tokens, when it kept them (the mismatch metrics and
+    #: rollout.correction); None for a row it did not generate as is
+    engine_logprobs: list[Tensor | None] = field(default_factory=list)  # N x [len(response)]
     # --- filled by the old-policy forward pass (no extra pass for EPO's entropy history) ---------------
     old_logprobs: list[Tensor] = field(default_factory=list)  # N x [len(response)]
     entropy: list[Tensor] = field(default_factory=list)  # N x [len(response)], at sampling temperature
@@ -125,3 +128,6 @@ class MicroBatch:
     #: Clip-Cov / KL-Cov: the tokens they act on, chosen over the whole mini-batch (epo_cli/algos/cov_selection.py);
     #: None: the loss chooses within this micro-batch alone
     token_select: Tensor | None = None  # [B, R] bool
+    #: rollout.correction: the fixed per-token weights of the policy loss (truncated importance weights
+    #: pi_trainer / pi_engine, the sequence mask), set by the update; None: no correction
+    correction: Tensor | None = None  # [B, R]

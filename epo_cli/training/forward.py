@@ -48,7 +48,8 @@ def collate(batch: TurnBatch, rows: list[int], pad_id: int, device: torch.device
             return None
         out = torch.zeros((num_rows, R), dtype=torch.float32)
         for i, r in enumerate(rows):
-            out[i, :len(values[r])] = values[r]
+            if values[r] is not None:  # None: a row the update's first forward scores (scoring reuse)
+                out[i, :len(values[r])] = values[r]
         return out.to(device)
 
     def row_field(values: torch.Tensor | None, dtype=torch.float32) -> torch.Tensor | None:

@@ -54,8 +54,6 @@ class Rollout:
     batch: TurnBatch  # one sample per turn of the chosen groups
     stats: RolloutStats
     metrics: dict[str, float] = field(default_factory=dict)  # dynamic sampling's counters (rollout/...)
-    # per batch row, the rollout engine's log-probs of its response tokens (None: not kept; Trainer.sample)
-    engine_logprobs: list[list[float] | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from epo_cli.models.loading import (
     model_source,
     resolve_dtype,
 )
-from epo_cli.rollout.engines import mismatch_metrics_on
+from epo_cli.rollout.engines import keeps_engine_logprobs
 from epo_cli.rollout.engines.base import EngineContext, EnginePolicy, RolloutEngine, sampling_config
 from epo_cli.rollout.engines.build import build_rollout_engine
 from epo_cli.training.engine import DistInfo, EngineSettings, RolloutModule, build_engine, inference_copy
@@ -71,7 +71,7 @@ class Models:
         training = temperature is None
         temperature = rollout.temperature if temperature is None else temperature
         return EnginePolicy(self.rollout_engine, self.tokenizer, sampling_config(rollout, temperature),
-                            rollout.generation_batch_size, keep_logprobs=training and mismatch_metrics_on(rollout))
+                            rollout.generation_batch_size, keep_logprobs=training and keeps_engine_logprobs(rollout))
 
 
 @dataclass(frozen=True)

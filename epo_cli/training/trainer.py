@@ -14,7 +14,9 @@ One RL iteration (`rl_step`, numbered as there). Steps 1-5 are public methods th
     3 advantages   <- AdvantageEstimator: the estimator algo.estimator names  gae | grpo | rloo | gigpo
     4 coefficients <- schedules: lambda (entropy group), beta_k (algo.phase), KL weight; the entropy terms
                       scaled by algo.monitor.clamp_scale when the monitor clamps (its verdict in advance)
-    5 update       <- PolicyUpdate.run: ppo_epochs x mini-batches x micro-batches:
+    5 update       <- PolicyUpdate.run: ppo_epochs x mini-batches x micro-batches, each micro-batch in
+                      PolicyUpdate.train_micro_batch (forward, log_ratio = logp - old_logp, the rollout
+                      correction's weights, then LossStack):
                       loss = sum_i coef_i * term_i   (e.g. policy_clip + 0.01*kl - lambda*entropy
                                                       + lambda*beta_k*entropy_smoothing)
                       engine.backward(loss); one engine.step() per mini-batch; critic likewise (ppo);
@@ -245,7 +247,7 @@ class Trainer:
         update_s = time.perf_counter() - t0
         metrics.update(result.metrics)
         batch = result.batch
-        metrics.update(self.mismatch_metrics(rollout, batch))  # engine vs trainer log-probs (the rollout's)
+        metrics.update(self.mismatch_metrics(batch))  # engine vs trainer log-probs (the rollout's)
 
         # sync: the rollout engine and the scoring copies take the updated weights (every rank: a collective)
         t0 = time.perf_counter()
@@ -279,10 +281,11 @@ class Trainer:
         `on_rollout` callback then sees the rollout."""
         policy = self.models.sampling_policy(self.cfg.rollout)
         rollout = self.sampler.sample(policy, step, total)
-        if policy.keep_logprobs:  # the engine's log-probs of each row's response (the mismatch metrics)
+        if policy.keep_logprobs:  # the engine's log-probs of each row's response (mismatch metrics, correction)
             batch = rollout.batch
-            rollout = replace(rollout, engine_logprobs=[policy.logprobs_of(p, r) for p, r in
-                                                        zip(batch.prompt_ids, batch.response_ids)])
+            kept = [policy.logprobs_of(p, r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
+            rollout = replace(rollout, batch=replace(batch, engine_logprobs=[
+                None if lp is None else torch.tensor(lp, dtype=torch.float32) for lp in kept]))
         for callback in self.on_rollout:
             callback(rollout, step)
         return rollout
@@ -321,13 +324,13 @@ class Trainer:
         The one place weights reach the rollouts; every rank calls it."""
         self.models.sync_weights()
 
-    def mismatch_metrics(self, rollout: Rollout, batch: TurnBatch) -> dict[str, float]:
+    def mismatch_metrics(self, batch: TurnBatch) -> dict[str, float]:
         """rollout/logp_diff_* and friends (algos/rollout_correction.py): the engine's log-probs of the sampled
         tokens against the trainer's old log-probs (all ranks: all-reduced); {} when rollout.mismatch_metrics
         is off (the sampling policy then kept none)."""
-        if rollout.engine_logprobs is None:
+        if not batch.engine_logprobs:
             return {}
-        sums = mismatch_sums(rollout.engine_logprobs, batch.old_logprobs, self.cfg.rollout.correction)
+        sums = mismatch_sums(batch.engine_logprobs, batch.old_logprobs, self.cfg.rollout.correction)
         return mismatch_metrics_from_sums(sums, all_reduce_sum, all_reduce_max, self.dist.device)
 
     def turn_width(self, step: int, total: int) -> int:

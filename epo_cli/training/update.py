@@ -3,15 +3,18 @@
     batch = update.score(batch, step)              # no grad: old/ref log-probs, entropies, values
     ... advantages, coefficients ...
     result = update.run(batch, coefs, step, history)
-        ppo_epochs x mini-batches (`mini_batch_step`, one engine.step() each; Clip-Cov/KL-Cov first choose
-        their tokens over the whole mini-batch, `token_selection`) x micro-batches (`micro_batch_backward`:
-        forward, loss = sum_i coef_i * term_i, engine.backward; `critic_backward`)
+        ppo_epochs x mini-batches (one `optimizer_step` each) x micro-batches (`micro_batches` collates them
+        with their weights; Clip-Cov/KL-Cov first choose their tokens over the whole mini-batch,
+        `token_selection`). Each micro-batch is `train_micro_batch`: forward, log-ratio, the rollout
+        correction's weights, loss = sum_i coef_i * term_i, engine.backward; `critic_backward`.
     result.metrics, result.batch (every row scored), result.skipped / optimizer_steps (`skip_streak`)
 
 Scoring reuse (algo.reuse_scoring_forward) is this part's own business: `score` leaves the rows of the first
 mini-batch unscored (their old log-probs and entropies are None), because the update's first forward, made
 with the very weights that played the rollout, scores them; `run` fills them in, and its result's batch has
-every row scored. Callers pass the batch along and never see which rows those were.
+every row scored. One rule decides it (`unscored`: old log-probs None), one helper does it (`score_with`).
+Callers pass the batch along and never see which rows those were. Measured gain: the whole scoring forward
+when the mini-batch holds the batch (perf/score_s 0 on the presets; docs/performance.md).
 
 Its settings (`PolicyUpdateSettings`) are built once from the run config (`from_config`); the part never reads
 the config itself, so a test builds it from its settings, models and loss stack alone.
@@ -24,7 +27,7 @@ same update.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -35,6 +38,7 @@ from epo_cli.algos.aggregation import AGGREGATIONS, normalized_weights
 from epo_cli.algos.cov_selection import mini_batch_selection, selection_mask
 from epo_cli.algos.entropy import EntropyHistory
 from epo_cli.algos.losses import LossStack, PolicyOutputs, required_aggregations
+from epo_cli.algos.rollout_correction import correction_weights
 from epo_cli.config import is_sft
 from epo_cli.errors import UserError
 from epo_cli.rollout.batch import MicroBatch, TurnBatch
@@ -70,6 +74,9 @@ class PolicyUpdateSettings:
     value_coef: float  # the critic's loss weight (algo.value.coef)
     turn_decay: float  # the turn-decay aggregation: turn t of an episode weighs turn_decay ** t
     reuse_scoring_forward: bool  # the update's first forward may score the first mini-batch (`reuses_scoring`)
+    correction: str = "none"  # rollout.correction.mode: the rollout/training mismatch correction the loss applies
+    token_cap: float = 2.0  # rollout.correction.token_cap: the truncated importance weight's cap
+    seq_bound: float = 2.0  # rollout.correction.seq_bound: the sequence mask's bound on the geometric-mean ratio
 
     @classmethod
     def from_config(cls, cfg: Any) -> PolicyUpdateSettings:
@@ -83,6 +90,8 @@ class PolicyUpdateSettings:
             turn_decay=algo.turn_decay,
             # algo.monitor.action=clamp: this step's coefficients need every entropy before the update
             reuse_scoring_forward=bool(algo.reuse_scoring_forward) and algo.monitor.action != "clamp",
+            correction=cfg.rollout.correction.mode, token_cap=cfg.rollout.correction.token_cap,
+            seq_bound=cfg.rollout.correction.seq_bound,
         )
 
 
@@ -117,7 +126,6 @@ class _UpdateInputs:
     batch: TurnBatch
     coefs: dict[str, float]
     history: EntropyHistory | None  # the entropy references of entropy_smoothing (None: no smoothing term)
-    on_policy: set[int]  # rows the update's first forward scores (left unscored by PolicyUpdate.score)
     lengths: list[int]  # prompt + response tokens of each row (micro-batch planning)
     modes: list[str]  # the aggregation modes of the loss terms, sorted (the same order on every rank)
     row_denominators: dict[str, Tensor]  # each row's share of each mode's denominator
@@ -230,22 +238,18 @@ class PolicyUpdate:
 
     def run(self, batch: TurnBatch, coefs: dict[str, float], step: int,
             history: EntropyHistory | None = None) -> UpdateResult:
-        """ppo_epochs x mini-batches x micro-batches; one engine.step() per mini-batch (SFT: one epoch, the
-        whole batch as one mini-batch). `batch` is not changed.
-
-        Rows that `score` left unscored (old log-probs None: the first mini-batch, scoring reuse) get this
-        forward's own log-probs and entropies, detached (ratio exactly 1); the returned batch has them, for
-        later epochs and the entropy statistics."""
+        """ppo_epochs x mini-batches x micro-batches (`train_micro_batch`); one optimizer step per mini-batch
+        (SFT: one epoch, the whole batch as one mini-batch). `batch` is not changed; the returned batch has
+        every row scored (those `score` left to the update's first forward filled in)."""
         settings = self.settings
         on_policy = {r for r, logprobs in enumerate(batch.old_logprobs) if logprobs is None}
-        empty = torch.empty(0)  # a row still to score: no old log-probs yet (filled in by its first forward)
-        batch = replace(batch, old_logprobs=[empty if x is None else x for x in batch.old_logprobs],
-                        entropy=[empty if x is None else x for x in batch.entropy])
+        # its own lists: the first forward fills in the rows `score` left (scoring reuse)
+        batch = replace(batch, old_logprobs=list(batch.old_logprobs), entropy=list(batch.entropy))
         lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
         # sorted: each mode's denominator is one all-reduce, and a set's order (str hashes are salted per
         # process) differs between ranks, which would pair up different modes' sums
         modes = sorted(self.aggregation_modes())
-        shared = _UpdateInputs(batch, coefs, history, on_policy, lengths, modes,
+        shared = _UpdateInputs(batch, coefs, history, lengths, modes,
                                row_denominators(batch, modes, settings.turn_decay))
         tally = UpdateTally()
         self.models.engine.train()
@@ -255,27 +259,53 @@ class PolicyUpdate:
                 raise ValueError("rows without old log-probs outside the first mini-batch: score the batch with "
                                  "PolicyUpdate.score(batch, step) of the same step")
             for mini, rows in enumerate(minis):
-                self.mini_batch_step(shared, rows, (step, epoch, mini), tally)
+                step_metrics: dict[str, float] = {}
+                for micro_rows, mb in self.micro_batches(shared, rows, (step, epoch, mini), tally):
+                    for k, v in self.train_micro_batch(mb, micro_rows, shared).items():
+                        step_metrics[k] = step_metrics.get(k, 0.0) + float(v)
+                self.optimizer_step(step_metrics, tally)
         metrics = tally.metrics()
         if batch.old_values is not None and batch.returns is not None:
             metrics.update(critic_metrics(batch.old_values, batch.returns, self.dist.device))
         return UpdateResult(metrics, batch, tally.skipped, tally.optimizer_steps, scored_rows=len(on_policy))
 
-    def mini_batch_step(self, shared: _UpdateInputs, rows: list[int], position: tuple[int, int, int],
-                        tally: UpdateTally) -> None:
-        """One optimizer step on this rank's `rows` of a global mini-batch: every rank runs as many
-        micro-batches (empty ones where it has fewer), then engine.step(); the term metrics of the step are
-        summed over ranks into `tally`. `position` is (step, epoch, mini-batch index)."""
-        device, engine = self.dist.device, self.models.engine
+    def train_micro_batch(self, mb: MicroBatch, rows: list[int], shared: _UpdateInputs) -> dict[str, Any]:
+        """One micro-batch: the policy's forward, the ratio, the named loss terms and their sum, backward (then
+        the critic's); returns the terms' metrics. The inner loop of cleanrl's ppo.py, one micro-batch at a time."""
+        engine, batch = self.models.engine, shared.batch
+        scores_itself = unscored(batch, rows)  # scoring reuse: this forward is the rows' old policy
+        out = policy_forward(engine, mb, self.settings.temperature, self.models.vocab_limit,
+                             with_entropy=self.needs_entropy() or scores_itself)  # logprobs, entropy [B, R]
+        if scores_itself:
+            score_with(out, mb, rows, batch)
+        if mb.old_logprobs is not None:  # (SFT has no old policy)
+            out.log_ratio = out.logprobs - mb.old_logprobs  # [B, R] log pi_theta / pi_old: exp() is the ratio
+            mb.correction = correction_weights(self.settings.correction, mb.old_logprobs,
+                                               [batch.engine_logprobs[r] for r in rows] if batch.engine_logprobs
+                                               else [], mb.response_mask, self.settings.token_cap,
+                                               self.settings.seq_bound)  # [B, R] or None (mode none)
+        # loss = sum_i coef_i * term_i over algo.loss_terms, e.g. 1*policy_clip + kl_w*kl - lam*entropy
+        #        + lam*beta_k*entropy_smoothing (LossStack.formula logs this step-0 line)
+        loss, metrics = self.loss_stack(mb, out, shared.coefs)
+        # DeepSpeed averages gradients over ranks; the aggregation weights already normalise globally
+        engine.backward(loss * self.dist.world_size, scale_wrt_gas=False)
+        if self.models.critic_engine is not None:
+            metrics.update(self.critic_backward(mb, self.dist.world_size))
+        return metrics
+
+    def micro_batches(self, shared: _UpdateInputs, rows: list[int], position: tuple[int, int, int],
+                      tally: UpdateTally) -> Iterator[tuple[list[int], MicroBatch]]:
+        """This rank's `rows` of a global mini-batch as (rows, micro-batch) pairs, collated one at a time,
+        carrying their aggregation weights (each mode's denominator global over the mini-batch: all ranks),
+        Clip-Cov/KL-Cov's chosen tokens and EPO's entropy references. Every rank yields as many (empty ones
+        where it has fewer rows). `position` is (step, epoch, mini-batch index). Collectives."""
+        device, decay = self.dist.device, self.settings.turn_decay
         micro = self.plan_micro_batches(rows, shared.lengths)
         n_micro = int(all_reduce_max(torch.tensor(len(micro))).item())
         micro += [[] for _ in range(n_micro - len(micro))]
-        # global denominators of each aggregation mode over this mini-batch (all ranks)
         denominators = {mode: float(all_reduce_sum(shared.row_denominators[mode][rows].sum().to(device))
                                     .clamp(min=1e-12)) for mode in shared.modes}
-        chosen = self.token_selection(shared, micro, position, tally)  # Clip-Cov / KL-Cov (else None)
-        step_metrics: dict[str, float] = {}
-        decay = self.settings.turn_decay
+        chosen = self.token_selection(shared, micro, position)  # Clip-Cov / KL-Cov (else None)
         for m in micro:
             mb = collate(shared.batch, m, self.models.tokenizer.pad_token_id, device, num_rows=max(len(m), 1),
                          packed=self.models.packing)
@@ -285,13 +315,14 @@ class PolicyUpdate:
                                                       decay, denominator=denominators[mode]).to(device)
             if shared.history is not None and "entropy_smoothing" in self.loss_stack.terms:
                 mb.entropy_ref = shared.history.reference(mb.turn_index.cpu()).to(device)
-            # the very first forward of the update is the old policy's: it scores its on-policy samples
-            reuse = bool(m) and m[0] in shared.on_policy and tally.optimizer_steps == 0
-            term_metrics = self.micro_batch_backward(mb, m, shared.batch, shared.coefs, reuse)
-            for k, v in term_metrics.items():
-                step_metrics[k] = step_metrics.get(k, 0.0) + float(v)
             tally.real_tokens += int(mb.attention_mask.sum())
             tally.padded_tokens += mb.attention_mask.numel()
+            yield m, mb
+
+    def optimizer_step(self, step_metrics: dict[str, float], tally: UpdateTally) -> None:
+        """engine.step() (and the critic's) after a mini-batch's micro-batches; the skip and gradient-norm
+        record, and the step's term metrics summed over ranks, into `tally`. Collective."""
+        engine, device = self.models.engine, self.dist.device
         engine.step()
         if self.models.critic_engine is not None:
             self.models.critic_engine.step()
@@ -305,8 +336,8 @@ class PolicyUpdate:
                                               device=device)).tolist() if names else []
         tally.add_step(dict(zip(names, reduced)))
 
-    def token_selection(self, shared: _UpdateInputs, micro: list[list[int]], position: tuple[int, int, int],
-                        tally: UpdateTally) -> dict[int, Tensor] | None:
+    def token_selection(self, shared: _UpdateInputs, micro: list[list[int]],
+                        position: tuple[int, int, int]) -> dict[int, Tensor] | None:
         """Clip-Cov / KL-Cov: row -> the tokens [k] bool the loss acts on, chosen over the whole mini-batch (all
         micro-batches and ranks; epo_cli/algos/cov_selection.py) from the current policy's log-probs, scored
         first without gradient; None for the other policy losses. Collectives: every rank calls it."""
@@ -314,45 +345,23 @@ class PolicyUpdate:
         if selector is None:
             return None
         batch = shared.batch
-        return mini_batch_selection(selector, (self._current_logprobs(shared, m, tally) for m in micro if m),
+        return mini_batch_selection(selector, (self._current_logprobs(shared, m) for m in micro if m),
                                     lambda r: (int(batch.traj_id[r]), int(batch.turn_index[r])),
                                     derive_seed(self.settings.seed, "cov_select", *position), all_reduce_sum,
                                     all_gather_objects)
 
-    def _current_logprobs(self, shared: _UpdateInputs, rows: list[int],
-                          tally: UpdateTally) -> tuple[list[int], MicroBatch, Tensor]:
+    def _current_logprobs(self, shared: _UpdateInputs, rows: list[int]) -> tuple[list[int], MicroBatch, Tensor]:
         """(rows, their micro-batch, the current policy's log-probs [B, R]), no grad: what the backward loop's
-        forward of this micro-batch will compute. Rows the first forward scores (on-policy reuse) have no old
-        log-probs yet: their ratio is 1 (the weights are the rollout's)."""
+        forward of this micro-batch will compute. Rows the first forward scores (scoring reuse) have no old
+        log-probs yet: these are theirs (the weights are the rollout's, the ratio is 1)."""
         models = self.models
         mb = collate(shared.batch, rows, models.tokenizer.pad_token_id, self.dist.device, packed=models.packing)
         with torch.no_grad():
             logprobs = policy_forward(models.engine, mb, self.settings.temperature, models.vocab_limit,
                                       with_entropy=False).logprobs
-        if rows[0] in shared.on_policy and tally.optimizer_steps == 0:
+        if unscored(shared.batch, rows):
             mb.old_logprobs = logprobs
         return rows, mb, logprobs
-
-    def micro_batch_backward(self, mb: MicroBatch, rows: list[int], batch: TurnBatch, coefs: dict[str, float],
-                             reuse: bool) -> dict[str, Any]:
-        """Forward, loss stack and backward of one micro-batch (policy, then critic); its term metrics.
-        With `reuse`, this forward's log-probs and entropies become the rows' old ones (in `batch` too)."""
-        engine, world = self.models.engine, self.dist.world_size
-        out = policy_forward(engine, mb, self.settings.temperature, self.models.vocab_limit,
-                             with_entropy=self.needs_entropy() or reuse)
-        if reuse:  # this forward is the old policy's: score these samples with it
-            mb.old_logprobs = out.logprobs.detach()
-            mb.rollout_entropy = out.entropy.detach()
-            for i, r in enumerate(rows):
-                k = len(batch.response_ids[r])
-                batch.old_logprobs[r] = mb.old_logprobs[i, :k].float().cpu()
-                batch.entropy[r] = mb.rollout_entropy[i, :k].float().cpu()
-        loss, term_metrics = self.loss_stack(mb, out, coefs)
-        # DeepSpeed averages gradients over ranks; the weights already normalise globally
-        engine.backward(loss * world, scale_wrt_gas=False)
-        if self.models.critic_engine is not None:
-            term_metrics.update(self.critic_backward(mb, world))
-        return term_metrics
 
     def needs_entropy(self) -> bool:
         """Whether the loss stack reads the token entropies (its entropy or entropy_smoothing term)."""
@@ -364,6 +373,26 @@ class PolicyUpdate:
         vloss, vmetrics = self.value_term(mb, PolicyOutputs(logprobs=None, entropy=None, values=values))
         self.models.critic_engine.backward(self.settings.value_coef * vloss * world, scale_wrt_gas=False)
         return vmetrics
+
+
+# ---- scoring reuse: one rule (a row whose old log-probs are None is scored by its first forward) -------------
+
+def unscored(batch: TurnBatch, rows: list[int]) -> bool:
+    """Whether the micro-batch of `rows` is one `score` left to the update (scoring reuse). Such rows are only
+    in the first mini-batch of the first epoch (`run` checks), so all of a micro-batch's rows are, or none."""
+    return bool(rows) and bool(batch.old_logprobs) and batch.old_logprobs[rows[0]] is None
+
+
+def score_with(out: PolicyOutputs, mb: MicroBatch, rows: list[int], batch: TurnBatch) -> None:
+    """This forward, made with the weights that played the rollout, is the old policy of `rows`: its detached
+    log-probs and entropies become theirs, in `mb` (ratio exactly 1) and in `batch` (later epochs and the
+    entropy statistics)."""
+    mb.old_logprobs = out.logprobs.detach()
+    mb.rollout_entropy = out.entropy.detach()
+    for i, r in enumerate(rows):
+        k = len(batch.response_ids[r])
+        batch.old_logprobs[r] = mb.old_logprobs[i, :k].float().cpu()
+        batch.entropy[r] = mb.rollout_entropy[i, :k].float().cpu()
 
 
 def skip_streak(streak: int, result: UpdateResult, limit: int, last_checkpoint: Callable[[], str | None]) -> int:

@@ -55,6 +55,13 @@ def mismatch_metrics_on(rollout: object) -> bool:
     return bool(setting) if setting is not None else str(getattr(rollout, "engine", "hf")) != "hf"
 
 
+def keeps_engine_logprobs(rollout: object) -> bool:
+    """Whether training rollouts keep the engine's log-probs: for the mismatch metrics, or for a correction
+    (rollout.correction.mode) that weighs the loss by them."""
+    correction = getattr(getattr(rollout, "correction", None), "mode", "none")
+    return mismatch_metrics_on(rollout) or str(correction) != "none"
+
+
 GIB = 1024 ** 3
 
 
@@ -79,4 +86,5 @@ def engine_memory(rollout: object, weight_bytes: float, hf_kv_bytes: float, devi
             "vLLM KV cache": float(settings.kv_cache_gib) * GIB}
 
 
-__all__ = ["ROLLOUT_ENGINES", "engine_memory", "is_plugin_name", "mismatch_metrics_on", "register_plugin_engine"]
+__all__ = ["ROLLOUT_ENGINES", "engine_memory", "is_plugin_name", "keeps_engine_logprobs", "mismatch_metrics_on",
+           "register_plugin_engine"]
