@@ -77,3 +77,29 @@ def test_bad_options_are_one_message(args: list[str], message: str, tmp_path: Pa
     proc = subprocess.run([sys.executable, str(SCRIPTS / "exp_real_model.py"), "--out", str(tmp_path / "o"), *args],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_every_policy_is_evaluated_at_the_rl_runs_turn_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The warm start's preset allows more turns than the RL runs: the study evaluates every policy at the RL
+    preset's limit, and an earlier result at another limit is kept but not reused."""
+    import json
+
+    cfg, _ = compose_for_train(["experiment=smollm2_rl", f"model.path={tmp_path}"])
+    assert rm.EVAL_MAX_TURNS == cfg.env.max_turns
+    a = argparse.Namespace(out=tmp_path, episodes=64, quick=False)
+    old = tmp_path / "eval" / "warm_start"
+    old.mkdir(parents=True)
+    (old / "final.json").write_text(json.dumps({"max_turns": 15, "episodes": 64, "success": {"rate": 0.4}}))
+    calls = []
+
+    def fake_eval(args: list[str], log: Path, cwd: Path) -> None:  # what `epo eval` would write
+        calls.append(args)
+        out = Path(next(x for x in args if x.startswith("out=")).split("=", 1)[1])
+        out.mkdir(parents=True)
+        (out / "final.json").write_text(json.dumps({"max_turns": 10, "episodes": 64, "success": {"rate": 0.3}}))
+
+    monkeypatch.setattr(rm, "run_logged", fake_eval)
+    assert rm.evaluate("warm_start", ["run=w"], a)["success"]["rate"] == 0.3
+    assert len(calls) == 1 and f"env.max_turns={rm.EVAL_MAX_TURNS}" in calls[0]
+    assert (old / "final.json").exists()  # the earlier result is kept
+    assert rm.evaluate("warm_start", ["run=w"], a)["success"]["rate"] == 0.3 and len(calls) == 1  # reused

@@ -7,8 +7,9 @@
 2. RL          epo train experiment=smollm2_rl <arm> seed=S model.path=<1>/final run_dir=<out>/runs/<arm>-s<S>
                trainer.resume=auto          (one run per arm and seed, --jobs side by side)
 3. evaluation  epo eval experiment=smollm2_household (zero-shot) | run=<1|2> episodes=E temperature=1.0
-               seed=EVAL_SEED: every policy on the same E fixed unseen tasks (eval_in_distribution: tasks the
-               training split never draws), one at a time
+               seed=EVAL_SEED env.max_turns=EVAL_MAX_TURNS: every policy on the same E fixed unseen tasks
+               (eval_in_distribution: tasks the training split never draws) with the same turn limit (the RL
+               runs'), one at a time
 4. summary     <out>/summary.json, summary.md (success with 95% intervals, gain over the warm start, the
                target, entropy per iteration and per turn, EPO's band) and <out>/real_model.png
 
@@ -39,6 +40,9 @@ from epo_cli.rundir.writable import json_ready
 EPO = [sys.executable, "-m", "epo_cli"]
 #: the eval tasks' seed: every policy plays the same fixed tasks
 EVAL_SEED = 1000
+#: every policy is evaluated with the same turn limit, the one RL trains with (experiment=smollm2_rl's
+#: env.max_turns): the warm start's own preset allows 15 turns, and a policy given more turns wins more often
+EVAL_MAX_TURNS = 10
 #: arm -> overrides on top of experiment=smollm2_rl (loss terms named whole: the KL term is off at this scale)
 ARMS = {
     "grpo": ("algo=grpo", "algo.loss_terms=[policy_clip]"),
@@ -51,7 +55,8 @@ LABELS = {"grpo": "GRPO", "epo": "EPO (paper settings)", "gigpo": "GiGPO", "grpo
 QUICK_WARM = ("trainer.total_steps=2", "algo.demo_episodes=4", "trainer.save_every=1")
 QUICK_RL = ("algo.tasks_per_step=1", "algo.group_size=2", "env.max_turns=2", "rollout.max_new_tokens=8",
             "algo.micro_batch_size=4")
-QUICK_EVAL = ("env.max_turns=2", "rollout.max_new_tokens=8")
+QUICK_EVAL = ("rollout.max_new_tokens=8",)
+QUICK_EVAL_TURNS = 2
 #: an iteration's parts as the trainer logs them (perf/generate_s and perf/env_s are parts of perf/rollout_s)
 PARTS = ("perf/rollout_s", "perf/score_s", "perf/update_s")
 #: the issue's target over the warm start's success: every seed at least +0.2, the mean at least +0.3
@@ -87,15 +92,20 @@ def train(run: Path, args: list[str], out: Path) -> Path:
 
 
 def evaluate(name: str, source: list[str], a: argparse.Namespace) -> dict:
-    """The eval JSON of one policy on the study's fixed tasks (kept; reused when the study runs again)."""
-    target = a.out / "eval" / name
-    found = sorted(target.glob("*.json"))
-    if not found:
-        extra = QUICK_EVAL if a.quick else ()
-        run_logged(["eval", *source, f"episodes={a.episodes}", "temperature=1.0", f"seed={EVAL_SEED}",
-                    "split=eval_in_distribution", f"out={target}", *extra], a.out / "logs" / f"eval-{name}.log", a.out)
-        found = sorted(target.glob("*.json"))
-    return json.loads(found[0].read_text())
+    """The eval JSON of one policy on the study's fixed tasks at the study's turn limit (kept and reused when
+    the study runs again; an earlier result at another turn limit is kept too, in eval/<name>/, and not
+    reused)."""
+    turns = QUICK_EVAL_TURNS if a.quick else EVAL_MAX_TURNS
+    for target in (a.out / "eval" / name, a.out / "eval" / f"{name}-t{turns}"):
+        for found in sorted(target.glob("*.json")):
+            result = json.loads(found.read_text())
+            if result.get("max_turns") == turns and result.get("episodes") == a.episodes:
+                return result
+    extra = QUICK_EVAL if a.quick else ()
+    run_logged(["eval", *source, f"episodes={a.episodes}", "temperature=1.0", f"seed={EVAL_SEED}",
+                "split=eval_in_distribution", f"env.max_turns={turns}", f"out={target}", *extra],
+               a.out / "logs" / f"eval-{target.name}.log", a.out)
+    return json.loads(sorted(target.glob("*.json"))[0].read_text())
 
 
 def training_rows(run: Path) -> list[dict]:
@@ -152,6 +162,7 @@ def summarize(a: argparse.Namespace, zero: dict, warm: dict, results: dict[str, 
             "parts_s": {s: r["parts_s"] for s, r in by_seed.items()},
         }
     return {"episodes": a.episodes, "eval_seed": EVAL_SEED, "iterations": a.iterations, "quick": a.quick,
+            "eval_max_turns": QUICK_EVAL_TURNS if a.quick else EVAL_MAX_TURNS,
             "zero_shot": {k: zero[k] for k in ("success", "invalid_rate", "admissible_rate", "response_tokens",
                                                "episode_len") if k in zero},
             "warm_start": {k: warm[k] for k in ("success", "invalid_rate", "admissible_rate", "response_tokens",
@@ -161,7 +172,8 @@ def summarize(a: argparse.Namespace, zero: dict, warm: dict, results: dict[str, 
 
 def write_markdown(summary: dict, path: Path) -> None:
     z, w = summary["zero_shot"], summary["warm_start"]
-    lines = [f"# Real model (SmolLM2-135M-Instruct): {summary['episodes']} fixed unseen tasks, T=1.0",
+    lines = [f"# Real model (SmolLM2-135M-Instruct): {summary['episodes']} fixed unseen tasks, T=1.0, "
+             f"at most {summary['eval_max_turns']} turns",
              "", "| policy | success [95% CI] | admissible actions | invalid turns | response tokens |",
              "|---|---|---|---|---|"]
     for name, r in (("zero-shot", z), ("warm start", w)):
