@@ -662,7 +662,7 @@ class EntropyConfig:
 
 @dataclass
 class CurriculumConfig:
-    #: a curriculum registered in epo_cli/training/curriculum.py: none | staged | adaptive | horizon | subgoal_rewards
+    #: a curriculum registered in epo_cli/algos/curriculum.py: none | staged | adaptive | horizon | subgoal_rewards
     name: str = one_of("none", registry="curricula")
     #: staged / adaptive: ordered levels (household levels, ALFWorld task types, ScienceWorld task lists)
     levels: list[str] = field(default_factory=list)

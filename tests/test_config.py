@@ -21,7 +21,7 @@ def shipped_options() -> list[tuple[str, str]]:
 PRESET_NEEDS = {"improve_on_teacher": ["model.path=/a/warm/start/final"],
                 "smollm2_rl": ["model.path=/a/warm/start/final"],
                 # at the default micro-batch (16 rows of 1024 + 64 tokens) its backward can hold ~24 GiB: refused
-                # on a machine of 24 GiB (training/memory.py), so the option is composed with 4 rows
+                # on a machine of 24 GiB (analysis/memory.py), so the option is composed with 4 rows
                 "qwen2.5-0.5b-random": ["algo.micro_batch_size=4"]}
 
 
@@ -160,7 +160,7 @@ def test_a_run_saved_with_the_old_phase_keys_still_loads(tmp_path) -> None:
     (coef, start, peak, end): a run saved before is read under the new names, with its values."""
     from omegaconf import OmegaConf
 
-    from epo_cli.rundir.folder import load_run_config
+    from epo_cli.compose import load_run_config
 
     cfg = compose(["algo=epo", "algo.phase.schedule=two_phase", "algo.phase.start=0.3", "algo.phase.coef=1.5"])
     saved = OmegaConf.to_container(cfg, resolve=True)
@@ -178,7 +178,7 @@ def test_a_run_saved_with_the_old_kl_ramp_and_turn_decay_names_still_loads(tmp_p
     phase_kl_ramp: a run saved before is read under the new names, with its values."""
     from omegaconf import OmegaConf
 
-    from epo_cli.rundir.folder import load_run_config
+    from epo_cli.compose import load_run_config
 
     cfg = compose(["algo=epo", "algo.kl.schedule=phase_kl_ramp", "algo.entropy.mode=turn_decay",
                    "algo.turn_decay=0.7"])

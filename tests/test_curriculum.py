@@ -14,12 +14,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from epo_cli.compose import compose
-from epo_cli.config import CurriculumConfig
-from epo_cli.envs.base import EnvSuite, Task
-from epo_cli.envs.household import HouseholdConfig, HouseholdSuite
-from epo_cli.errors import ConfigError
-from epo_cli.training.curriculum import (
+from epo_cli.algos.curriculum import (
     CURRICULA,
     AdaptiveCurriculum,
     AdaptiveCurriculumConfig,
@@ -28,6 +23,11 @@ from epo_cli.training.curriculum import (
     StagedCurriculum,
     build_curriculum,
 )
+from epo_cli.compose import compose
+from epo_cli.config import CurriculumConfig
+from epo_cli.envs.base import EnvSuite, Task
+from epo_cli.envs.household import HouseholdConfig, HouseholdSuite
+from epo_cli.errors import ConfigError
 
 from conftest import metrics_rows, only_run_dir, run_epo
 

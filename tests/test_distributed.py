@@ -105,7 +105,7 @@ def _harness(spec_file: str) -> None:
     dist = None
     for name, overrides in spec["runs"].items():
         cfg = compose([*overrides, f"run_dir={Path(spec['root']) / name}", "launcher.timeout_s=300"])
-        dist = dist or init_distributed(cfg)
+        dist = dist or init_distributed(cfg.trainer.device, cfg.launcher.timeout_s)
         if dist.is_main:
             prepare_run_dir(cfg, overrides)
         barrier()
@@ -186,7 +186,7 @@ def _env() -> dict[str, str]:
 
 def _launch_harness(root: Path, runs: dict[str, list[str]], ranks: int, warm: Path) -> dict[str, Any]:
     from epo_cli.launch.deepspeed import run_cpu_world
-    from epo_cli.training.deepspeed_config import PORT_ATTEMPTS, port_taken
+    from epo_cli.runtime.deepspeed_config import PORT_ATTEMPTS, port_taken
 
     spec = {"root": str(root), "facts": str(root / "facts.json"),
             "runs": {name: [*args, *RL_ARGS, f"model.path={warm / 'final'}"] for name, args in runs.items()}}
@@ -454,7 +454,7 @@ def test_a_picked_port_taken_before_rank_0_listens_starts_the_ranks_again(
     port picked is held by this test (as another process would take it in between): rank 0 cannot listen, the
     launcher ends that attempt and starts the ranks again on a new free port, and the run completes."""
     import epo_cli.launch.deepspeed as launcher
-    from epo_cli.training.deepspeed_config import free_port
+    from epo_cli.runtime.deepspeed_config import free_port
 
     from conftest import run_epo
 
@@ -640,7 +640,7 @@ WORLD_OF_ONE = """
 import json, socket, sys
 from omegaconf import OmegaConf
 import epo_cli.training.engine as engine
-from epo_cli.training.deepspeed_config import free_port
+from epo_cli.runtime.deepspeed_config import free_port
 
 held = socket.socket()
 held.bind(("127.0.0.1", 0))
@@ -654,7 +654,7 @@ def first_ones_taken():
 engine.free_port = first_ones_taken
 cfg = OmegaConf.create({"trainer": {"device": "cpu"}, "launcher": {"timeout_s": 30}})
 try:
-    info = engine.init_distributed(cfg)
+    info = engine.init_distributed(cfg.trainer.device, cfg.launcher.timeout_s)
     print(json.dumps({"picked": picked, "world": info.world_size}))
 except RuntimeError as err:
     print(json.dumps({"picked": picked, "error": str(err).splitlines()[0]}))

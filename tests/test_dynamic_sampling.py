@@ -188,7 +188,7 @@ def test_bad_dynamic_sampling_config(overrides, needle):
 def test_a_run_saved_with_the_retired_metric_key_still_loads(tmp_path: Path) -> None:
     from omegaconf import OmegaConf
 
-    from epo_cli.rundir.folder import load_run_config
+    from epo_cli.compose import load_run_config
 
     saved = OmegaConf.to_container(compose(["algo=grpo", "algo.dynamic_sampling=true"]), resolve=True)
     saved["algo"]["dynamic_sampling_metric"] = "outcome"

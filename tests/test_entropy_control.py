@@ -11,6 +11,7 @@ from epo_cli.compose import compose
 from epo_cli.config import MonitorConfig, SmoothingConfig
 from epo_cli.rollout.batch import TurnBatch
 from epo_cli.training.entropy_control import EntropyControl
+from epo_cli.training.settings import entropy_control
 
 
 def _batch(entropies: list[list[float]], turns: list[int]) -> TurnBatch:
@@ -24,7 +25,7 @@ def _batch(entropies: list[list[float]], turns: list[int]) -> TurnBatch:
 
 
 def test_statistics_observe_and_the_reference() -> None:
-    control = EntropyControl.from_config(compose(["algo=epo", "env.max_turns=4"]))
+    control = entropy_control(compose(["algo=epo", "env.max_turns=4"]))
     assert control.reference_metrics() == {}  # no step recorded yet: no band
     warnings: list[str] = []
     # turn 0: tokens 1, 2 and 3 -> sum 6, count 3 (mean 2); turn 1: token 4 -> mean 4; all: 10 / 4 = 2.5
@@ -45,12 +46,12 @@ def test_statistics_observe_and_the_reference() -> None:
 
 def test_an_alert_is_warned_and_the_state_round_trips() -> None:
     cfg = compose(["algo=epo", "env.max_turns=4", "algo.monitor.threshold=0.01", "algo.monitor.action=clamp"])
-    control, warnings = EntropyControl.from_config(cfg), []
+    control, warnings = entropy_control(cfg), []
     for step, value in enumerate([1.0, 3.0, 0.5]):  # swings far above 1% of the mean
         stats = control.statistics(_batch([[value]], [0]), step, 4, warnings.append)
         control.observe(stats)
     assert stats.alert and warnings and "entropy terms clamped" in warnings[-1] and "at step 3" in warnings[-1]
-    restored = EntropyControl.from_config(cfg)
+    restored = entropy_control(cfg)
     restored.load_state_dict(control.state_dict())
     assert restored.state_dict() == control.state_dict()
     assert set(control.state_dict()) == {"entropy_history", "monitor", "entropy_schedule"}  # checkpoint keys
@@ -61,7 +62,7 @@ def test_the_clamp_verdict_in_advance_is_the_one_the_statistics_record() -> None
     the update; `clamps_now` gives it without changing the monitor, and `statistics` after the update records
     the same verdict. Without a clamp there is no verdict in advance (and no collective)."""
     cfg = compose(["algo=epo", "env.max_turns=4", "algo.monitor.threshold=0.01", "algo.monitor.action=clamp"])
-    control, warnings = EntropyControl.from_config(cfg), []
+    control, warnings = entropy_control(cfg), []
     verdicts = []
     for step, value in enumerate([1.0, 3.0, 0.5]):
         batch = _batch([[value]], [0])
@@ -72,7 +73,7 @@ def test_the_clamp_verdict_in_advance_is_the_one_the_statistics_record() -> None
         assert stats.alert == verdicts[-1]
         control.observe(stats)
     assert verdicts == [False, True, True]  # |3 - 2| / 2 = 0.5 of the mean after the first swing
-    unclamped = EntropyControl.from_config(compose(["algo=epo", "env.max_turns=4", "algo.monitor.threshold=0.01"]))
+    unclamped = entropy_control(compose(["algo=epo", "env.max_turns=4", "algo.monitor.threshold=0.01"]))
     assert not unclamped.clamps_now(_batch([[3.0]], [0]), 4)
 
 

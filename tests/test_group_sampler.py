@@ -12,13 +12,15 @@ from typing import Any
 
 import pytest
 
+from epo_cli.algos.advantages import AdvantageEstimator
+from epo_cli.algos.curriculum import build_curriculum
 from epo_cli.compose import compose
 from epo_cli.envs.base import Env, EnvSuite, StepResult, Task
 from epo_cli.envs.pool import EnvPool
 from epo_cli.errors import UserError
 from epo_cli.rollout.prompts import PromptBuilder
-from epo_cli.training.curriculum import build_curriculum
-from epo_cli.training.group_sampler import GroupSampler, GroupSamplerSettings, Rollout
+from epo_cli.training.group_sampler import GroupSampler, Rollout
+from epo_cli.training.settings import sampler_settings
 
 
 class DoorEnv(Env):
@@ -71,8 +73,9 @@ def _sampler(pool: EnvPool, rank: int = 0, world_size: int = 1, *overrides: str)
     cfg = _config(*overrides)
     suite = pool.suite
     builder = PromptBuilder("compact", 2, 4096, lambda text: list(text.encode()))
-    return GroupSampler(GroupSamplerSettings.from_config(cfg), rank, world_size, suite, pool,
-                        build_curriculum(cfg, suite), builder, ByteTokenizer())
+    estimator = AdvantageEstimator.from_config(cfg.algo) if cfg.algo.estimator != "none" else None
+    return GroupSampler(sampler_settings(cfg), rank, world_size, suite, pool,
+                        build_curriculum(cfg, suite), builder, ByteTokenizer(), estimator)
 
 
 def _trace(rollout: Rollout) -> list:

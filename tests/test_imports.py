@@ -203,6 +203,30 @@ def test_the_package_has_no_import_cycles() -> None:
     assert not cycles, f"{len(cycles)} import cycle(s):\n" + "\n\n".join(lines)
 
 
+def folder_of(module: str) -> str:
+    """The room a module lives in: its folder under epo_cli (epo_cli.training.update -> epo_cli.training), or
+    the module itself at the package root (epo_cli.config)."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def test_the_folders_import_one_way() -> None:
+    """No folder imports a folder that imports it back, through any chain: the folders stack into floors
+    and every import runs down (a cycle between folders is an import that climbs)."""
+    graph, imports = import_graph(PACKAGE)
+    folders: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        folders.setdefault(folder_of(module), set()).update(
+            folder_of(t) for t in targets if folder_of(t) != folder_of(module))
+    cycles = find_cycles(folders)
+    lines = []
+    for cycle in cycles:
+        for a, b in zip(cycle, cycle[1:]):
+            lines += [f"  {i.importer} -> {i.target} (line {i.line})" for i in imports
+                      if folder_of(i.importer) == a and folder_of(i.target) == b]
+    assert not cycles, f"folders that import each other: {cycles}\n" + "\n".join(lines)
+
+
 def test_epo_cli_modules_are_imported_at_module_level() -> None:
     """A function-level import of an epo_cli module hides a cycle or a slow import; only the listed ones,
     each with its reason, stay (and the list may not go stale)."""
@@ -267,7 +291,7 @@ def test_a_function_level_import_and_a_registry_name_close_cycles(tmp_path: Path
     assert find_cycles(graph) == [["pkg.config", "pkg.envs", "pkg.envs.household", "pkg.config"]]
 
 
-@pytest.mark.parametrize("package", ["launch", "analysis", "loggers", "rundir", "evaluation"])
+@pytest.mark.parametrize("package", ["launch", "analysis", "loggers", "rundir", "evaluation", "runtime"])
 def test_the_new_folders_import_nothing_in_their_init(package: str) -> None:
     """`python -m epo_cli.launch.rank` must set OMP_NUM_THREADS before torch loads, and a folder's
     __init__ that imports its modules would run them for every import of any one of them."""

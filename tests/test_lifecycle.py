@@ -1,4 +1,4 @@
-"""The run lifecycle (epo_cli/training/lifecycle.py) with a stand-in Trainer: how a run ends maps to one
+"""The run lifecycle (epo_cli/launch/lifecycle.py) with a stand-in Trainer: how a run ends maps to one
 status.json and one exit code, the stop handler is installed only while it runs, and the fault-injection
 seam of checkpoint.save calls its hooks."""
 
@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from epo_cli.launch.lifecycle import ABANDONED, latest_step, record_stopped, run_training
 from epo_cli.rundir.folder import read_status
-from epo_cli.training.lifecycle import ABANDONED, latest_step, record_stopped, run_training
 from epo_cli.training.stop import STOP, Interrupted
 
 

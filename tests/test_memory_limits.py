@@ -1,6 +1,6 @@
 """Inputs cannot exhaust memory (issue 30, class 4): a size that cannot fit is refused before anything is
 allocated, with one message naming the settings, the size they imply and the memory there is
-(epo_cli/training/memory.py); a sweep says how many jobs it starts and refuses more than sweep.max_jobs.
+(epo_cli/analysis/memory.py); a sweep says how many jobs it starts and refuses more than sweep.max_jobs.
 
 Every row used to be accepted (then gigabytes and growing, an allocator traceback or a Rust abort), or, for
 `episodes=1e6`, refused as "not a number".

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from epo_cli.training import memory
+from epo_cli.analysis import memory
 
 from conftest import SmallConfig, one_error, run_epo
 

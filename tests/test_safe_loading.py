@@ -264,7 +264,7 @@ def test_resume_refuses_a_planted_rng_file_before_deepspeed_runs(trained_run: Pa
 
 
 def test_a_rank_takes_trust_remote_code_from_its_launcher_flag_only(tmp_path: Path) -> None:
-    from epo_cli.rundir.folder import load_run_config
+    from epo_cli.compose import load_run_config
 
     run = _run_dir_trusting_remote_code(tmp_path)
     with warnings.catch_warnings():

@@ -214,8 +214,8 @@ def test_a_key_now_integer_saved_as_a_whole_float_still_loads(saved: float, load
                                                               tmp_path: Path) -> None:
     """rollout.vllm.kv_cache_gib became an int after runs saved it as 1.0 (the warm start of the real-model
     study could not be evaluated); a whole number loads as that int, anything else is refused naming it."""
+    from epo_cli.compose import load_run_config
     from epo_cli.errors import UserError
-    from epo_cli.rundir.folder import load_run_config
 
     run = copy_of(stopped_run, tmp_path)
     raw = OmegaConf.load(run / "config.yaml")

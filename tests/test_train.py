@@ -126,9 +126,8 @@ def test_run_saved_with_a_retired_key_still_loads(tmp_path: Path) -> None:
     """trainer.log_every (never read) was removed; runs saved with it can still be resumed and evaluated."""
     from omegaconf import OmegaConf
 
-    from epo_cli.compose import compose
+    from epo_cli.compose import compose, load_run_config
     from epo_cli.config import ConfigError
-    from epo_cli.rundir.folder import load_run_config
 
     saved = OmegaConf.to_container(compose(["algo=grpo"]), resolve=True)
     saved["trainer"]["log_every"] = 1

@@ -120,10 +120,9 @@ def test_a_saved_setting_that_can_start_code_is_dropped_with_a_warning(key: str,
 def test_ranks_get_every_setting_from_their_launcher_not_from_config_yaml(tmp_path: Path) -> None:
     """The deepspeed launcher passes its own values of all these settings; a rank applies them over the
     config.yaml it reads (which a resumed, received run may have written)."""
-    from epo_cli.compose import compose
+    from epo_cli.compose import compose, load_run_config
     from epo_cli.launch.deepspeed import deepspeed_command
     from epo_cli.launch.layout import layout_for
-    from epo_cli.rundir.folder import load_run_config
     from epo_cli.rundir.trust import decode
 
     run = received_run(tmp_path, "model.trust_remote_code")

@@ -23,6 +23,7 @@ from epo_cli.rollout.batch import TurnBatch
 from epo_cli.training.engine import DistInfo, RolloutModule
 from epo_cli.training.forward import collate, policy_forward
 from epo_cli.training.models import Models
+from epo_cli.training.settings import update_settings
 from epo_cli.training.update import PolicyUpdate, PolicyUpdateSettings, UpdateResult, skip_streak
 
 VOCAB = 24
@@ -96,7 +97,7 @@ def _toy_models(lr: float) -> Models:
 def _update(*overrides: str, lr: float = 0.5) -> PolicyUpdate:
     """GRPO's update part (policy_clip + kl) with the settings of a composed run config."""
     cfg = compose(["algo=grpo", "algo.pack_tokens=0", "seed=1", *overrides])
-    return PolicyUpdate(PolicyUpdateSettings.from_config(cfg), CPU, _toy_models(lr),
+    return PolicyUpdate(update_settings(cfg), CPU, _toy_models(lr),
                         LossStack(build_loss_terms(cfg.algo)))
 
 
@@ -131,12 +132,12 @@ def test_the_part_is_built_from_its_settings_alone_and_weighs_turns_by_their_dec
 
 
 def test_settings_from_a_run_config() -> None:
-    """from_config reads each setting once; the turn decay is algo.turn_decay (EPO: 0.9), the critic's lr
+    """update_settings reads each setting once; the turn decay is algo.turn_decay (EPO: 0.9), the critic's lr
     falls back to algo.lr, and a clamping monitor turns scoring reuse off."""
-    settings = PolicyUpdateSettings.from_config(compose(["algo=epo", "seed=7"]))
+    settings = update_settings(compose(["algo=epo", "seed=7"]))
     assert (settings.seed, settings.turn_decay, settings.critic_lr) == (7, 0.9, settings.lr)
     assert settings.reuse_scoring_forward and not settings.sft
-    clamped = PolicyUpdateSettings.from_config(compose(["algo=epo", "algo.monitor.action=clamp"]))
+    clamped = update_settings(compose(["algo=epo", "algo.monitor.action=clamp"]))
     assert not clamped.reuse_scoring_forward
     with pytest.raises(FrozenInstanceError):
         settings.lr = 1.0  # type: ignore[misc]

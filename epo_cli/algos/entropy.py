@@ -89,9 +89,12 @@ class EntropyHistory:
         if cfg.reference not in ("global", "per_turn"):
             raise ValueError(f"unknown smoothing reference '{cfg.reference}' (global | per_turn)")
         self.reference_mode, self.max_turns = cfg.reference, max_turns
-        self._new_stream = lambda: _Stream(cfg.history, cfg.window, cfg.ema_decay)
+        self.history_kind, self.window, self.ema_decay = cfg.history, cfg.window, cfg.ema_decay
         self.global_stream = self._new_stream()
         self.turn_streams: dict[int, _Stream] = {}
+
+    def _new_stream(self) -> _Stream:
+        return _Stream(self.history_kind, self.window, self.ema_decay)
 
     @property
     def num_steps(self) -> int:

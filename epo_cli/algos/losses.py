@@ -28,6 +28,7 @@ algo.components.<name> and its coefficient their `coef` unless it gives one (tes
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -545,6 +546,37 @@ class LossStack(nn.Module):
         return "loss = " + ("".join(parts) if parts else "0")
 
 
+@dataclass(frozen=True)
+class TermCoefficients:
+    """Each of algo.loss_terms with what its coefficient reads, taken from the algo section once
+    (`term_coefficients`); `at` gives one step's coefficients from the schedules' values."""
+
+    terms: tuple[tuple[str, Callable[..., float], tuple[str, ...], Any], ...]  # (name, coef, reads, own settings)
+
+    def at(self, entropy_coef: float, phase_beta: float, kl_weight: float,
+           entropy_scale: float = 1.0) -> dict[str, float]:
+        """Each term's coefficient in L = L_RL - lambda * (L_H - beta_k * L_smooth) + kl_weight * KL (see
+        `loss_coefficients`)."""
+        weights = {"lam": entropy_coef * entropy_scale, "beta": phase_beta, "kl": kl_weight}
+        return {name: float(coef(**{weight: {**weights, "settings": settings}[weight] for weight in reads}))
+                for name, coef, reads, settings in self.terms}
+
+
+def term_coefficients(algo: Any) -> TermCoefficients:
+    """algo.loss_terms' coefficient rules: each registry entry's `coef` and the weights it names, with the
+    term's own settings where it reads them (ValueError: a term without a coef whose settings have none)."""
+    terms = []
+    for name in algo.loss_terms:
+        entry = LOSS_TERMS.entry(name)
+        reads = coef_weights(entry.coef)
+        settings = entry.settings(algo) if "settings" in reads else ()
+        if entry.coef is None and not (settings and hasattr(settings[0], "coef")):
+            raise ValueError(f"loss term '{name}' declares no coef, so it is weighted by its own settings' `coef`: "
+                             "its settings class needs that field (its coefficient in the loss)")
+        terms.append((name, entry.coef or own_coef, reads, settings[0] if settings else None))
+    return TermCoefficients(tuple(terms))
+
+
 def loss_coefficients(
     algo: Any, entropy_coef: float, phase_beta: float, kl_weight: float, entropy_scale: float = 1.0
 ) -> dict[str, float]:
@@ -558,17 +590,6 @@ def loss_coefficients(
     coefficient at this step. entropy_scale multiplies lambda, so both entropy-driven terms (the fluctuation
     monitor's `clamp` action passes monitor.clamp_scale while it alerts; 1 otherwise). `settings` is the
     term's own settings; a term declared without a coef is weighted by their `coef` (the critic's value.coef,
-    or a term outside the EPO objective).
+    or a term outside the EPO objective). The trainer reads the rules once (`term_coefficients`).
     """
-    weights = {"lam": entropy_coef * entropy_scale, "beta": phase_beta, "kl": kl_weight}
-    coefs = {}
-    for name in algo.loss_terms:
-        entry = LOSS_TERMS.entry(name)
-        reads = coef_weights(entry.coef)
-        settings = entry.settings(algo) if "settings" in reads else ()
-        if entry.coef is None and not (settings and hasattr(settings[0], "coef")):
-            raise ValueError(f"loss term '{name}' declares no coef, so it is weighted by its own settings' `coef`: "
-                             "its settings class needs that field (its coefficient in the loss)")
-        given = {**weights, "settings": settings[0] if settings else None}
-        coefs[name] = float((entry.coef or own_coef)(**{weight: given[weight] for weight in reads}))
-    return coefs
+    return term_coefficients(algo).at(entropy_coef, phase_beta, kl_weight, entropy_scale)

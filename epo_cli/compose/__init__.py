@@ -28,14 +28,17 @@ from __future__ import annotations
 import difflib
 import warnings
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 from omegaconf import BooleanNode, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from epo_cli.algos import REGISTRIES
+from epo_cli.algos.curriculum import CURRICULA, check_curriculum, check_levels_fit
 from epo_cli.algos.registries import ESTIMATORS, LOSS_TERMS, check_some_loss_term
 from epo_cli.algos.schedules import WEIGHTS, Weight, build_schedule, schedule_parameters, section_keys
+from epo_cli.analysis.memory import check_memory
 from epo_cli.compose.overrides import (
     blame_preset,
     check_override_forms,
@@ -62,8 +65,7 @@ from epo_cli.errors import ConfigError
 from epo_cli.registry import Registry
 from epo_cli.rollout.engines import ROLLOUT_ENGINES, register_plugin_engine
 from epo_cli.rollout.prompts import get_template
-from epo_cli.training.curriculum import CURRICULA, check_curriculum, check_levels_fit
-from epo_cli.training.memory import check_memory
+from epo_cli.rundir.folder import read_run_config
 
 #: every registry a `one_of(registry=...)` field may name
 _REGISTRIES: dict[str, Registry] = {**REGISTRIES, "curricula": CURRICULA, "rollout_engines": ROLLOUT_ENGINES}
@@ -157,6 +159,13 @@ def validate(raw: DictConfig) -> DictConfig:
 
 
 
+
+
+def load_run_config(run: Path, command_line: dict[str, Any] | None = None,
+                    overridden: set[str] | frozenset[str] = frozenset()) -> DictConfig:
+    """The config saved in run directory `run`, validated again against today's schemas
+    (epo_cli.rundir.folder.read_run_config says what is upgraded and what is reset on the way)."""
+    return validate(read_run_config(run, command_line, overridden))
 
 def _section_given_a_value(schema: Any, raw: Any, prefix: str) -> str | None:
     """The message for a section set to a plain value (`algo.diagnostics=5`), which OmegaConf reports with

@@ -47,7 +47,8 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from epo_cli.compose import compose, validate
+from epo_cli.analysis.memory import check_memory, episodes_estimate
+from epo_cli.compose import compose, load_run_config, validate
 from epo_cli.config import GROUPS, MIN_TEMPERATURE, parse_bool
 from epo_cli.envs import make_suite
 from epo_cli.envs.base import EnvSuite
@@ -75,12 +76,11 @@ from epo_cli.rollout.engines.build import evaluation_policy
 from epo_cli.rollout.episodes import Episode, ExpertPolicy, Policy
 from epo_cli.rollout.prompts import PromptBuilder, chat_encoder
 from epo_cli.rundir.checkpoint_paths import resolve_checkpoint
-from epo_cli.rundir.folder import load_run_config, lock_folder, override_keys
+from epo_cli.rundir.folder import lock_folder, override_keys
 from epo_cli.rundir.safe_load import load_tensors, refused_message, restricted_torch_load
 from epo_cli.rundir.saved_state import check_model_path
 from epo_cli.rundir.writable import check_output_dir, json_ready, write_file
-from epo_cli.training.engine import pick_device
-from epo_cli.training.memory import check_memory, episodes_estimate
+from epo_cli.runtime.device import pick_device
 
 #: the documented top-level fields of an eval JSON (tests check them)
 EVAL_JSON_FIELDS = (
@@ -374,7 +374,7 @@ def evaluate_run(opts: EvalCommandConfig, overrides: Sequence[str] = (), command
                              / "eval" / datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")), "out")
     # one writer per output folder, as for run dirs: a second `epo eval` into it is refused, not mixed in
     lock_folder(out, "eval output folder", walk=False)
-    device = pick_device(cfg, local_rank=0)
+    device = pick_device(cfg.trainer.device, local_rank=0)
     if opts.policy == "model":
         check_attention(cfg.model, device.type)
     policy, tokenizer, info = build_policy(opts, cfg, suite, temperature, device)

@@ -10,7 +10,7 @@ sweeps of many runs.
     sweep.py      `epo sweep`: Hydra multirun, one `epo train` subprocess per job
     libraries.py  the library settings every epo process applies first (quiet_libraries)
 
-Starting, stopping and the run's status.json are the run lifecycle's (epo_cli/training/lifecycle.py), used
+Starting, stopping and the run's status.json are the run lifecycle's (epo_cli/launch/lifecycle.py), used
 by local.py and rank.py alike.
 
 Nothing is imported here: `python -m epo_cli.launch.rank` must set OMP_NUM_THREADS before torch loads.

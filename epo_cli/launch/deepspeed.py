@@ -33,13 +33,13 @@ from omegaconf import DictConfig
 
 from epo_cli.errors import Stopped, UserError
 from epo_cli.launch.layout import Layout, check_resume, check_world, clear_rank_records, layout_for
+from epo_cli.launch.lifecycle import latest_step, record_status, record_stopped, stopped_message
 from epo_cli.launch.setup import prepare_run_dir
 from epo_cli.rundir import trust
 from epo_cli.rundir.checkpoint_paths import latest_tag
 from epo_cli.rundir.folder import read_status
 from epo_cli.rundir.received import ReceivedFileError, read_json
-from epo_cli.training.deepspeed_config import PORT_ATTEMPTS, free_port
-from epo_cli.training.lifecycle import latest_step, record_status, record_stopped, stopped_message
+from epo_cli.runtime.deepspeed_config import PORT_ATTEMPTS, free_port
 from epo_cli.training.stop import STOP, Interrupted, exit_code, write_relay
 
 #: launcher.master_port=0 picks a free port on a single node; multi-node jobs need a fixed one

@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 from epo_cli.config import is_sft
 from epo_cli.errors import ConfigError, UserError
 from epo_cli.rundir.checkpoint_paths import check_world_size, resolve_resume
-from epo_cli.training.deepspeed_config import deepspeed_config
+from epo_cli.runtime.deepspeed_config import deepspeed_config
 
 
 @dataclass

@@ -12,7 +12,7 @@ import sys
 from types import ModuleType
 from typing import Any
 
-from epo_cli.training.device import device_type
+from epo_cli.runtime.device import device_type
 
 
 def quiet_libraries() -> None:

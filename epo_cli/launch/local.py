@@ -1,6 +1,6 @@
 """`launcher=local`: training in this process (a world of one), after epo_cli.launch.setup composed the
 config; the run directory is written here, or, when resuming, once the checkpoint has loaded. The run's
-lifecycle (stop handler, status.json, exit code) is epo_cli.training.lifecycle's, as on every rank.
+lifecycle (stop handler, status.json, exit code) is epo_cli.launch.lifecycle's, as on every rank.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from omegaconf import DictConfig
 
 from epo_cli.analysis.run_summary import print_summary
 from epo_cli.envs import make_suite
+from epo_cli.launch.lifecycle import run_training
 from epo_cli.launch.setup import prepare_run_dir
 from epo_cli.models.attention import check_attention
-from epo_cli.training.device import device_type
-from epo_cli.training.lifecycle import run_training
+from epo_cli.runtime.device import device_type
 from epo_cli.training.trainer import Trainer
 
 

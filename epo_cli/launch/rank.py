@@ -14,7 +14,7 @@ then stops the other ranks, and the process that started the job prints that rec
 that cannot listen on the master port (another process holds it) records that (`port_taken`) and prints
 nothing: `epo train` then starts the ranks again on a new port, or says which port to set.
 
-The rank's run lifecycle (stop handler, status.json, exit code) is epo_cli.training.lifecycle's, as under
+The rank's run lifecycle (stop handler, status.json, exit code) is epo_cli.launch.lifecycle's, as under
 launcher=local; failures are reported by the process that started the ranks.
 
 Test hook (documented because it is read here and nowhere else): EPO_TEST_KILL_RANK="<rank>:<step>" makes
@@ -44,14 +44,14 @@ import torch.distributed as torch_dist  # noqa: E402
 from rich.markup import escape  # noqa: E402
 
 from epo_cli.analysis.run_summary import print_summary  # noqa: E402
+from epo_cli.compose import load_run_config  # noqa: E402
 from epo_cli.errors import UserError, err_console  # noqa: E402
 from epo_cli.launch.libraries import quiet_libraries  # noqa: E402
+from epo_cli.launch.lifecycle import run_training  # noqa: E402
 from epo_cli.rundir import trust  # noqa: E402
-from epo_cli.rundir.folder import load_run_config  # noqa: E402
 from epo_cli.rundir.writable import write_file  # noqa: E402
+from epo_cli.runtime.deepspeed_config import port_taken  # noqa: E402
 from epo_cli.training import checkpoint  # noqa: E402
-from epo_cli.training.deepspeed_config import port_taken  # noqa: E402
-from epo_cli.training.lifecycle import run_training  # noqa: E402
 from epo_cli.training.stop import Interrupted  # noqa: E402
 from epo_cli.training.trainer import Trainer  # noqa: E402
 

@@ -16,13 +16,13 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from epo_cli.compose import compose, validate
+from epo_cli.compose import compose, load_run_config, validate
 from epo_cli.config import GROUPS
 from epo_cli.envs import EnvSuite, make_suite
 from epo_cli.errors import ConfigError, UserError, err_console
 from epo_cli.models.packaged import resolve_source
 from epo_cli.rundir.checkpoint_paths import ResumeTarget, latest_tag, locate_resume, resolve_checkpoint
-from epo_cli.rundir.folder import check_lengths, load_run_config, new_run_dir, override_keys, write_config
+from epo_cli.rundir.folder import check_lengths, new_run_dir, override_keys, write_config
 from epo_cli.rundir.saved_state import check_resume_step, read_trainer_state
 
 

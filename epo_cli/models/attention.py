@@ -21,7 +21,7 @@ CUDA_ONLY = {"flex_attention"}
 
 
 def check_attention(model_cfg: Any, device_type: str) -> None:
-    """model.attn_implementation's package and device (`device_type`: cuda | cpu, epo_cli.training.device).
+    """model.attn_implementation's package and device (`device_type`: cuda | cpu, epo_cli.runtime.device).
     flash_attention_2/3 need their packages and a CUDA GPU, flex_attention a CUDA GPU; sdpa and eager run
     anywhere."""
     if model_cfg.attn_implementation in CUDA_ONLY and device_type != "cuda":

@@ -46,10 +46,11 @@ def _looks_local(path: str) -> bool:
 def model_source(model_cfg: Any, suite: EnvSuite, seed: int) -> str:
     """The folder or hub id the policy loads from (building the tiny model, or a packaged model's folder, if
     needed)."""
-    if model_cfg.get("source", "hub") == "package" and not (model_cfg.get("package") and model_cfg.get("package_file")):
+    source = getattr(model_cfg, "source", "hub")
+    if source == "package" and not (getattr(model_cfg, "package", None) and getattr(model_cfg, "package_file", None)):
         raise UserError("model.source=package needs model.package (a PyPI package) and model.package_file (the GGUF "
                         "file inside it), as conf/model/smollm2-135m.yaml sets them; or use model.source=hub.")
-    if model_cfg.get("source", "hub") != "hub" and model_cfg.get("package"):
+    if source != "hub" and getattr(model_cfg, "package", None):
         if resolve_source(model_cfg) == "package":  # a run resolved `auto` when it was composed (launch/setup.py)
             check_output_dir(cache_root(model_cfg), "model.cache_dir (or $EPO_CACHE)")
             return str(packaged_folder(model_cfg, cache_root(model_cfg)))

@@ -49,7 +49,7 @@ def cache_root(model_cfg: Any) -> Path:
 
 
 def tiny_cache_key(model_cfg: Any, env_name: str, seed: int) -> str:
-    sizes = {k: model_cfg[k] for k in SIZE_KEYS}
+    sizes = {k: getattr(model_cfg, k) for k in SIZE_KEYS}
     blob = json.dumps({"sizes": sizes, "env": env_name, "seed": seed, "corpus": CORPUS_VERSION},
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]

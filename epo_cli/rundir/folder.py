@@ -33,7 +33,6 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from epo_cli.compose import validate
 from epo_cli.config import RENAMED_KEYS, RENAMED_VALUES
 from epo_cli.errors import ConfigError, UserError
 from epo_cli.rundir.received import ReceivedFileError, read_json
@@ -138,9 +137,10 @@ RETIRED_NOTES = {"algo.dynamic_sampling_metric": (
     "(algo.group_filter=signal), not those whose returns or outcomes differ")}
 
 
-def load_run_config(run: Path, command_line: dict[str, Any] | None = None,
+def read_run_config(run: Path, command_line: dict[str, Any] | None = None,
                     overridden: set[str] | frozenset[str] = frozenset()) -> DictConfig:
-    """The resolved config a run was started with (validated again against today's schemas), with the
+    """The resolved config a run was started with, brought to today's key names (not yet validated against
+    today's schemas: epo_cli.compose.load_run_config does that, above this floor), with the
     settings that can start code (epo_cli.rundir.trust.COMMAND_LINE_ONLY) reset to their defaults (one warning
     each) or set to what `command_line` (this invocation's own values for them, e.g. from a launcher's
     flags) says; the caller's overrides (`overridden`: their keys, which get no warning) apply on top."""
@@ -182,7 +182,7 @@ def load_run_config(run: Path, command_line: dict[str, Any] | None = None,
             if key in RETIRED_NOTES and OmegaConf.select(raw, RETIRED_NOTES[key][0], default=False):
                 warnings.warn(f"{path} sets {key}, which is retired: {RETIRED_NOTES[key][1]}.", stacklevel=2)
     drop_saved_settings(raw, path, command_line, overridden)
-    return validate(raw)
+    return raw
 
 
 def read_yaml_data(path: Path) -> Any:

@@ -5,9 +5,29 @@ settings (launch/libraries.py) name DeepSpeed's accelerator before `import deeps
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from epo_cli.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+
 
 def device_type(trainer_device: str = "auto") -> str:
     """'cuda' or 'cpu' for trainer.device=`trainer_device` (auto | cuda | cpu) on this machine."""
     import torch  # not at the top: see the module docstring
 
     return "cuda" if trainer_device == "cuda" or (trainer_device == "auto" and torch.cuda.is_available()) else "cpu"
+
+
+def pick_device(trainer_device: str, local_rank: int) -> torch.device:
+    """This rank's device under trainer.device=`trainer_device` (`device_type`'s rule): its local GPU, or the
+    CPU."""
+    import torch
+
+    if device_type(trainer_device) == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError("trainer.device=cuda but no CUDA GPU is visible; use trainer.device=cpu.")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")

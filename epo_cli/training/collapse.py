@@ -1,6 +1,6 @@
 """The collapse/* metrics of one RL iteration and the `collapse` alert (settings: algo.diagnostics).
 
-    watch = CollapseWatch(CollapseSettings.from_config(cfg), dist, models, run_or_None, warn)
+    watch = CollapseWatch(settings.collapse, dist, models, run_or_None, warn)
     metrics.update(watch.metrics(batch, episodes, history, step, subgoal_coef, turns))   # step 6
     alert, signals = watch.alert(metrics, step + 1, signals)                            # end of step 8
 
@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 from torch import Tensor, nn
 
 from epo_cli.algos.diagnostics import (
@@ -65,7 +64,7 @@ AllGather = Callable[[Any], list[Any]]
 
 @dataclass(frozen=True)
 class CollapseSettings:
-    """What the collapse diagnostics read, fixed for the run (`from_config`)."""
+    """What the collapse diagnostics read, fixed for the run (training/settings.py cuts it from the run config)."""
 
     diagnostics: DiagnosticsConfig  # algo.diagnostics: enabled, MI's cadence and subsample, alert thresholds
     reward_scale: float  # algo.reward_scale and algo.invalid_action_penalty: the played episodes' returns,
@@ -76,14 +75,6 @@ class CollapseSettings:
     seed: int  # the run's seed: MI's subsample
     temperature: float  # rollout.temperature: MI scores at the sampling temperature
     micro_batch_size: int  # MI's scoring passes
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> CollapseSettings:
-        algo = cfg.algo
-        return cls(diagnostics=OmegaConf.to_object(algo.diagnostics), reward_scale=algo.reward_scale,
-                   invalid_action_penalty=algo.invalid_action_penalty, max_turns=cfg.env.max_turns,
-                   kappa_low=algo.entropy_smoothing.kappa_low, kappa_high=algo.entropy_smoothing.kappa_high,
-                   seed=cfg.seed, temperature=cfg.rollout.temperature, micro_batch_size=algo.micro_batch_size)
 
 
 @dataclass(frozen=True)

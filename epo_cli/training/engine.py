@@ -19,9 +19,8 @@ import torch
 import torch.distributed as torch_dist
 from torch import nn
 
-from epo_cli.errors import UserError
-from epo_cli.training.deepspeed_config import PORT_ATTEMPTS, deepspeed_config, free_port, port_taken
-from epo_cli.training.device import device_type
+from epo_cli.runtime.deepspeed_config import PORT_ATTEMPTS, free_port, port_taken
+from epo_cli.runtime.device import pick_device
 
 
 @dataclass
@@ -36,22 +35,13 @@ class DistInfo:
         return self.rank == 0
 
 
-def pick_device(cfg: Any, local_rank: int) -> torch.device:
-    """This rank's device under trainer.device (training/device.py's rule): its local GPU, or the CPU."""
-    if device_type(cfg.trainer.device) == "cuda":
-        if not torch.cuda.is_available():
-            raise UserError("trainer.device=cuda but no CUDA GPU is visible; use trainer.device=cpu.")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
 #: set when this process picked its own MASTER_PORT (a world of one), so a taken port may be replaced
 OWN_PORT_ENV = "EPO_OWN_MASTER_PORT"
 
 
-def init_distributed(cfg: Any) -> DistInfo:
-    """Join (or, for a plain single process, create) the process group. A world of one picks a free port for
+def init_distributed(trainer_device: str, timeout_s: float) -> DistInfo:
+    """Join (or, for a plain single process, create) the process group on trainer.device=`trainer_device`,
+    its collectives timing out after launcher.timeout_s=`timeout_s`. A world of one picks a free port for
     itself; when another process takes it before the store listens on it, it picks another (PORT_ATTEMPTS)."""
     import deepspeed
 
@@ -59,13 +49,13 @@ def init_distributed(cfg: Any) -> DistInfo:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()), **{OWN_PORT_ENV: "1"})
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = pick_device(cfg, local_rank)
+    device = pick_device(trainer_device, local_rank)
     if not torch_dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         for attempt in range(1, PORT_ATTEMPTS + 1):
             try:
                 deepspeed.init_distributed(dist_backend=backend, verbose=False,
-                                           timeout=datetime.timedelta(seconds=cfg.launcher.timeout_s))
+                                           timeout=datetime.timedelta(seconds=timeout_s))
                 break
             except RuntimeError as err:  # torch's DistNetworkError names EADDRINUSE
                 own_port = os.environ.get(OWN_PORT_ENV) == "1" and os.environ.get("WORLD_SIZE") == "1"
@@ -148,7 +138,7 @@ def set_lr(engine: Any, lr: float) -> None:
         group["lr"] = lr
 
 
-# ---- engines (their JSON config: epo_cli/training/deepspeed_config.py) ---------------------------------------
+# ---- engines (their JSON config: epo_cli/runtime/deepspeed_config.py) ---------------------------------------
 
 def zero_bucket_sizes(model: nn.Module, stage: int) -> dict[str, int]:
     """ZeRO bucket sizes scaled to the model (the recipe of transformers' "auto" DeepSpeed values).
@@ -184,18 +174,12 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """What build_engine reads, fixed for the run (`from_config`)."""
+    """What build_engine reads, fixed for the run (training/settings.py cuts it from the run config)."""
 
     deepspeed: dict[str, Any]  # DeepSpeed's JSON config (deepspeed_config.py), without the model's bucket sizes
     zero_stage: int
     activation_checkpointing: bool  # deepspeed.activation_checkpointing (as HF gradient checkpointing)
     grad_clip: float  # algo.grad_clip: GuardedAdamW clips under ZeRO-0 (DeepSpeed itself under ZeRO 1-3)
-
-    @classmethod
-    def from_config(cls, cfg: Any, dist: DistInfo) -> EngineSettings:
-        """The settings of run config `cfg` on this process's world (ConfigError: batch sizes vs world size)."""
-        return cls(deepspeed_config(cfg, dist.world_size, dist.device.type), cfg.deepspeed.zero_stage,
-                   cfg.deepspeed.activation_checkpointing, cfg.algo.grad_clip)
 
 
 def build_engine(model: nn.Module, settings: EngineSettings, lr: float, weight_decay: float = 0.0):

@@ -2,7 +2,7 @@
 centre EPO's smoothing band, the fluctuation monitor, and the entropy coefficient's schedule (the adaptive
 one observes each step's entropy). rl_step reads it for the coefficients (step 4) and after the update
 (step 6), and updates it in step 7; a checkpoint saves it (`state_dict`). It is built from its parts (the
-Trainer: `EntropyControl.from_config(cfg)`), so a test hands it a history, monitor and schedule directly.
+Trainer builds them from their config sections), so a test hands it a history, monitor and schedule directly.
 
     metrics = control.reference_metrics()                   # policy/entropy_ref, before this step's entropies
     lam = control.schedule(step, total)                     # lambda
@@ -20,7 +20,7 @@ from typing import Any
 from torch import Tensor
 
 from epo_cli.algos.entropy import EntropyHistory, FluctuationMonitor
-from epo_cli.algos.schedules import Schedule, build_entropy_schedule
+from epo_cli.algos.schedules import Schedule
 from epo_cli.rollout.batch import TurnBatch
 from epo_cli.training.step_metrics import entropy_statistics
 
@@ -41,14 +41,6 @@ class EntropyControl:
                  clamps: bool) -> None:
         """`clamps`: the monitor's alert clamps this step's entropy terms (algo.monitor.action=clamp)."""
         self.history, self.monitor, self.schedule, self.clamps = history, monitor, schedule, clamps
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> EntropyControl:
-        """Its parts as run config `cfg` sets them: algo.entropy_smoothing's history (env.max_turns slots),
-        algo.monitor, the `entropy` group's schedule."""
-        return cls(EntropyHistory(cfg.algo.entropy_smoothing, max_turns=cfg.env.max_turns),
-                   FluctuationMonitor(cfg.algo.monitor), build_entropy_schedule(cfg.entropy),
-                   clamps=cfg.algo.monitor.action == "clamp")
 
     def reference_metrics(self) -> dict[str, float]:
         """policy/entropy_ref: the smoothing band's centre (global reference) for this update, once known."""

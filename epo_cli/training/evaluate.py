@@ -18,7 +18,7 @@ from epo_cli.training.step_metrics import reduce_sums
 
 @dataclass(frozen=True)
 class TrainingEvalSettings:
-    """What the training-time evaluation reads, fixed for the run (`from_config`)."""
+    """What the training-time evaluation reads, fixed for the run (training/settings.py cuts it from the run config)."""
 
     splits: tuple[str, ...]  # env.eval_splits; the first gives eval/success
     every: int  # trainer.eval_every: evaluate every so many steps (0: only after the last)
@@ -27,12 +27,6 @@ class TrainingEvalSettings:
     max_turns: int  # env.max_turns
     seed: int  # the run's seed: the splits' fixed tasks and the episodes' sampling seeds
     overlap: bool  # rollout.overlap: generation overlaps the env steps
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> TrainingEvalSettings:
-        return cls(splits=tuple(cfg.env.eval_splits), every=cfg.trainer.eval_every,
-                   episodes=cfg.trainer.eval_episodes, samples_to_save=cfg.rollout.num_samples_to_save,
-                   max_turns=cfg.env.max_turns, seed=cfg.seed, overlap=cfg.rollout.overlap)
 
 
 @dataclass

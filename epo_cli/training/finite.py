@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -23,17 +22,11 @@ from epo_cli.models.loading import nonfinite_parameters
 
 @dataclass(frozen=True)
 class LikelyCauses:
-    """This run's values of the settings that most often make weights non-finite (`from_config`)."""
+    """This run's values of the settings that most often make weights non-finite (cut by training/settings.py)."""
 
     lr: float  # algo.lr
     grad_clip: float  # algo.grad_clip (0: none)
     reward_scale: float | None  # algo.reward_scale; None for behaviour cloning (algo=sft), which has no reward
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> LikelyCauses:
-        algo = cfg.algo
-        return cls(lr=algo.lr, grad_clip=algo.grad_clip,
-                   reward_scale=None if algo.name == "sft" else algo.reward_scale)
 
     def text(self) -> str:
         causes = [f"a learning rate too large for this model (algo.lr={self.lr:g}; the algo presets suit "

@@ -1,6 +1,6 @@
 """Step 1 of an RL iteration: the step's tasks, played as whole groups by the current policy.
 
-    sampler = GroupSampler(GroupSamplerSettings.from_config(cfg), rank, world_size, suite, pool, curriculum,
+    sampler = GroupSampler(settings.sampler, rank, world_size, suite, pool, curriculum,
                            builder, tokenizer)
     rollout = sampler.sample(policy, step, total)   # Rollout: episodes, batch (one sample per turn), stats
 
@@ -18,9 +18,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from epo_cli.algos.advantages import AdvantageEstimator
+from epo_cli.algos.curriculum import Curriculum
 from epo_cli.algos.dynamic_sampling import choose_groups, concat_batches, rows_of_groups
 from epo_cli.algos.group_filter import group_stats, passing_groups
 from epo_cli.algos.intrinsic import intrinsic_rewards
@@ -39,7 +38,6 @@ from epo_cli.rollout.episodes import (
 )
 from epo_cli.rollout.prompts import PromptBuilder
 from epo_cli.seeding import derive_seed
-from epo_cli.training.curriculum import Curriculum
 from epo_cli.training.engine import all_gather_objects
 
 #: the RolloutStats fields that add up over dynamic sampling's rounds
@@ -58,7 +56,7 @@ class Rollout:
 
 @dataclass(frozen=True)
 class GroupSamplerSettings:
-    """What step 1 reads, fixed for the run (`from_config`)."""
+    """What step 1 reads, fixed for the run (training/settings.py cuts it from the run config)."""
 
     seed: int  # the run's seed: task draws and sampling seeds
     tasks_per_step: int  # groups per round (all ranks together)
@@ -71,24 +69,15 @@ class GroupSamplerSettings:
     max_rounds: int  # algo.dynamic_sampling_max_rounds: extra rounds at most
     group_filter: str  # which groups pass (algo.group_filter)
     group_filter_keep: float
-    # group_filter=signal: a group's signal is its advantages under the run's estimator (None: estimator=none)
-    estimator: AdvantageEstimator | None
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> GroupSamplerSettings:
-        algo = cfg.algo
-        return cls(seed=cfg.seed, tasks_per_step=algo.tasks_per_step, group_size=algo.group_size,
-                   reward_scale=algo.reward_scale, invalid_action_penalty=algo.invalid_action_penalty,
-                   intrinsic=OmegaConf.to_object(algo.intrinsic), overlap=cfg.rollout.overlap,
-                   dynamic_sampling=algo.dynamic_sampling, max_rounds=algo.dynamic_sampling_max_rounds,
-                   group_filter=algo.group_filter, group_filter_keep=algo.group_filter_keep,
-                   estimator=AdvantageEstimator.from_config(algo) if algo.estimator != "none" else None)
 
 
 class GroupSampler:
     def __init__(self, settings: GroupSamplerSettings, rank: int, world_size: int, suite: EnvSuite, pool: Any,
-                 curriculum: Curriculum, builder: PromptBuilder, tokenizer: Any) -> None:
-        self.settings = settings
+                 curriculum: Curriculum, builder: PromptBuilder, tokenizer: Any,
+                 estimator: AdvantageEstimator | None = None) -> None:
+        """`estimator`: the run's advantage estimator (step 3's), which gives a group its signal under
+        algo.group_filter=signal (None: estimator=none)."""
+        self.settings, self.estimator = settings, estimator
         self.rank, self.world_size = rank, world_size
         self.suite, self.pool, self.curriculum = suite, pool, curriculum
         self.builder, self.tokenizer = builder, tokenizer
@@ -112,7 +101,7 @@ class GroupSampler:
             for name in _ADDED_UP:
                 setattr(stats, name, getattr(stats, name) + getattr(round_.stats, name))
             # every rank's groups, by group id
-            gathered = all_gather_objects(group_stats(round_.batch, settings.group_filter, settings.estimator))
+            gathered = all_gather_objects(group_stats(round_.batch, settings.group_filter, self.estimator))
             round_stats = sorted(s for rank_stats in gathered for s in rank_stats)
             played += passing_groups(round_stats, settings.group_filter, settings.group_filter_keep)
             if sum(ok for _, ok in played) >= groups:

@@ -10,13 +10,12 @@ engine.RolloutModule); the group sampler and evaluation sample through `rollout_
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import OmegaConf
 from torch import nn
 
-from epo_cli.config import RolloutConfig
+from epo_cli.config import ModelConfig, RolloutConfig
 from epo_cli.envs.base import EnvSuite
 from epo_cli.models.loading import (
     ValueModel,
@@ -46,6 +45,7 @@ class Models:
     critic_engine: Any | None = None  # the critic's DeepSpeed engine (estimator gae only)
     critic: RolloutModule | None = None
     rollout_engine: RolloutEngine | None = None  # what generates the rollouts (rollout.engine)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # the rollout.* settings it samples with
 
     def sync_weights(self) -> None:
         """After an update (or a resume): the rollout engine and the scoring copies take the trained weights
@@ -64,11 +64,11 @@ class Models:
         """The old name of sync_weights (scripts and other callers)."""
         self.sync_weights()
 
-    def sampling_policy(self, rollout: Any, temperature: float | None = None) -> EnginePolicy:
+    def sampling_policy(self, temperature: float | None = None) -> EnginePolicy:
         """The policy that plays episodes: the rollout engine sampling with the rollout.* settings at
         `temperature` (default: rollout.temperature, the training rollouts'; it then keeps the engine's
         log-probs for the mismatch metrics)."""
-        training = temperature is None
+        rollout, training = self.rollout, temperature is None
         temperature = rollout.temperature if temperature is None else temperature
         return EnginePolicy(self.rollout_engine, self.tokenizer, sampling_config(rollout, temperature),
                             rollout.generation_batch_size, keep_logprobs=training and keeps_engine_logprobs(rollout))
@@ -76,9 +76,9 @@ class Models:
 
 @dataclass(frozen=True)
 class ModelSettings:
-    """What build_models reads, fixed for the run (`from_config`)."""
+    """What build_models reads, fixed for the run (training/settings.py cuts it from the run config)."""
 
-    model: Any  # the model section: source (path or tiny), dtype, attention, LoRA (epo_cli/models/loading.py)
+    model: ModelConfig  # the model section as data: source (path or tiny), dtype, attention, LoRA (models/loading.py)
     # a prompt and its response must fit the model's positions (check_context)
     max_prompt_tokens: int  # rollout.max_prompt_tokens
     max_new_tokens: int  # rollout.max_new_tokens
@@ -90,16 +90,7 @@ class ModelSettings:
     weight_decay: float  # the policy's (the critic's is 0)
     critic_lr: float  # algo.value.lr, else algo.lr
     engine: EngineSettings  # DeepSpeed (ZeRO stage, batch sizes, precision)
-    rollout: Any = None  # the rollout section: rollout.engine and its settings (None: the hf engine's defaults)
-
-    @classmethod
-    def from_config(cls, cfg: Any, dist: DistInfo) -> ModelSettings:
-        algo = cfg.algo
-        return cls(model=cfg.model, max_prompt_tokens=cfg.rollout.max_prompt_tokens,
-                   max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.seed, pack_tokens=algo.pack_tokens,
-                   reference="kl" in algo.loss_terms, critic=algo.estimator == "gae", lr=algo.lr,
-                   weight_decay=algo.weight_decay, critic_lr=algo.value.lr or algo.lr,
-                   engine=EngineSettings.from_config(cfg, dist), rollout=cfg.rollout)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # rollout.engine and its sampling settings
 
 
 def build_models(settings: ModelSettings, dist: DistInfo, suite: EnvSuite) -> Models:
@@ -126,13 +117,10 @@ def build_models(settings: ModelSettings, dist: DistInfo, suite: EnvSuite) -> Mo
         critic_template = inference_copy(critic, stage)
         models.critic_engine = build_engine(critic, settings.engine, lr=settings.critic_lr)
         models.critic = RolloutModule(models.critic_engine, critic_template, stage)
-    models.rollout_engine = build_rollout_engine(rollout_section(settings).engine, EngineContext(
-        models.policy, tokenizer, models.vocab_limit, rollout_section(settings), source, dtype, dist.device,
+    models.rollout, rollout = settings.rollout, settings.rollout
+    models.rollout_engine = build_rollout_engine(rollout.engine, EngineContext(
+        models.policy, tokenizer, models.vocab_limit, rollout, source, dtype, dist.device,
         settings.max_prompt_tokens + settings.max_new_tokens, settings.seed, model_cfg.lora.rank > 0))
     models.sync_weights()  # ZeRO-3 copies take rank 0's weights, which DeepSpeed broadcast
     return models
 
-
-def rollout_section(settings: ModelSettings) -> Any:
-    """The rollout section the engine is built from (ModelSettings built in code: the schema's defaults)."""
-    return settings.rollout if settings.rollout is not None else OmegaConf.structured(RolloutConfig)

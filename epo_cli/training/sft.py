@@ -1,6 +1,6 @@
 """Behaviour cloning (algo=sft): demonstrations through the same update as RL, with the nll loss term.
 
-    data = demonstrations(DemoSettings.from_config(cfg), suite, pool, builder, tokenizer, save_to, log)
+    data = demonstrations(settings.demos, suite, pool, builder, tokenizer, save_to, log)
     each step: result = sft_step(update, data, coefs, step)   # update: training/update.py, as RL's
 
 A step's mini-batch is a function of (seed, step): each epoch is a fresh permutation of the
@@ -30,7 +30,7 @@ from epo_cli.training.update import PolicyUpdate, UpdateResult
 
 @dataclass(frozen=True)
 class DemoSettings:
-    """Where the demonstrations come from, fixed for the run (`from_config`)."""
+    """Where the demonstrations come from, fixed for the run (training/settings.py cuts it from the run config)."""
 
     demos: str  # algo.demos: expert (played now), or a JSONL file of demonstrations
     episodes: int  # algo.demo_episodes the expert plays
@@ -39,12 +39,6 @@ class DemoSettings:
     split: str  # env.train_split: where the tasks come from
     max_turns: int  # env.max_turns
     seed: int  # the run's seed: the tasks and the slips
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> DemoSettings:
-        algo = cfg.algo
-        return cls(demos=algo.demos, episodes=algo.demo_episodes, slip=algo.demo_slip, level=algo.demo_level,
-                   split=cfg.env.train_split, max_turns=cfg.env.max_turns, seed=cfg.seed)
 
 
 def demonstrations(settings: DemoSettings, suite: EnvSuite, pool: Any, builder: PromptBuilder, tokenizer: Any,

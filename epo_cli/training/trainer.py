@@ -30,7 +30,7 @@ One RL iteration (`rl_step`, numbered as there). Steps 1-5 are public methods th
     8 metrics      <- epo_cli/training/step_metrics.py; the collapse alert (CollapseWatch.alert)
 Around each step (`_loop`): the learning rate from its schedule before; evaluate every eval_every, log,
 checkpoint every save_every after (`_after_step`). SFT (training/sft.py) uses the same loop and update.
-Starting, stopping and the run's status.json belong to the run's lifecycle (training/lifecycle.py).
+Starting, stopping and the run's status.json belong to the run's lifecycle (launch/lifecycle.py).
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ import torch
 from omegaconf import DictConfig
 
 from epo_cli.algos.advantages import AdvantageEstimator
-from epo_cli.algos.losses import LossStack, build_loss_terms, build_value_term, loss_coefficients
+from epo_cli.algos.curriculum import build_curriculum
+from epo_cli.algos.losses import LossStack, build_loss_terms, build_value_term, term_coefficients
 from epo_cli.algos.rollout_correction import mismatch_metrics_from_sums, mismatch_sums
 from epo_cli.algos.schedules import build_kl_schedule, build_lr_schedule, build_phase_schedule
-from epo_cli.config import is_sft
 from epo_cli.envs import EnvSuite, make_suite
 from epo_cli.envs.pool import EnvPool
 from epo_cli.errors import UserError
@@ -62,16 +62,15 @@ from epo_cli.rundir import checkpoint_paths
 from epo_cli.rundir.saved_state import refusing_damaged
 from epo_cli.seeding import derive_seed
 from epo_cli.training import checkpoint
-from epo_cli.training.collapse import CollapseSettings, CollapseWatch
-from epo_cli.training.curriculum import build_curriculum
+from epo_cli.training.collapse import CollapseWatch
 from epo_cli.training.engine import all_reduce_max, all_reduce_sum, barrier, init_distributed
-from epo_cli.training.entropy_control import EntropyControl
-from epo_cli.training.evaluate import TrainingEval, TrainingEvalSettings
+from epo_cli.training.evaluate import TrainingEval
 from epo_cli.training.export import export_policy
-from epo_cli.training.finite import LikelyCauses, check_finite_weights
-from epo_cli.training.group_sampler import GroupSampler, GroupSamplerSettings, Rollout
-from epo_cli.training.models import ModelSettings, build_models
-from epo_cli.training.sft import DemoSettings, demonstrations, sft_step
+from epo_cli.training.finite import check_finite_weights
+from epo_cli.training.group_sampler import GroupSampler, Rollout
+from epo_cli.training.models import build_models
+from epo_cli.training.settings import cut_settings, entropy_control
+from epo_cli.training.sft import demonstrations, sft_step
 from epo_cli.training.step_metrics import (
     batch_metrics,
     level_results,
@@ -81,7 +80,7 @@ from epo_cli.training.step_metrics import (
     rollout_sums,
 )
 from epo_cli.training.stop import STOP, signal_name
-from epo_cli.training.update import PolicyUpdate, PolicyUpdateSettings, UpdateResult, skip_streak
+from epo_cli.training.update import PolicyUpdate, UpdateResult, skip_streak
 
 
 @dataclass
@@ -111,19 +110,23 @@ class Coefficients:
 
 class Trainer:
     def __init__(self, cfg: DictConfig, run: Path, suite: EnvSuite | None = None) -> None:
-        """`suite`: the run's env suite, if the caller built it already (one per process, handed down)."""
-        self.cfg, self.run, algo = cfg, run, cfg.algo
-        self.dist = init_distributed(cfg)
+        """`suite`: the run's env suite, if the caller built it already (one per process, handed down).
+        The run config is read here only: each part gets its settings (training/settings.py) or the
+        component its section builds; nothing after construction reads `cfg`."""
+        self.run, algo = run, cfg.algo
+        self.cfg = cfg  # what ran, for callers that report it (benchmarks, scripts); never read below
+        self.dist = init_distributed(cfg.trainer.device, cfg.launcher.timeout_s)
+        self.settings = settings = cut_settings(cfg, self.dist)
         self._seed_process()
         self.suite = suite or make_suite(cfg.env)
         self.suite.check()
         self.curriculum = build_curriculum(cfg, self.suite)
-        self.models = build_models(ModelSettings.from_config(cfg, self.dist), self.dist, self.suite)
+        self.models = build_models(settings.models, self.dist, self.suite)
         self.loss_stack = LossStack(build_loss_terms(algo))
+        self.term_coefficients = term_coefficients(algo)
         value_term = build_value_term(algo) if self.models.critic_engine is not None else None
-        self.policy_update = PolicyUpdate(PolicyUpdateSettings.from_config(cfg), self.dist, self.models,
-                                          self.loss_stack, value_term)
-        self.entropy = EntropyControl.from_config(cfg)  # history, fluctuation monitor, lambda's schedule
+        self.policy_update = PolicyUpdate(settings.update, self.dist, self.models, self.loss_stack, value_term)
+        self.entropy = entropy_control(cfg)  # history, fluctuation monitor, lambda's schedule
         self.phase_schedule, self.kl_schedule = build_phase_schedule(algo.phase), build_kl_schedule(algo)
         self.lr_schedule = build_lr_schedule(algo)
         self.estimator = AdvantageEstimator.from_config(algo) if algo.estimator != "none" else None
@@ -132,12 +135,16 @@ class Trainer:
                                      chat_encoder(self.models.tokenizer, cfg.env.system_prompt))
         self.state = TrainState()
         self.stop_signal: int | None = None  # a stop signal all ranks agreed on (epo_cli.training.stop)
-        self._resume_and_open_outputs()
-        self.sampler = GroupSampler(GroupSamplerSettings.from_config(cfg), self.dist.rank, self.dist.world_size,
-                                    self.suite, self.pool, self.curriculum, self.builder, self.models.tokenizer)
-        self.evaluation = TrainingEval(TrainingEvalSettings.from_config(cfg), self.dist, self.suite, self.pool,
+        self._resume(cfg.trainer.resume)
+        # the envs' expert (env.expert=null) runs only where its actions are read: SFT from the expert
+        reads_expert = settings.loop.sft and algo.demos == "expert"
+        self.pool = EnvPool(self.suite, cfg.env.num_workers, cfg.env.step_timeout_s, reads_expert=reads_expert)
+        self._open_logger(MetricsLogger(cfg, run, enabled=self.dist.is_main, resume_ids=self.state.logger_ids))
+        self.sampler = GroupSampler(settings.sampler, self.dist.rank, self.dist.world_size, self.suite, self.pool,
+                                    self.curriculum, self.builder, self.models.tokenizer, self.estimator)
+        self.evaluation = TrainingEval(settings.evaluation, self.dist, self.suite, self.pool,
                                        self.builder, self.models.tokenizer)
-        self.collapse = CollapseWatch(CollapseSettings.from_config(cfg), self.dist, self.models,
+        self.collapse = CollapseWatch(settings.collapse, self.dist, self.models,
                                       run if self.dist.is_main else None, self.logger.warn)
         #: called with every rollout and its step, after step 1 (a benchmark keeps the episodes it plays)
         self.on_rollout: list[Callable[[Rollout, int], None]] = []
@@ -152,23 +159,25 @@ class Trainer:
 
     def _seed_process(self) -> None:
         """Threads, determinism and this process's global RNGs."""
-        torch.set_num_threads(self.cfg.trainer.num_threads)
-        if self.cfg.trainer.deterministic:
+        loop = self.settings.loop
+        torch.set_num_threads(loop.num_threads)
+        if loop.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
-        process_seed = derive_seed(self.cfg.seed, "process", self.dist.rank)
+        process_seed = derive_seed(loop.seed, "process", self.dist.rank)
         torch.manual_seed(process_seed)
         random.seed(process_seed)
 
-    def _resume_and_open_outputs(self) -> None:
-        """Load the checkpoint to resume from (if any), then start the env pool and the loggers."""
-        cfg, run = self.cfg, self.run
-        resume_from = checkpoint_paths.resolve_resume(cfg.trainer.resume, run)
-        if resume_from is not None:
-            self._load(resume_from)
-        # the envs' expert (env.expert=null) runs only where its actions are read: SFT from the expert
-        reads_expert = is_sft(cfg.algo) and cfg.algo.demos == "expert"
-        self.pool = EnvPool(self.suite, cfg.env.num_workers, cfg.env.step_timeout_s, reads_expert=reads_expert)
-        self.logger = MetricsLogger(cfg, run, enabled=self.dist.is_main, resume_ids=self.state.logger_ids)
+    def _resume(self, resume: str | None) -> None:
+        """Load the checkpoint trainer.resume=`resume` names, if any (before the env pool and the loggers
+        start: the loggers continue the resumed run's ids)."""
+        self.resume_from = checkpoint_paths.resolve_resume(resume, self.run)
+        if self.resume_from is not None:
+            self._load(self.resume_from)
+
+    def _open_logger(self, logger: MetricsLogger) -> None:
+        """Take `logger` (its sinks open); on a resume, drop the metrics rows after the checkpoint."""
+        run, resume_from = self.run, self.resume_from
+        self.logger = logger
         self.state.logger_ids = self.logger.run_ids
         if resume_from is not None and self.dist.is_main:
             truncate_metrics_file(run, self.state.step)  # rows after the checkpoint are re-logged
@@ -183,10 +192,10 @@ class Trainer:
     # ---- the loop ------------------------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
         """Every step from state.step to trainer.total_steps, or until a stop; the last step's metrics. The
-        run's status.json is its lifecycle's (training/lifecycle.py), which calls this."""
+        run's status.json is its lifecycle's (launch/lifecycle.py), which calls this."""
         try:
-            if is_sft(self.cfg.algo):
-                data = demonstrations(DemoSettings.from_config(self.cfg), self.suite, self.pool, self.builder,
+            if self.settings.loop.sft:
+                data = demonstrations(self.settings.demos, self.suite, self.pool, self.builder,
                                       self.models.tokenizer, self.run / "demos.jsonl" if self.dist.is_main else None,
                                       self.logger.info)
                 final = self._loop(lambda step, total: self.sft_step(data, step))
@@ -202,7 +211,7 @@ class Trainer:
         return final
 
     def _loop(self, one_step: Callable[[int, int], dict[str, float]]) -> dict[str, float]:
-        total = self.cfg.trainer.total_steps
+        total = self.settings.loop.total_steps
         metrics: dict[str, float] = {}
         self._agree_on_stop()  # a signal during start-up: stop before the first step
         while self.state.step < total and self.stop_signal is None:
@@ -279,7 +288,7 @@ class Trainer:
     def sample(self, step: int, total: int) -> Rollout:
         """Step 1: this rank's episodes of step `step` with the rollout policy (GroupSampler.sample); every
         `on_rollout` callback then sees the rollout."""
-        policy = self.models.sampling_policy(self.cfg.rollout)
+        policy = self.models.sampling_policy()
         rollout = self.sampler.sample(policy, step, total)
         if policy.keep_logprobs:  # the engine's log-probs of each row's response (mismatch metrics, correction)
             batch = rollout.batch
@@ -306,10 +315,10 @@ class Trainer:
     def coefficients(self, step: int, total: int, batch: TurnBatch) -> Coefficients:
         """Step 4: this step's loss coefficients: lambda, beta_k and the KL weight from their schedules, the
         entropy terms scaled by algo.monitor.clamp_scale when the monitor clamps on `batch`'s entropies."""
-        algo = self.cfg.algo
         lam, beta = self.entropy.schedule(step, total), self.phase_schedule(step, total)
-        clamp = algo.monitor.clamp_scale if self.entropy.clamps_now(batch, self.turn_width(step, total)) else 1.0
-        loss = loss_coefficients(algo, lam, beta, self.kl_schedule(step, total), entropy_scale=clamp)
+        clamps = self.entropy.clamps_now(batch, self.turn_width(step, total))
+        clamp = self.settings.loop.clamp_scale if clamps else 1.0
+        loss = self.term_coefficients.at(lam, beta, self.kl_schedule(step, total), entropy_scale=clamp)
         return Coefficients(loss, lam, beta)
 
     def update(self, batch: TurnBatch, coefs: Coefficients, step: int) -> UpdateResult:
@@ -330,17 +339,17 @@ class Trainer:
         is off (the sampling policy then kept none)."""
         if not batch.engine_logprobs:
             return {}
-        sums = mismatch_sums(batch.engine_logprobs, batch.old_logprobs, self.cfg.rollout.correction)
+        sums = mismatch_sums(batch.engine_logprobs, batch.old_logprobs, self.models.rollout.correction)
         return mismatch_metrics_from_sums(sums, all_reduce_sum, all_reduce_max, self.dist.device)
 
     def turn_width(self, step: int, total: int) -> int:
         """How many turn slots the entropy statistics have: env.max_turns, or the curriculum's longer limit
         (read before the curriculum observes the step)."""
-        return max(self.cfg.env.max_turns, self.curriculum.max_turns(step, total))
+        return max(self.settings.loop.max_turns, self.curriculum.max_turns(step, total))
 
     def sft_step(self, data: TurnBatch, step: int) -> dict[str, float]:
         """One behaviour-cloning step on the demonstrations `data` (training/sft.py)."""
-        coefs = loss_coefficients(self.cfg.algo, 0.0, 0.0, 0.0)
+        coefs = self.term_coefficients.at(0.0, 0.0, 0.0)
         result = self._check_update_on_all_ranks(sft_step(self.policy_update, data, coefs, step))
         self.sync_weights()
         return result.metrics
@@ -351,10 +360,10 @@ class Trainer:
         if result.skipped:
             self.logger.warn(f"{result.skipped}/{result.optimizer_steps} updates skipped: non-finite loss or gradient")
         self.state.consecutive_skips = skip_streak(self.state.consecutive_skips, result,
-                                                   self.cfg.trainer.max_nonfinite_skips,
+                                                   self.settings.loop.max_nonfinite_skips,
                                                    lambda: checkpoint_paths.latest_tag(self.run))
         # non-finite weights (an lr far too large) stop the run before this step's checkpoint and next rollout
-        check_finite_weights(self.models.engine.module, self.state.step + 1, LikelyCauses.from_config(self.cfg),
+        check_finite_weights(self.models.engine.module, self.state.step + 1, self.settings.likely_causes,
                              self.run, checkpoint_paths.latest_tag(self.run), all_reduce_max)
         return result
 
@@ -362,12 +371,12 @@ class Trainer:
     def _maybe_evaluate(self, done_steps: int, total: int) -> dict[str, float]:
         if not self.evaluation.due(done_steps, total):
             return {}
-        policy = self.models.sampling_policy(self.cfg.rollout, self.cfg.rollout.eval_temperature)
+        policy = self.models.sampling_policy(self.models.rollout.eval_temperature)
         return self.evaluation.all_splits(policy, done_steps, self.run / "samples" if self.dist.is_main else None)
 
     def _load(self, ckpt: Path) -> None:
         payload = checkpoint.load(ckpt, self.models.engine, self.models.critic_engine, self.dist.rank,
-                                  self.cfg.algo.name)
+                                  self.settings.loop.algo)
         with refusing_damaged(ckpt):  # a part's state of the wrong shape: one message, not a traceback
             self.state = TrainState(**payload["trainer"])
             self.entropy.load_state_dict(payload)
@@ -375,19 +384,19 @@ class Trainer:
         self.models.sync_weights()
 
     def _maybe_checkpoint(self, done_steps: int, total: int, metrics: dict[str, float]) -> None:
-        trainer, best_key = self.cfg.trainer, self.cfg.trainer.best_metric
+        loop, best_key = self.settings.loop, self.settings.loop.best_metric
         is_best = False
         if best_key and best_key in metrics and math.isfinite(metrics[best_key]):
             if self.state.best_value is None or metrics[best_key] > self.state.best_value:
                 self.state.best_value, self.state.best_step, is_best = metrics[best_key], done_steps, True
-        every = trainer.save_every
+        every = loop.save_every
         due = done_steps == total or (every > 0 and done_steps % every == 0) or self._should_stop(done_steps)
         if due or is_best:  # what a resume restores besides model and optimizer: the parts' states
             payload = {"trainer": self.state.__dict__, **self.entropy.state_dict(),
                        "curriculum": self.curriculum.state_dict()}
             checkpoint.save(self.run, done_steps, self.models.engine, self.models.critic_engine, payload,
-                            self.dist.rank, keep=trainer.keep_checkpoints, best_step=self.state.best_step,
-                            algo=self.cfg.algo.name)
+                            self.dist.rank, keep=loop.keep_checkpoints, best_step=self.state.best_step,
+                            algo=loop.algo)
 
     def _after_step(self, done_steps: int, total: int, metrics: dict[str, float]) -> bool:
         """Evaluate, log and checkpoint a finished step; True when this process should stop now."""
@@ -411,12 +420,12 @@ class Trainer:
         return self.stop_signal is not None
 
     def _should_stop(self, done_steps: int) -> bool:
-        if done_steps >= self.cfg.trainer.total_steps:
+        if done_steps >= self.settings.loop.total_steps:
             return False
-        stop = self.cfg.trainer.stop_after
+        stop = self.settings.loop.stop_after
         return self.stop_signal is not None or (stop is not None and done_steps >= stop)
 
     def _finish(self) -> None:
         """Export the final policy (Hugging Face folder) once every step has trained."""
-        if self.dist.is_main and self.state.step >= self.cfg.trainer.total_steps:
+        if self.dist.is_main and self.state.step >= self.settings.loop.total_steps:
             export_policy(self.models.policy.module, self.models.tokenizer, self.run / "final")

@@ -16,8 +16,8 @@ every row scored. One rule decides it (`unscored`: old log-probs None), one help
 Callers pass the batch along and never see which rows those were. Measured gain: the whole scoring forward
 when the mini-batch holds the batch (perf/score_s 0 on the presets; docs/performance.md).
 
-Its settings (`PolicyUpdateSettings`) are built once from the run config (`from_config`); the part never reads
-the config itself, so a test builds it from its settings, models and loss stack alone.
+Its settings (`PolicyUpdateSettings`) are cut once from the run config (training/settings.py); the part never
+reads the config itself, so a test builds it from its settings, models and loss stack alone.
 
 Every rank runs the same number of micro-batches per optimizer step (empty ones where it has fewer rows),
 and each aggregation mode's denominator is global over the mini-batch, so 1 rank and N ranks compute the
@@ -39,7 +39,6 @@ from epo_cli.algos.cov_selection import mini_batch_selection, selection_mask
 from epo_cli.algos.entropy import EntropyHistory
 from epo_cli.algos.losses import LossStack, PolicyOutputs, required_aggregations
 from epo_cli.algos.rollout_correction import correction_weights
-from epo_cli.config import is_sft
 from epo_cli.errors import UserError
 from epo_cli.rollout.batch import MicroBatch, TurnBatch
 from epo_cli.seeding import derive_seed
@@ -60,7 +59,7 @@ from epo_cli.training.step_metrics import UpdateTally, critic_metrics
 
 @dataclass(frozen=True)
 class PolicyUpdateSettings:
-    """What the update part reads, fixed for the run (`from_config` builds it from the run config)."""
+    """What the update part reads, fixed for the run (training/settings.py cuts it from the run config)."""
 
     seed: int  # the run's seed: mini-batch splits and Clip-Cov's draws are derived from it
     temperature: float  # rollout.temperature: log-probs and entropies at the sampling temperature
@@ -77,22 +76,6 @@ class PolicyUpdateSettings:
     correction: str = "none"  # rollout.correction.mode: the rollout/training mismatch correction the loss applies
     token_cap: float = 2.0  # rollout.correction.token_cap: the truncated importance weight's cap
     seq_bound: float = 2.0  # rollout.correction.seq_bound: the sequence mask's bound on the geometric-mean ratio
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> PolicyUpdateSettings:
-        """The settings of run config `cfg` (algo.*, seed, rollout.temperature)."""
-        algo = cfg.algo
-        return cls(
-            seed=cfg.seed, temperature=cfg.rollout.temperature, sft=is_sft(algo), ppo_epochs=algo.ppo_epochs,
-            mini_batch_size=algo.mini_batch_size, micro_batch_size=algo.micro_batch_size,
-            pack_tokens=algo.pack_tokens, lr=algo.lr, critic_lr=algo.value.lr or algo.lr,
-            value_coef=algo.value.coef,
-            turn_decay=algo.turn_decay,
-            # algo.monitor.action=clamp: this step's coefficients need every entropy before the update
-            reuse_scoring_forward=bool(algo.reuse_scoring_forward) and algo.monitor.action != "clamp",
-            correction=cfg.rollout.correction.mode, token_cap=cfg.rollout.correction.token_cap,
-            seq_bound=cfg.rollout.correction.seq_bound,
-        )
 
 
 @dataclass

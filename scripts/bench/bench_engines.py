@@ -49,6 +49,7 @@ def bench_env(env: str, model: str, iterations: int, overrides: list[str], out: 
     cfg = compose([*COMMON, *ENV_ARGS[env], f"model.path={model}", "rollout.engine=hf", *overrides])
     cfg.run_dir = str(out / env)
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+    cfg.rollout.mismatch_metrics = True  # both engines' log-probs against the trainer's (read when built)
     trainer = Trainer(cfg, Path(cfg.run_dir))
     models = trainer.models
     t0 = time.perf_counter()
@@ -64,7 +65,6 @@ def bench_env(env: str, model: str, iterations: int, overrides: list[str], out: 
         for it in range(2 * iterations):
             name = ("hf", "vllm")[it % 2]
             models.rollout_engine = engines[name]
-            trainer.cfg.rollout.mismatch_metrics = True  # both engines' log-probs against the trainer's
             step = trainer.state.step
             t0 = time.perf_counter()
             metrics = trainer.rl_step(step, cfg.trainer.total_steps)

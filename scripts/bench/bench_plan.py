@@ -90,12 +90,13 @@ def child(args: argparse.Namespace) -> None:
     from epo_cli.compose import compose
     from epo_cli.models.loading import ValueModel, frozen_copy
     from epo_cli.rollout.batch import MicroBatch
-    from epo_cli.training.engine import EngineSettings, build_engine, inference_copy, init_distributed
+    from epo_cli.training.engine import build_engine, inference_copy, init_distributed
     from epo_cli.training.forward import policy_forward, value_forward
+    from epo_cli.training.settings import engine_settings
 
     torch.set_num_threads(1)
     cfg = compose(overrides(args, args.model, args.stage))
-    dist = init_distributed(cfg)
+    dist = init_distributed(cfg.trainer.device, cfg.launcher.timeout_s)
     m = cfg.model
     vocab = m.padded_vocab_size or m.vocab_size
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # bytes (Linux reports KiB)
@@ -112,10 +113,10 @@ def child(args: argparse.Namespace) -> None:
         critic = ValueModel(frozen_copy(model))
         for p in critic.parameters():
             p.requires_grad_(True)
-    engine = build_engine(model, EngineSettings.from_config(cfg, dist), lr=1e-5)
+    engine = build_engine(model, engine_settings(cfg, dist), lr=1e-5)
     if critic is not None:
         critic_template = inference_copy(critic, args.stage)  # noqa: F841 - held, as the critic's RolloutModule
-        critic = build_engine(critic, EngineSettings.from_config(cfg, dist), lr=1e-5)
+        critic = build_engine(critic, engine_settings(cfg, dist), lr=1e-5)
     P, R, B = args.prompt, args.response, args.micro
     gen = torch.Generator().manual_seed(dist.rank)
     states: dict[str, float] = {}

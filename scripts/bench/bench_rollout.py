@@ -193,7 +193,7 @@ def compare_modes(env: str, args: argparse.Namespace) -> list[tuple[str, dict[st
                                        trainer.dist.world_size, trainer.suite, pools[name], trainer.curriculum,
                                        trainer.builder, trainer.models.tokenizer)
                     for name, overlap, prefill in MODES}
-        policies = {name: trainers[prefill].models.sampling_policy(trainers[prefill].cfg.rollout)
+        policies = {name: trainers[prefill].models.sampling_policy()
                     for name, _, prefill in MODES}
         # start the workers and build every slot's env before timing (a one-off cost of the first rollout)
         import random
@@ -239,7 +239,7 @@ def time_first_turn(trainer, prompts: list[list[int]]) -> dict[bool, float]:
     shared prefill (interleaved): the saving, without the rest of the rollout's noise."""
     from epo_cli.rollout.generation import generate
 
-    policy = trainer.models.sampling_policy(trainer.cfg.rollout)
+    policy = trainer.models.sampling_policy()
     seeds = list(range(len(prompts)))
     best = {False: float("inf"), True: float("inf")}
     for _ in range(5):
@@ -303,7 +303,7 @@ def modes_wanted(cfg) -> dict[str, bool]:
 def modes_reached(trainer) -> dict[str, bool]:
     """What the Trainer's parts hold, read from the parts (the policy as Trainer.sample builds it)."""
     return {"sampler.settings.overlap": trainer.sampler.settings.overlap,
-            "policy.shared_prefill": prefill_of(trainer.models.sampling_policy(trainer.cfg.rollout)),
+            "policy.shared_prefill": prefill_of(trainer.models.sampling_policy()),
             "models.packing": trainer.models.packing,
             "update.reuses_scoring": trainer.policy_update.reuses_scoring()}
 

@@ -146,21 +146,22 @@ def child(args: argparse.Namespace) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from epo_cli.compose import compose
-    from epo_cli.training.engine import EngineSettings, build_engine, init_distributed
+    from epo_cli.training.engine import build_engine, init_distributed
+    from epo_cli.training.settings import engine_settings
 
     torch.set_num_threads(1)
     results: dict[str, Any] = {}
     for stage in [int(s) for s in args.stages.split(",")]:
         cfg = compose([f"deepspeed=zero{stage}", "algo=grpo", f"algo.mini_batch_size={args.mini_batch}",
                        f"algo.micro_batch_size={args.micro_batch}", "trainer.device=cpu"])
-        dist = init_distributed(cfg)
+        dist = init_distributed(cfg.trainer.device, cfg.launcher.timeout_s)
         torch.manual_seed(0)
         model = Qwen2ForCausalLM(Qwen2Config(
             vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
             num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=args.seq * 2, tie_word_embeddings=True))
         n_params = sum(p.numel() for p in model.parameters())
-        engine = build_engine(model, EngineSettings.from_config(cfg, dist), lr=1e-4)
+        engine = build_engine(model, engine_settings(cfg, dist), lr=1e-4)
         gen = torch.Generator().manual_seed(1)
         per_rank = args.mini_batch // dist.world_size
         data = torch.randint(0, args.vocab, (args.mini_batch, args.seq), generator=gen)
