@@ -45,7 +45,7 @@ def test_entropy_stats_by_hand() -> None:
 
 
 def test_target_each_seed_plus_02_and_mean_plus_03() -> None:
-    a = argparse.Namespace(episodes=64, iterations=4, quick=False)
+    a = argparse.Namespace(episodes=64, iterations=4, quick=False, eval_engine="hf")
     warm = result(16)  # 0.25
     # seeds 0.5, 0.5, 0.6: each >= 0.45, mean 0.5333 < 0.55 -> not met; 0.5625, 0.5625, 0.6 -> met
     short = {"grpo": {s: seed_data(w, [0.5, 0.4]) for s, w in enumerate((32, 32, 38))}}
@@ -71,6 +71,7 @@ def test_every_arm_composes_with_the_rl_preset(arm: str, tmp_path: Path) -> None
     (["--arms", "grpo,nosuch"], "unknown arm(s) nosuch"),
     (["--seeds", "0,x"], "--seeds takes comma-separated integers"),
     (["--iterations", "0"], "--iterations must be >= 1"),
+    (["--eval-engine", "sglang"], "argument --eval-engine: invalid choice: 'sglang'"),
     (["--warm-start", "/nonexistent"], "is not a finished run holding final/"),
 ])
 def test_bad_options_are_one_message(args: list[str], message: str, tmp_path: Path) -> None:
@@ -86,20 +87,50 @@ def test_every_policy_is_evaluated_at_the_rl_runs_turn_limit(tmp_path: Path, mon
 
     cfg, _ = compose_for_train(["experiment=smollm2_rl", f"model.path={tmp_path}"])
     assert rm.EVAL_MAX_TURNS == cfg.env.max_turns
-    a = argparse.Namespace(out=tmp_path, episodes=64, quick=False)
+    a = argparse.Namespace(out=tmp_path, episodes=64, quick=False, eval_engine="hf")
     old = tmp_path / "eval" / "warm_start"
     old.mkdir(parents=True)
     (old / "final.json").write_text(json.dumps({"max_turns": 15, "episodes": 64, "success": {"rate": 0.4}}))
     calls = []
-
-    def fake_eval(args: list[str], log: Path, cwd: Path) -> None:  # what `epo eval` would write
-        calls.append(args)
-        out = Path(next(x for x in args if x.startswith("out=")).split("=", 1)[1])
-        out.mkdir(parents=True)
-        (out / "final.json").write_text(json.dumps({"max_turns": 10, "episodes": 64, "success": {"rate": 0.3}}))
-
-    monkeypatch.setattr(rm, "run_logged", fake_eval)
+    monkeypatch.setattr(rm, "run_logged", fake_epo_eval(calls, {"max_turns": 10, "episodes": 64,
+                                                                 "success": {"rate": 0.3}}))
     assert rm.evaluate("warm_start", ["run=w"], a)["success"]["rate"] == 0.3
     assert len(calls) == 1 and f"env.max_turns={rm.EVAL_MAX_TURNS}" in calls[0]
     assert (old / "final.json").exists()  # the earlier result is kept
     assert rm.evaluate("warm_start", ["run=w"], a)["success"]["rate"] == 0.3 and len(calls) == 1  # reused
+
+
+def fake_epo_eval(calls: list, payload: dict):
+    """A stand-in for run_logged(["eval", ...]): records the command and writes what `epo eval` would, with
+    the engine its overrides name (as epo eval records cfg.rollout.engine)."""
+    import json
+
+    def run(args: list[str], log: Path, cwd: Path) -> None:
+        calls.append(args)
+        out = Path(next(x for x in args if x.startswith("out=")).split("=", 1)[1])
+        out.mkdir(parents=True)
+        engine = next((x.split("=", 1)[1] for x in args if x.startswith("rollout.engine=")), "hf")
+        (out / "final.json").write_text(json.dumps({**payload, "engine": engine}))
+    return run
+
+
+def test_eval_engine_generates_every_evaluation_and_never_reuses_another_engines(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--eval-engine vllm: the evaluation runs with rollout.engine=vllm into its own folder, and a result the hf
+    engine generated (one from before `engine` was recorded included) is kept but not reused."""
+    import json
+
+    turns = rm.EVAL_MAX_TURNS
+    hf = tmp_path / "eval" / f"warm_start-t{turns}"
+    hf.mkdir(parents=True)
+    (hf / "final.json").write_text(json.dumps({"max_turns": turns, "episodes": 64, "success": {"rate": 0.4}}))
+    calls: list = []
+    monkeypatch.setattr(rm, "run_logged", fake_epo_eval(calls, {"max_turns": turns, "episodes": 64,
+                                                                 "success": {"rate": 0.2}}))
+    a = argparse.Namespace(out=tmp_path, episodes=64, quick=False, eval_engine="vllm")
+    assert rm.evaluate("warm_start", ["run=w"], a)["success"]["rate"] == 0.2
+    assert len(calls) == 1 and "rollout.engine=vllm" in calls[0]
+    assert f"out={tmp_path / 'eval' / f'warm_start-t{turns}-vllm'}" in calls[0]
+    assert rm.evaluate("warm_start", ["run=w"], a)["engine"] == "vllm" and len(calls) == 1  # reused
+    a.eval_engine = "hf"  # and back: the hf result is still there, untouched
+    assert rm.evaluate("warm_start", ["run=w"], a)["success"]["rate"] == 0.4 and len(calls) == 1

@@ -409,6 +409,7 @@ def evaluate_run(opts: EvalCommandConfig, overrides: Sequence[str] = (), command
         "checkpoint_resolved": info.resolved if info.checkpoint else None,
         "model_source": info.source,
         "policy": opts.policy,
+        "engine": cfg.rollout.engine if opts.policy == "model" else None,  # what generated (rollout.engine)
         "env": {"name": cfg.env.name, **({"level": cfg.env.level} if "level" in cfg.env else {})},
         "split": split,
         "episodes": len(episodes),
