@@ -105,6 +105,20 @@ def test_seeds_give_the_same_tokens_alone_and_in_a_batch(engine) -> None:
     assert other != batch[0]  # another seed, another sample (a random model: near-uniform over 1k tokens)
 
 
+def test_a_batch_longer_than_one_scheduler_step_keeps_its_seeds(engine) -> None:
+    """More prompt tokens than vLLM schedules in one step (an evaluation's 64 long prompts): with chunked prefill a
+    prompt is split over steps and vLLM's CPU backend then fails rewinding a seeded generator ("CPU Generator does
+    not use offset"); the engine schedules whole prompts, and a row's tokens are still its seed's alone."""
+    eng, tokenizer = engine
+    text = "You are in the kitchen. Your task is to open the fridge and look. " * 30
+    # 64 distinct prompts of ~390 tokens (distinct from their first token: the prefix cache shares none of them)
+    prompts = [tokenizer.encode(f"{i} {text}")[: 380 + i % 20] for i in range(64)]
+    seeds = list(range(100, 164))
+    batch = eng.generate(prompts, _params(max_new_tokens=4), seeds).tokens
+    assert len(batch) == 64 and all(batch)
+    assert eng.generate([prompts[37]], _params(max_new_tokens=4), [seeds[37]]).tokens[0] == batch[37]
+
+
 def test_log_probs_are_the_trainers_at_the_sampling_temperature(engine, trained) -> None:
     eng, tokenizer = engine
     prompts = _prompts(tokenizer)
@@ -194,3 +208,4 @@ def test_train_evaluate_and_resume_through_the_cli(llama_folder: Path, tmp_path:
     assert any(k.startswith("eval/") for k in steps[2])
     out = run_cli(["eval", f"run={run}", "split=eval_in_distribution", "episodes=2"], cwd=tmp_path)
     assert "success" in out.stdout.lower()
+

@@ -109,6 +109,10 @@ def trained_weights(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         yield "lm_head.weight", head.weight.detach()
 
 
+#: tokens vLLM's CPU backend prefills in one scheduler step (its offline default)
+_CPU_BATCHED_TOKENS = 4096
+
+
 class VLLMEngine(RolloutEngine):
     promises = ("row i's tokens are a function of (the weights, its prompt, seeds[i]): the same alone and in any "
                 "batch (vLLM's per-request seeded generator); not the hf engine's tokens")
@@ -135,6 +139,12 @@ class VLLMEngine(RolloutEngine):
             model=source, tokenizer=source, dtype=dtype, enforce_eager=True, seed=context.seed,
             max_model_len=context.max_model_len, enable_prefix_caching=True,
             logprobs_mode="processed_logprobs", max_num_seqs=settings.max_num_seqs, trust_remote_code=False)
+        if self.device_type == "cpu":
+            # whole prompts only: a prompt split over scheduler steps (chunked prefill) rewinds its seeded
+            # generator, which a CPU generator cannot ("CPU Generator does not use offset", vLLM 0.32); one step
+            # then prefills at least one whole prompt
+            kwargs.update(enable_chunked_prefill=False,
+                          max_num_batched_tokens=max(context.max_model_len, _CPU_BATCHED_TOKENS))
         if self.device_type == "cuda":
             kwargs.update(gpu_memory_utilization=settings.gpu_memory_utilization,
                           enable_sleep_mode=self.sleep_during_update)
