@@ -1,4 +1,5 @@
-"""The launcher's parent process counts GPUs without loading torch (epo_cli.launch.layout._cuda_count)."""
+"""The launcher's parent process counts GPUs without loading torch (epo_cli.launch.layout._cuda_count; whether
+a GPU driver is there at all: epo_cli.runtime.device.gpu_driver_present)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from epo_cli.launch import layout
+from epo_cli.runtime import device
 
 
 def _fake_python(tmp_path: Path, output: str, code: int = 0) -> str:
@@ -20,9 +22,9 @@ def _fake_python(tmp_path: Path, output: str, code: int = 0) -> str:
 
 
 def test_no_gpu_driver_means_no_gpus_and_no_torch_probe(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(layout.glob, "glob", lambda pattern: [])
-    monkeypatch.setattr(layout.shutil, "which", lambda tool: None)
-    monkeypatch.setattr(layout, "Path", lambda p: Path("/nonexistent-kfd"))
+    monkeypatch.setattr(device.glob, "glob", lambda pattern: [])
+    monkeypatch.setattr(device.shutil, "which", lambda tool: None)
+    monkeypatch.setattr(device, "Path", lambda p: Path("/nonexistent-kfd"))
 
     def no_probe(*args: object, **kwargs: object) -> None:
         raise AssertionError("torch was asked although no GPU driver is present")
@@ -35,7 +37,7 @@ def test_no_gpu_driver_means_no_gpus_and_no_torch_probe(monkeypatch: pytest.Monk
                                                           ("2", 1, 0)])
 def test_with_a_driver_torch_counts_in_a_child_process(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                        output: str, code: int, expected: int) -> None:
-    monkeypatch.setattr(layout.glob, "glob", lambda pattern: ["/dev/nvidia0"])
+    monkeypatch.setattr(device.glob, "glob", lambda pattern: ["/dev/nvidia0"])
     monkeypatch.setattr(layout.sys, "executable", _fake_python(tmp_path, output, code))
     seen: list[list[str]] = []
     real_run = subprocess.run

@@ -12,6 +12,7 @@ The machine's memory is fixed at 16 GiB here (the rows must not depend on the ma
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -111,6 +112,46 @@ def test_the_estimates_by_hand() -> None:
     kv = 6 * (1024 + 64) * 2 * 2 * 32 * 4  # rows x tokens x layers x (k, v) x kv_dim x fp32
     mlp = 6 * 1024 * 3 * 256 * 4  # rows x prompt x (gate, up, product) x intermediate x fp32
     assert generation.bytes == kv + mlp
+
+
+def _model_folder(path: Path, **sizes: int | bool) -> Path:
+    """A model folder as the estimate reads it: its config.json alone."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "qwen2", **sizes}))
+    return path
+
+
+def test_a_model_folder_is_counted_by_the_shape_its_config_json_gives(tmp_path: Path) -> None:
+    """model.path=<folder> was counted by its rollouts only. Its config.json's shape, by hand: hidden 64, 2 layers,
+    4 heads, 2 KV heads (kv_dim 32), intermediate 256, 1000 tokens, tied embeddings. On the CPU: parameters x 16
+    and the update and generation; on a GPU only the bf16 weights from_pretrained loads in this memory first."""
+    from epo_cli.compose import compose
+
+    folder = _model_folder(tmp_path / "model", hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=True)
+    layer = (64 * 64 + 2 * 64 * 32 + 64 * 64 + 64 + 2 * 32) + 3 * 64 * 256 + 2 * 64  # q k v o + biases, MLP, norms
+    params = 1000 * 64 + 2 * layer + 64  # embeddings (tied), layers, final norm
+    assert params == 187_456
+    on_cpu = memory.estimates(compose(["algo=grpo", f"model.path={folder}", "trainer.device=cpu"]))
+    assert on_cpu[0].bytes == params * 16
+    assert f"model.path={folder} (its config.json: hidden_size=64, intermediate_size=256, num_hidden_layers=2, " \
+           "vocab_size=1000)" in on_cpu[0].settings
+    assert [e.what.split(" ")[0] for e in on_cpu[1:3]] == ["one", "generating"]  # the update, the rollout batch
+    on_gpu = memory.estimates(compose(["algo=grpo", f"model.path={folder}", "trainer.device=cuda"]))
+    assert on_gpu[0].bytes == params * 2 and "before they move to the GPU" in on_gpu[0].what
+    assert not any(e.what.startswith(("one training", "generating")) for e in on_gpu)
+
+
+@pytest.mark.parametrize(("device", "text"), [("cpu", "parameters x 16 bytes"),
+                                              ("cuda", "in 2-byte floats, loaded in this memory")])
+def test_a_model_folder_too_large_for_this_machine_is_refused(device: str, text: str, sixteen_gib: None,
+                                                              tmp_path: Path) -> None:
+    """A folder of a 70B model's shape (passed before: only its rollouts were counted)."""
+    folder = _model_folder(tmp_path / "model", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                           num_attention_heads=64, num_key_value_heads=8, vocab_size=128256)
+    proc = run_epo(["config", "show", f"model.path={folder}", f"trainer.device={device}"], tmp_path, expect=2)
+    one_error(proc, f"model.path={folder} (its config.json: hidden_size=8192", text, "Refused before allocating "
+              "anything", "this machine's memory (16.0 GiB)")
 
 
 @pytest.mark.parametrize("args, text", [

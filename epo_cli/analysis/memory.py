@@ -8,13 +8,13 @@ config alone (no torch), and compared with the memory this
 process may use (`memory_limit`): the machine's RAM, or less where `ulimit -v` sets an address-space limit.
 One ConfigError names the settings, the size they imply and the limit.
 
-    model        the tiny model's parameters x 16 bytes (fp32 weights, gradients and Adam's two moments),
+    model        the policy's parameters x 16 bytes (fp32 weights, gradients and Adam's two moments),
                  LoRA's adapters included (model.lora.rank x (in + out) per targeted module and layer)
-    generation   the tiny model's rollout batch at once (tasks_per_step x group_size rows, an evaluation's
+    generation   the policy's rollout batch at once (tasks_per_step x group_size rows, an evaluation's
                  episodes, or rollout.generation_batch_size): its KV cache at prompt + response tokens, and
                  the prefill's largest working set in one layer (the MLP's SwiGLU tensors, the attention
                  scores rows x heads x prompt^2 where attention is not fused), in 4-byte floats (2 in bf16)
-    update       one training micro-batch of the tiny model: every layer's activations for backward (plan's
+    update       one training micro-batch of the policy: every layer's activations for backward (plan's
                  accounting, epo_cli/analysis/plan.py; LoRA's rank-wide intermediates too) and one layer's
                  attention scores (micro_batch_size x heads x tokens^2)
     rollouts     one RL iteration's turn-samples (tasks_per_step x group_size x env.max_turns, x the rounds
@@ -22,18 +22,27 @@ One ConfigError names the settings, the size they imply and the limit.
     episodes     the episodes an evaluation keeps (eval episodes x env.max_turns turns, same tokens), and
                  the behaviour-cloning demonstrations (algo.demo_episodes x env.max_turns)
 Only what grows with the settings is counted (the reference model, the text of prompts and Python's own objects
-come on top): a refused config is one whose limits, once reached, cannot fit. A model from model.path is
-counted by its rollouts and episodes only (its shape is known once its folder is read).
+come on top): a refused config is one whose limits, once reached, cannot fit.
+
+The policy's shape is the tiny model's (model.* sizes), or for `model.path=<folder>` the one its config.json
+gives (read as bounded data; a config.json that gives none is left to check_model_folder's message). Such a
+model trains in this memory on the CPU (trainer.device=cpu, or auto without a GPU driver); elsewhere only its
+weights are counted, which from_pretrained loads here before they move to the GPU (`epo plan` sizes the GPU's
+share). A hub id's model is counted by its rollouts and episodes only.
 """
 
 from __future__ import annotations
 
 import resource
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from epo_cli.analysis.plan import architecture, kv_cache_bytes, policy_activations
-from epo_cli.errors import ConfigError
+from epo_cli.analysis.plan import Architecture, architecture, config_architecture, kv_cache_bytes, policy_activations
+from epo_cli.errors import ConfigError, UserError
+from epo_cli.rundir.received import read_json
+from epo_cli.rundir.saved_state import model_folder_root
+from epo_cli.runtime.device import gpu_driver_present
 
 #: bytes a trained parameter takes at least: fp32 weight, its gradient, and Adam's two moments
 BYTES_PER_PARAMETER = 16
@@ -82,37 +91,71 @@ class Estimate:
     fix: str
 
 
-def tiny_model_parameters(model: Any) -> int:
-    """Parameters of the tiny model (Qwen2 architecture) that model.* sizes build (epo_cli/models/tiny.py)."""
-    h, inter, layers = int(model.hidden_size), int(model.intermediate_size), int(model.num_hidden_layers)
-    heads, kv_heads = int(model.num_attention_heads), int(model.num_key_value_heads)
-    vocab = int(model.padded_vocab_size or model.vocab_size)
-    kv_dim = h // max(heads, 1) * kv_heads
-    attention = h * h + 2 * h * kv_dim + h * h + h + 2 * kv_dim  # q, k, v, o; q/k/v biases
-    per_layer = attention + 3 * h * inter + 2 * h  # gate, up, down; two RMSNorms
-    embeddings = vocab * h * (1 if model.tie_word_embeddings else 2)
-    return embeddings + layers * per_layer + h
+@dataclass(frozen=True)
+class Shape:
+    """The policy's shape: the tiny model's (model.* sizes), or that of a model.path `folder`'s config.json."""
+
+    arch: Architecture
+    softmax_vocab: int  # the logits the loss softmaxes over (the tokenizer's size)
+    folder: Path | None = None
 
 
-def _module_shapes(model: Any) -> dict[str, tuple[int, int]]:
-    """(in, out) features of each linear layer of one tiny-model decoder layer, by module name."""
-    h, inter = int(model.hidden_size), int(model.intermediate_size)
-    kv_dim = h // max(int(model.num_attention_heads), 1) * int(model.num_key_value_heads)
+def policy_shape(model: Any) -> Shape | None:
+    """The tiny model's shape; a model.path folder's from its config.json, read as bounded data (a regular file,
+    symlinks only inside the folder or its hub cache repository: epo_cli/rundir/received.py); None for a hub id,
+    or a config.json that gives no shape (check_model_folder names what is wrong before anything loads)."""
+    if not model.path:
+        return Shape(*architecture(model))
+    folder = Path(str(model.path)).expanduser()
+    if not folder.is_dir():
+        return None
+    try:
+        hf = read_json(folder / "config.json", "model config", within=model_folder_root(folder))
+        arch = config_architecture(hf)
+    except (UserError, OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return Shape(arch, arch.vocab, folder)
+
+
+def _size_settings(model: Any, shape: Shape, keys: tuple[str, ...]) -> list[str]:
+    """Where the sizes `keys` come from, as a message names them: model.<key>=N, or model.path's config.json."""
+    if shape.folder is None:
+        return [f"model.{k}={model[k]}" for k in keys if model[k] is not None]
+    arch = shape.arch
+    sizes = {"hidden_size": arch.hidden, "intermediate_size": arch.intermediate, "num_hidden_layers": arch.layers,
+             "num_attention_heads": arch.heads, "vocab_size": arch.vocab}
+    return [f"model.path={model.path} (its config.json: {', '.join(f'{k}={sizes[k]}' for k in keys if k in sizes)})"]
+
+
+def _smaller_model(shape: Shape) -> str:
+    return "the model sizes" if shape.folder is None else "the model (a smaller model.path)"
+
+
+def _on_the_cpu(cfg: Any) -> bool:
+    """The run trains and generates in this machine's memory: trainer.device=cpu, or auto without a GPU driver."""
+    device = cfg.trainer.device
+    return device == "cpu" or (device == "auto" and not gpu_driver_present())
+
+
+def _module_shapes(arch: Architecture) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each linear layer of one decoder layer, by module name."""
+    h, inter, kv_dim = arch.hidden, arch.intermediate, arch.kv_dim
     return {"q_proj": (h, h), "k_proj": (h, kv_dim), "v_proj": (h, kv_dim), "o_proj": (h, h),
             "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
 
 
-def lora_parameters(model: Any) -> tuple[int, int]:
-    """(parameters, targeted modules per layer) of the LoRA adapters on the tiny model: A (rank x in) and B
-    (out x rank) for each targeted module of every layer; (0, 0) at rank 0."""
+def lora_parameters(model: Any, arch: Architecture | None = None) -> tuple[int, int]:
+    """(parameters, targeted modules per layer) of the LoRA adapters on the policy (`arch`; the tiny model's by
+    default): A (rank x in) and B (out x rank) for each targeted module of every layer; (0, 0) at rank 0."""
     rank = int(model.lora.rank)
     if rank <= 0:
         return 0, 0
-    shapes = _module_shapes(model)
+    arch = arch if arch is not None else architecture(model)[0]
+    shapes = _module_shapes(arch)
     targets = [name for name in shapes if any(str(t) == name or str(t).endswith("." + name)
                                               for t in model.lora.target_modules)]
     width = sum(sum(shapes[name]) for name in targets)
-    return rank * width * int(model.num_hidden_layers), len(targets)
+    return rank * width * arch.layers, len(targets)
 
 
 def _lora_settings(model: Any) -> list[str]:
@@ -124,17 +167,15 @@ def _float_bytes(model: Any) -> int:
     return 4 if model.dtype == "fp32" else 2
 
 
-def _architecture(model: Any) -> Any:
-    return architecture(model)
-
-
-def generation_estimate(cfg: Any, rows: int, rows_text: list[str], fix: str) -> Estimate:
-    """The tiny model generating for `rows` sequences at once (rollout.generation_batch_size caps them)."""
+def generation_estimate(cfg: Any, rows: int, rows_text: list[str], fix: str, shape: Shape | None = None) -> Estimate:
+    """The policy (`shape`; the tiny model's by default) generating for `rows` sequences at once
+    (rollout.generation_batch_size caps them)."""
     model, rollout = cfg.model, cfg.rollout
     if int(rollout.generation_batch_size):
         rows, rows_text = min(rows, int(rollout.generation_batch_size)), [
             f"rollout.generation_batch_size={rollout.generation_batch_size}"]
-    arch, _ = _architecture(model)
+    shape = shape if shape is not None else Shape(*architecture(model))
+    arch = shape.arch
     width = _float_bytes(model)
     prompt, response = int(rollout.max_prompt_tokens), int(rollout.max_new_tokens)
     kv = kv_cache_bytes(arch, rows, prompt, response, width)
@@ -143,31 +184,33 @@ def generation_estimate(cfg: Any, rows: int, rows_text: list[str], fix: str) -> 
     layer = max(mlp, scores)  # the prefill's logits: the last token's only
     return Estimate(f"generating for {rows:.3g} rows at once: their KV cache at {prompt} + {response} tokens and "
                     "a layer's prefill", kv + layer,
-                    [*rows_text, f"rollout.max_prompt_tokens={prompt}", f"model.num_hidden_layers={arch.layers}",
-                     f"model.hidden_size={arch.hidden}", f"model.intermediate_size={arch.intermediate}"],
+                    [*rows_text, f"rollout.max_prompt_tokens={prompt}",
+                     *_size_settings(model, shape, ("num_hidden_layers", "hidden_size", "intermediate_size"))],
                     f"{fix}, or set rollout.generation_batch_size=N to generate for N at a time")
 
 
-def update_estimate(cfg: Any) -> Estimate:
-    """One training micro-batch of the tiny model (activations kept for backward, one layer's scores)."""
-
+def update_estimate(cfg: Any, shape: Shape | None = None) -> Estimate:
+    """One training micro-batch of the policy (`shape`; the tiny model's by default): activations kept for
+    backward, one layer's scores."""
     model, algo, rollout = cfg.model, cfg.algo, cfg.rollout
-    arch, softmax_vocab = _architecture(model)
+    shape = shape if shape is not None else Shape(*architecture(model))
+    arch, softmax_vocab = shape.arch, shape.softmax_vocab
     width = _float_bytes(model)
     micro = int(algo.micro_batch_size)
     prompt, response = int(rollout.max_prompt_tokens), int(rollout.max_new_tokens)
     tokens = micro * (prompt + response)
     acts = policy_activations(arch, softmax_vocab, micro, prompt, response, width, bool(model.gradient_checkpointing))
     scores = micro * arch.heads * (prompt + response) ** 2 * width  # softmax(QK^T) where attention is not fused
-    _, targeted = lora_parameters(model)
+    _, targeted = lora_parameters(model, arch)
     lora = tokens * arch.layers * targeted * int(model.lora.rank) * width  # x @ A per module, kept for backward
     return Estimate(f"one training micro-batch of {tokens:.3g} tokens: activations for backward, a layer's "
                     "attention scores" + (", LoRA's rank-wide intermediates" if lora else ""),
                     acts + scores + lora,
-                    [f"algo.micro_batch_size={micro}", f"model.num_attention_heads={arch.heads}",
-                     f"model.num_hidden_layers={arch.layers}", f"model.hidden_size={arch.hidden}",
-                     f"model.intermediate_size={arch.intermediate}", *_lora_settings(model)],
-                    "lower algo.micro_batch_size, the model sizes, model.lora.rank or rollout.max_prompt_tokens")
+                    [f"algo.micro_batch_size={micro}",
+                     *_size_settings(model, shape, ("num_attention_heads", "num_hidden_layers", "hidden_size",
+                                                    "intermediate_size")), *_lora_settings(model)],
+                    f"lower algo.micro_batch_size, {_smaller_model(shape)}, model.lora.rank or "
+                    "rollout.max_prompt_tokens")
 
 
 def estimates(cfg: Any, eval_rows: int | None = None) -> list[Estimate]:
@@ -175,23 +218,32 @@ def estimates(cfg: Any, eval_rows: int | None = None) -> list[Estimate]:
     evaluation plays at once (default trainer.eval_episodes, where the run evaluates)."""
     out = []
     model, algo, env, rollout = cfg.model, cfg.algo, cfg.env, cfg.rollout
-    if not model.path:
-        params = tiny_model_parameters(model)
-        adapters, _ = lora_parameters(model)
+    shape = policy_shape(model)
+    here = shape is not None and (shape.folder is None or _on_the_cpu(cfg))  # its training states in this memory
+    sizes = ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size", "padded_vocab_size")
+    if shape is not None and not here:  # a folder's model on a GPU: the weights from_pretrained loads here first
+        params, width = shape.arch.params(), _float_bytes(model)
+        out.append(Estimate(f"the model's {params:.3g} parameters in {width}-byte floats, loaded in this memory "
+                            "before they move to the GPU", params * width,
+                            [*_size_settings(model, shape, sizes), f"model.dtype={model.dtype}"],
+                            "pass a smaller model.path"))
+    if here:
+        params = shape.arch.params()
+        adapters, _ = lora_parameters(model, shape.arch)
+        tiny = "tiny " if shape.folder is None else ""
         out.append(Estimate(
-            f"the tiny model's {params + adapters:.3g} parameters x {BYTES_PER_PARAMETER} bytes (weights, "
+            f"the {tiny}model's {params + adapters:.3g} parameters x {BYTES_PER_PARAMETER} bytes (weights, "
             "gradients, Adam)", (params + adapters) * BYTES_PER_PARAMETER,
-            [f"model.{k}={model[k]}" for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                                               "vocab_size", "padded_vocab_size") if model[k] is not None]
-            + _lora_settings(model),
-            "lower the model sizes (see `epo config show` for the defaults)"))
+            _size_settings(model, shape, sizes) + _lora_settings(model),
+            "lower the model sizes (see `epo config show` for the defaults)" if shape.folder is None else
+            "pass a smaller model.path, or train it on a GPU (trainer.device=cuda; `epo plan` sizes that)"))
         if algo.base != "none" or algo.demos == "expert":
-            out.append(update_estimate(cfg))
+            out.append(update_estimate(cfg, shape))
         if algo.base != "none":
             rows = int(algo.tasks_per_step) * int(algo.group_size)
             out.append(generation_estimate(cfg, rows, [f"algo.tasks_per_step={algo.tasks_per_step}",
                                                        f"algo.group_size={algo.group_size}"],
-                                           "lower algo.tasks_per_step or algo.group_size"))
+                                           "lower algo.tasks_per_step or algo.group_size", shape))
     turn_tokens = int(rollout.max_prompt_tokens) + int(rollout.max_new_tokens)
     token_text = (f"x {turn_tokens} tokens a turn (rollout.max_prompt_tokens + rollout.max_new_tokens) x "
                   f"{BYTES_PER_TOKEN} bytes")
@@ -212,10 +264,10 @@ def estimates(cfg: Any, eval_rows: int | None = None) -> list[Estimate]:
                             [f"algo.demo_episodes={algo.demo_episodes}", f"env.max_turns={env.max_turns}"],
                             "lower algo.demo_episodes or env.max_turns"))
     out.append(episodes_estimate(int(cfg.trainer.eval_episodes), cfg, "trainer.eval_episodes"))
-    if not model.path and (eval_rows is not None or int(cfg.trainer.eval_every) > 0):
+    if here and (eval_rows is not None or int(cfg.trainer.eval_every) > 0):
         key = "episodes" if eval_rows is not None else "trainer.eval_episodes"
         rows = eval_rows if eval_rows is not None else int(cfg.trainer.eval_episodes)
-        out.append(generation_estimate(cfg, rows, [f"{key}={rows}"], f"lower {key}"))
+        out.append(generation_estimate(cfg, rows, [f"{key}={rows}"], f"lower {key}", shape))
     return out
 
 

@@ -127,17 +127,7 @@ def architecture(model: Any) -> tuple[Architecture, int]:
     config_json = Path(str(model.path)).expanduser() / "config.json"
     if config_json.is_file():
         try:
-            hf = loads(read_text(config_json, "model config"))  # bounded: epo_cli/rundir/received.py
-            sizes = {key: _model_size(hf, key) for key in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                                                           "num_attention_heads", "vocab_size")}
-            sizes["num_key_value_heads"] = _model_size(hf, "num_key_value_heads", sizes["num_attention_heads"])
-            heads, kv_heads = sizes["num_attention_heads"], sizes["num_key_value_heads"]
-            if sizes["hidden_size"] % heads or heads % kv_heads:
-                raise ValueError(f"hidden_size={sizes['hidden_size']} must be divisible by num_attention_heads="
-                                 f"{heads}, and that by num_key_value_heads={kv_heads}")
-            arch = Architecture(sizes["hidden_size"], sizes["intermediate_size"], sizes["num_hidden_layers"], heads,
-                                kv_heads, sizes["vocab_size"], bool(hf.get("tie_word_embeddings", False)),
-                                bool(hf.get("attention_bias", True)))
+            arch = config_architecture(loads(read_text(config_json, "model config")))  # bounded: rundir/received.py
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise ConfigError(f"{config_json} is not a readable model config ({type(err).__name__}: {err}); "
                               "fix the file or point model.path at the model's directory.") from None
@@ -148,6 +138,21 @@ def architecture(model: Any) -> tuple[Architecture, int]:
     known = ", ".join(HUB_ARCHITECTURES)
     raise ConfigError(f"epo plan does not know the shape of model.path={model.path}: give a local directory "
                       f"that holds its config.json, or one of the hub models it knows ({known}).")
+
+
+def config_architecture(hf: dict[str, Any]) -> Architecture:
+    """The shape a model's config.json (`hf`, parsed) gives; ValueError, KeyError, TypeError or AttributeError
+    where it gives none."""
+    sizes = {key: _model_size(hf, key) for key in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                                   "num_attention_heads", "vocab_size")}
+    sizes["num_key_value_heads"] = _model_size(hf, "num_key_value_heads", sizes["num_attention_heads"])
+    heads, kv_heads = sizes["num_attention_heads"], sizes["num_key_value_heads"]
+    if sizes["hidden_size"] % heads or heads % kv_heads:
+        raise ValueError(f"hidden_size={sizes['hidden_size']} must be divisible by num_attention_heads="
+                         f"{heads}, and that by num_key_value_heads={kv_heads}")
+    return Architecture(sizes["hidden_size"], sizes["intermediate_size"], sizes["num_hidden_layers"], heads,
+                        kv_heads, sizes["vocab_size"], bool(hf.get("tie_word_embeddings", False)),
+                        bool(hf.get("attention_bias", True)))
 
 
 #: the largest size a model config.json may give (a hidden size, a layer or head count, a vocabulary)

@@ -8,7 +8,6 @@ DeepSpeed: the process that starts the ranks only reads the config, the run dire
 
 from __future__ import annotations
 
-import glob
 import shutil
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from epo_cli.config import is_sft
 from epo_cli.errors import ConfigError, UserError
 from epo_cli.rundir.checkpoint_paths import check_world_size, resolve_resume
 from epo_cli.runtime.deepspeed_config import deepspeed_config
+from epo_cli.runtime.device import gpu_driver_present
 
 
 @dataclass
@@ -40,7 +40,7 @@ def _cuda_count() -> int:
     """CUDA GPUs this process may use. Without a GPU driver (no /dev/nvidia*, no ROCm /dev/kfd) none, at once;
     otherwise torch counts them in a child process (CUDA_VISIBLE_DEVICES, MIG and ROCm as the ranks will see
     them), so this process never loads torch."""
-    if not (glob.glob("/dev/nvidia[0-9]*") or Path("/dev/kfd").exists() or shutil.which("nvidia-smi")):
+    if not gpu_driver_present():
         return 0
     probe = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
     try:

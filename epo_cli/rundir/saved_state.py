@@ -502,29 +502,42 @@ def check_model_folder(folder: Path, trust_remote_code: bool, weights: bool = Tr
 
 
 def _check_model_folder(folder: Path, trust_remote_code: bool, weights: bool) -> None:
+    """Each file of `folder` checked as data (_FolderProblem: the first that is not what it claims)."""
     root = model_folder_root(folder)
-
-    def read(name: str, kind: str = "model config") -> dict[str, Any]:
-        try:
-            return _json_object(folder / name, kind, within=root)
-        except ValueError as err:
-            raise _FolderProblem(folder / name, str(err)) from None
-
-    def regular(name: str, kind: str) -> None:
-        try:
-            check_regular(folder / name, kind, within=root)
-        except ReceivedFileError as err:
-            raise _FolderProblem(folder / name, err.reason) from None
-
-    config = read("config.json")
+    config = _read(folder / "config.json", "model config", root)
     problem = _config_problem(config)
     if problem is not None:
         raise _FolderProblem(folder / "config.json", problem)
+    _check_tokenizer_files(folder, root, config, trust_remote_code)
+    if weights:
+        _check_weight_files(folder, root, config)
+
+
+def _read(path: Path, kind: str, root: Path) -> dict[str, Any]:
+    """A JSON object of the folder (_json_object), or _FolderProblem naming it."""
+    try:
+        return _json_object(path, kind, within=root)
+    except ValueError as err:
+        raise _FolderProblem(path, str(err)) from None
+
+
+def _regular(path: Path, kind: str, root: Path) -> None:
+    """A file of the folder that must be a regular file (check_regular), or _FolderProblem naming it."""
+    try:
+        check_regular(path, kind, within=root)
+    except ReceivedFileError as err:
+        raise _FolderProblem(path, err.reason) from None
+
+
+def _check_tokenizer_files(folder: Path, root: Path, config: dict[str, Any], trust_remote_code: bool) -> None:
+    """The tokenizer's files: JSON objects where JSON, regular files otherwise; no model code (auto_map)
+    unless the command line trusts it; special tokens that are strings; tokenizer.json's parts present."""
     present = [name for name in TOKENIZER_JSON if os.path.lexists(folder / name)]
-    files = {name: read(name, "tokenizer" if name == "tokenizer.json" else "model config") for name in present}
+    files = {name: _read(folder / name, "tokenizer" if name == "tokenizer.json" else "model config", root)
+             for name in present}
     for name in TOKENIZER_OTHER:
         if os.path.lexists(folder / name):
-            regular(name, "tokenizer")
+            _regular(folder / name, "tokenizer", root)
     for name in ("config.json", "tokenizer_config.json"):
         data = config if name == "config.json" else files.get(name, {})
         if "auto_map" in data and not trust_remote_code:
@@ -546,8 +559,11 @@ def _check_model_folder(folder: Path, trust_remote_code: bool, weights: bool) ->
                 noun = "object" if kind is dict else "list"
                 raise _FolderProblem(folder / "tokenizer.json", f"{state} `{key}` {noun} (transformers needs it: "
                                      "the file is damaged or cut down)")
-    if not weights:
-        return
+
+
+def _check_weight_files(folder: Path, root: Path, config: dict[str, Any]) -> None:
+    """The weights: every safetensors file the index lists present, each header readable and bounded, the
+    embeddings' shape agreeing with config.json; pickled weights regular files (read later, restricted)."""
     shapes: dict[str, list[int]] = {}
     try:
         weight_files = _weight_files(folder, root)
@@ -563,7 +579,7 @@ def _check_model_folder(folder: Path, trust_remote_code: bool, weights: bool) ->
     if not weight_files:
         for name in PICKLED_WEIGHTS:
             if os.path.lexists(folder / name):
-                regular(name, "safetensors header" if name.endswith(".json") else "weights")
+                _regular(folder / name, "safetensors header" if name.endswith(".json") else "weights", root)
     embedding = next((name for name in shapes if name.endswith("embed_tokens.weight")), None)
     vocab, hidden = config.get("vocab_size"), config.get("hidden_size")
     if embedding is not None and isinstance(vocab, int) and isinstance(hidden, int) \

@@ -5,12 +5,21 @@ settings (launch/libraries.py) name DeepSpeed's accelerator before `import deeps
 
 from __future__ import annotations
 
+import glob
+import shutil
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from epo_cli.errors import UserError
 
 if TYPE_CHECKING:
     import torch
+
+
+def gpu_driver_present() -> bool:
+    """Whether this machine may have a GPU at all (a /dev/nvidia* device, ROCm's /dev/kfd or nvidia-smi), without
+    loading torch: where not, trainer.device=auto is the CPU."""
+    return bool(glob.glob("/dev/nvidia[0-9]*") or Path("/dev/kfd").exists() or shutil.which("nvidia-smi"))
 
 
 def device_type(trainer_device: str = "auto") -> str:
