@@ -274,6 +274,81 @@ def one_error(proc: CliResult | subprocess.CompletedProcess, *texts: str) -> str
     return errors[0]
 
 
+@pytest.fixture
+def lock_holder() -> Iterator[Callable[..., subprocess.Popen]]:
+    """`lock_holder(folder, command="epo train")` starts a process that holds the folder's lock as a running
+    epo command does (flock on <folder>/.epo.lock, its pid and command written in it); killed after the test."""
+    procs = []
+
+    def hold(folder: Path, command: str = "epo train") -> subprocess.Popen:
+        code = ("import fcntl, os, sys, time; p = sys.argv[1]; os.makedirs(p, exist_ok=True); "
+                "fd = os.open(os.path.join(p, '.epo.lock'), os.O_RDWR | os.O_CREAT); fcntl.flock(fd, fcntl.LOCK_EX); "
+                "os.write(fd, b'pid %d: ' % os.getpid() + sys.argv[2].encode()); print('held', flush=True); "
+                "time.sleep(120)")
+        proc = subprocess.Popen([sys.executable, "-c", code, str(folder), command], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "held"
+        procs.append(proc)
+        return proc
+
+    yield hold
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+@contextlib.contextmanager
+def read_only_view(source: Path, view: Path) -> Iterator[Path]:
+    """`source` seen at `view` (which must not exist) read-only: a read-only bind mount as root (root ignores
+    permissions), else a copy whose permissions forbid writing, given back when the block ends. Skips the
+    test where root may not mount."""
+    if os.geteuid() != 0:
+        shutil.copytree(source, view)
+        for path in [view, *view.rglob("*")]:
+            path.chmod(0o555 if path.is_dir() else 0o444)
+        try:
+            yield view
+        finally:
+            for path in [view, *view.rglob("*")]:
+                path.chmod(0o755 if path.is_dir() else 0o644)
+        return
+    view.mkdir()
+    if subprocess.run(["mount", "--bind", str(source), str(view)], capture_output=True).returncode != 0 or \
+            subprocess.run(["mount", "-o", "remount,bind,ro", str(view)], capture_output=True).returncode != 0:
+        subprocess.run(["umount", str(view)], capture_output=True)
+        pytest.skip("running as root without permission to mount: no way to make a read-only folder")
+    try:
+        yield view
+    finally:
+        subprocess.run(["umount", str(view)], check=True)
+
+
+#: set by init_distributed for a world of one; they must not leak into later tests' subprocesses (which
+#: would take them for a launcher's and join this process's store on its port)
+DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@contextlib.contextmanager
+def world_of_one_env() -> Iterator[None]:
+    """For a Trainer built in this process: DIST_ENV removed before the block, and what the block's world of
+    one set in it replaced by what was there before."""
+    saved = {key: os.environ.pop(key, None) for key in DIST_ENV}
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            os.environ.pop(key, None)
+            if value is not None:
+                os.environ[key] = value
+
+
+@pytest.fixture(scope="module")
+def in_process_world() -> Iterator[None]:
+    """The trainers of a module share one in-process world of one (DeepSpeed cannot be initialised again after
+    its group is destroyed); its environment variables are removed when the module ends (world_of_one_env)."""
+    with world_of_one_env():
+        yield
+
+
 def only_run_dir(root: Path) -> Path:
     runs = [p for p in root.glob("*/*") if (p / "config.yaml").exists()]
     assert len(runs) == 1, f"expected one run under {root}, found {runs}"
@@ -328,6 +403,16 @@ class SmallConfig:
 @pytest.fixture(scope="session")
 def small_config() -> SmallConfig:
     return SmallConfig()
+
+
+@pytest.fixture(scope="session")
+def saved_run(tmp_path_factory: pytest.TempPathFactory, epo_cache: Path) -> Path:
+    """A 1-step SFT run: a complete ZeRO-0 checkpoint (step_1/mp_rank_00_model_states.pt), final/ and metrics.
+    Shared by the session: a test copies it before changing anything."""
+    root = tmp_path_factory.mktemp("saved_run")
+    run_epo(["train", *SmallConfig().sft("trainer.total_steps=1", "trainer.save_every=1"),
+             f"run_dir={root / 'run'}"], cwd=root)
+    return root / "run"
 
 
 #: the warm start of the RL integration tests that assert on success or learning (and of the resume and

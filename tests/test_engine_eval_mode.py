@@ -9,30 +9,14 @@ it; one update exposes it.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-import pytest
 import torch
 
 ARGS = ["algo=grpo", "env.level=tiny_open_pick_place", "env.prompt_template=compact", "env.max_turns=3",
         "algo.tasks_per_step=1", "algo.group_size=2", "algo.micro_batch_size=4", "env.eval_splits=[]",
         "logger.console=false", "logger.tensorboard=false", "trainer.total_steps=3", "algo.lr=0.05",
         "model.lora.rank=4", "model.lora.dropout=0.5", "rollout.max_new_tokens=8"]
-
-DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-@pytest.fixture(scope="module")
-def in_process_world():
-    """One in-process world of one for this module's trainer; its environment variables removed after."""
-    saved = {key: os.environ.pop(key, None) for key in DIST_ENV}
-    yield
-    for key, value in saved.items():
-        os.environ.pop(key, None)
-        if value is not None:
-            os.environ[key] = value
-
 
 def test_rollouts_and_scoring_after_an_update_run_without_dropout(epo_cache: Path, tmp_path: Path,
                                                                    in_process_world: None) -> None:

@@ -18,14 +18,13 @@ import importlib.util
 import json
 import os
 import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import SmallConfig, metrics_rows, one_error, run_epo
+from conftest import SmallConfig, metrics_rows, one_error, read_only_view, run_epo
 
 
 def fake_run(path: Path) -> Path:
@@ -77,28 +76,8 @@ def read_only(tmp_path: Path) -> Iterator[Path]:
     (source / "checkpoints" / "step_2").mkdir(parents=True)
     (source / "checkpoints" / "step_2" / "COMPLETE").write_text("2")
     (source / "checkpoints" / "latest").write_text("step_2")
-    view = tmp_path / "read_only"
-    view.mkdir()
-    if os.geteuid() == 0:
-        mounted = subprocess.run(["mount", "--bind", str(source), str(view)], capture_output=True)
-        if mounted.returncode != 0 or subprocess.run(["mount", "-o", "remount,bind,ro", str(view)],
-                                                     capture_output=True).returncode != 0:
-            subprocess.run(["umount", str(view)], capture_output=True)
-            pytest.skip("running as root without permission to mount: no way to make a read-only folder")
-        try:
-            yield view
-        finally:
-            subprocess.run(["umount", str(view)], check=True)
-    else:
-        view.rmdir()
-        shutil.copytree(source, view)
-        for path in [view, *view.rglob("*")]:
-            path.chmod(0o555 if path.is_dir() else 0o444)
-        try:
-            yield view
-        finally:
-            for path in [view, *view.rglob("*")]:
-                path.chmod(0o755 if path.is_dir() else 0o644)
+    with read_only_view(source, tmp_path / "read_only") as view:
+        yield view
 
 
 @pytest.mark.parametrize("command", ["eval", "report", "resume"])

@@ -37,6 +37,8 @@ from epo_cli.config import num, one_of
 from epo_cli.errors import ConfigError
 from epo_cli.rollout.batch import MicroBatch, TurnBatch
 
+from conftest import world_of_one_env
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -168,10 +170,6 @@ def test_toy_term_is_built_into_the_stack_with_its_coef() -> None:
     assert total.item() == pytest.approx(0.625)
     total.backward()  # d/dlogp of 0.25 * mean((-logp)^2) = 0.25 * 2 * logp / 2 -> [-0.25, -0.5]
     assert out.logprobs.grad.tolist()[0] == pytest.approx([-0.25, -0.5])
-
-
-#: set by init_distributed for a world of one; they must not leak into later tests' subprocesses
-DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def test_every_declared_builtin_has_its_code() -> None:
@@ -346,10 +344,6 @@ def test_a_coefficient_reads_only_the_weights(monkeypatch: pytest.MonkeyPatch) -
         compose(["algo=grpo", "algo.loss_terms=[policy_clip,kl,toy_text]"])
 
 
-#: set by init_distributed for a world of one; they must not leak into later tests' subprocesses
-DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
 def test_a_training_step_runs_the_toys(toys: None, epo_cache: Path, tmp_path: Path) -> None:
     from epo_cli.training.trainer import Trainer
 
@@ -359,9 +353,8 @@ def test_a_training_step_runs_the_toys(toys: None, epo_cache: Path, tmp_path: Pa
                    "logger.tensorboard=false", "trainer.total_steps=2"])
     cfg.run_dir = str(tmp_path / "toy")
     Path(cfg.run_dir).mkdir()
-    saved = {key: os.environ.pop(key, None) for key in DIST_ENV}
-    TOY_ADVANTAGE_CALLS.clear()
-    try:
+    with world_of_one_env():
+        TOY_ADVANTAGE_CALLS.clear()
         trainer = Trainer(cfg, Path(cfg.run_dir))
         try:
             assert isinstance(trainer.loss_stack.terms["toy"], ToyLoss)
@@ -369,11 +362,6 @@ def test_a_training_step_runs_the_toys(toys: None, epo_cache: Path, tmp_path: Pa
         finally:
             trainer.pool.close()
             trainer.logger.close()
-    finally:
-        for key, value in saved.items():
-            os.environ.pop(key, None)
-            if value is not None:
-                os.environ[key] = value
     # (-log p) ** 2 of sampled tokens is positive: the term ran on the rollout and was logged
     assert metrics["loss/toy"] > 0 and torch.isfinite(torch.tensor(metrics["loss/toy"]))
     assert TOY_ADVANTAGE_CALLS and TOY_ADVANTAGE_CALLS[0] > 0  # the toy estimator made the advantages

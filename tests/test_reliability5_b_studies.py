@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from test_round4_messages import interrupt_when
 
-from conftest import REPO, terminal_signal_dispositions
+from conftest import REPO, read_only_view, terminal_signal_dispositions
 
 SCRIPT = REPO / "scripts" / "experiments" / "exp_long_horizon.py"
 
@@ -46,22 +46,10 @@ def warm(tmp_path: Path) -> Path:
 @pytest.fixture
 def read_only_folder(tmp_path: Path) -> Iterator[Path]:
     """A folder on a read-only view: a read-only bind mount as root (root ignores permissions), else its mode."""
-    source, view = tmp_path / "source", tmp_path / "read_only"
+    source = tmp_path / "source"
     source.mkdir()
-    view.mkdir()
-    if os.geteuid() != 0:
-        view.chmod(0o555)
+    with read_only_view(source, tmp_path / "read_only") as view:
         yield view
-        view.chmod(0o755)
-        return
-    if subprocess.run(["mount", "--bind", str(source), str(view)], capture_output=True).returncode != 0 or \
-            subprocess.run(["mount", "-o", "remount,bind,ro", str(view)], capture_output=True).returncode != 0:
-        subprocess.run(["umount", str(view)], capture_output=True)
-        pytest.skip("running as root without permission to mount: no way to make a read-only folder")
-    try:
-        yield view
-    finally:
-        subprocess.run(["umount", str(view)], check=True)
 
 
 OPTION_ERRORS = [

@@ -283,15 +283,6 @@ def test_a_tied_model_without_its_tied_weight_still_loads(tiny_folder: Path, tmp
     assert torch.equal(model.lm_head.weight, tensors["model.embed_tokens.weight"])
 
 
-@pytest.fixture(scope="module")
-def saved_run(tmp_path_factory: pytest.TempPathFactory, epo_cache: Path) -> Path:
-    """A 1-step SFT run with a complete ZeRO-0 checkpoint (step_1/mp_rank_00_model_states.pt)."""
-    root = tmp_path_factory.mktemp("enum5")
-    run_epo(["train", *SmallConfig().sft("trainer.total_steps=1", "trainer.save_every=1"),
-             f"run_dir={root / 'run'}"], cwd=root)
-    return root / "run"
-
-
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("form", list(ENUM_BUILDS))
 def test_eval_of_a_checkpoint_with_build_on_an_enum_member_is_one_message(form: str, saved_run: Path,

@@ -23,7 +23,7 @@ from epo_cli.errors import UserError
 from epo_cli.rundir import received
 from epo_cli.rundir.received import MAX_JSON_DEPTH, ReceivedFileError, read_bytes, read_json
 
-from conftest import SmallConfig, one_error, run_cli, run_epo
+from conftest import one_error, run_cli
 
 DEEP = "[" * 200_000 + "]" * 200_000
 
@@ -197,16 +197,6 @@ def test_every_reader_refuses_every_damage_at_once(reader: str, damage: str, tmp
 
 
 # ---- through the CLI ---------------------------------------------------------------------------------------
-
-SFT = SmallConfig().sft("trainer.total_steps=1", "trainer.save_every=1")
-
-
-@pytest.fixture(scope="module")
-def saved_run(tmp_path_factory: pytest.TempPathFactory, epo_cache: Path) -> Path:
-    root = tmp_path_factory.mktemp("bounded5")
-    run_epo(["train", *SFT, f"run_dir={root / 'run'}"], cwd=root)
-    return root / "run"
-
 
 def _replace(folder: Path, name: str, damage: str) -> None:
     path = folder / name

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -27,14 +25,6 @@ from conftest import SmallConfig, one_error, run_cli, run_epo
 
 PRECIOUS = b"someone else's file: never written by epo\n"
 SFT = SmallConfig().sft("trainer.total_steps=1", "trainer.save_every=1")
-
-
-@pytest.fixture(scope="module")
-def saved_run(tmp_path_factory: pytest.TempPathFactory, epo_cache: Path) -> Path:
-    """A 1-step SFT run with a complete checkpoint (step_1), final/ and metrics."""
-    root = tmp_path_factory.mktemp("received5")
-    run_epo(["train", *SFT, f"run_dir={root / 'run'}"], cwd=root)
-    return root / "run"
 
 
 @pytest.fixture
@@ -189,33 +179,13 @@ def test_a_planted_entry_is_refused_and_the_outside_file_stays_identical(row: st
 
 # ---- one writer per eval output folder -------------------------------------------------------------------------
 
-@pytest.fixture
-def held_lock(tmp_path: Path) -> Iterator[Callable[[Path], subprocess.Popen]]:
-    """A process that holds a folder's lock as a running `epo eval` does."""
-    procs = []
-
-    def hold(folder: Path) -> subprocess.Popen:
-        code = ("import fcntl, os, sys, time; p = sys.argv[1]; os.makedirs(p, exist_ok=True); "
-                "fd = os.open(os.path.join(p, '.epo.lock'), os.O_RDWR | os.O_CREAT); fcntl.flock(fd, fcntl.LOCK_EX); "
-                "os.write(fd, b'pid %d: epo eval' % os.getpid()); print('held', flush=True); time.sleep(120)")
-        proc = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdout=subprocess.PIPE, text=True)
-        assert proc.stdout.readline().strip() == "held"
-        procs.append(proc)
-        return proc
-
-    yield hold
-    for proc in procs:
-        proc.kill()
-        proc.wait()
-
-
 EVAL = ["eval", "policy=random", "episodes=1", "env.level=tiny_open_pick_place", "env.max_turns=2"]
 
 
 @pytest.mark.timeout(200)
-def test_a_second_eval_into_one_out_folder_is_refused(held_lock, tiny_folder: Path, tmp_path: Path) -> None:
+def test_a_second_eval_into_one_out_folder_is_refused(lock_holder, tiny_folder: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    holder = held_lock(out)
+    holder = lock_holder(out, command="epo eval")
     proc = run_cli([*EVAL, f"model.path={tiny_folder}", f"out={out}"], cwd=tmp_path, timeout=180, expect=1)
     one_error(proc, str(out), "in use by another epo process", f"pid {holder.pid}")
     assert sorted(p.name for p in out.iterdir()) == [".epo.lock"]  # nothing of the second eval was written

@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -94,26 +93,6 @@ def test_a_run_dir_that_is_a_file_is_one_message(tmp_path: Path) -> None:
     proc = run_epo(["train", *SFT, f"run_dir={blocker}"], cwd=tmp_path, expect=1)
     one_error(proc, f"'{blocker}' is a file, not a folder")
     assert blocker.read_text() == "x"
-
-
-@pytest.fixture
-def lock_holder(tmp_path: Path) -> Iterator[callable]:
-    """Start a process that holds a folder's lock as an epo command does (flock on <folder>/.epo.lock)."""
-    procs = []
-
-    def hold(folder: Path) -> subprocess.Popen:
-        code = ("import fcntl, os, sys, time; p = sys.argv[1]; os.makedirs(p, exist_ok=True); "
-                "fd = os.open(os.path.join(p, '.epo.lock'), os.O_RDWR | os.O_CREAT); fcntl.flock(fd, fcntl.LOCK_EX); "
-                "os.write(fd, b'pid %d: epo train' % os.getpid()); print('held', flush=True); time.sleep(120)")
-        proc = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdout=subprocess.PIPE, text=True)
-        assert proc.stdout.readline().strip() == "held"
-        procs.append(proc)
-        return proc
-
-    yield hold
-    for proc in procs:
-        proc.kill()
-        proc.wait()
 
 
 def test_a_sweep_directory_in_use_or_used_is_refused(lock_holder, tmp_path: Path) -> None:

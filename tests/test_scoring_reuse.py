@@ -45,25 +45,6 @@ def _iteration(tmp_path: Path, name: str, overrides: list[str]) -> tuple[dict[st
     return metrics, grads
 
 
-#: set by init_distributed for a world of one; they must not leak into later tests' subprocesses (which
-#: would take them for a launcher's and join this process's store on its port)
-DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-@pytest.fixture(scope="module")
-def in_process_world():
-    """The trainers of this module share one in-process world of one (DeepSpeed cannot be initialised
-    again after its group is destroyed); its environment variables are removed when the module ends."""
-    import os
-
-    saved = {key: os.environ.pop(key, None) for key in DIST_ENV}
-    yield
-    for key, value in saved.items():
-        os.environ.pop(key, None)
-        if value is not None:
-            os.environ[key] = value
-
-
 @pytest.mark.parametrize("mini_batch,epochs", [(8, 2), (512, 1)])
 def test_reused_scoring_equals_separate_pass(epo_cache: Path, tmp_path: Path, in_process_world: None,
                                              mini_batch: int, epochs: int) -> None:
