@@ -26,11 +26,16 @@ def result(wins: int, n: int = 64) -> dict:
             "episode_len": {"mean": 6.0}}
 
 
-def seed_data(wins: int, entropy: list[float], smoothing: list[float] | None = None) -> dict:
-    rows = [{"step": i + 1, "policy/entropy": h, "loss/entropy_smoothing": (smoothing or [0.0] * len(entropy))[i]}
+def seed_data(wins: int, entropy: list[float], smoothing: list[float] | None = None,
+              success: list[float] | None = None, diversity: list[float] | None = None) -> dict:
+    n = len(entropy)
+    rows = [{"step": i + 1, "policy/entropy": h, "loss/entropy_smoothing": (smoothing or [0.0] * n)[i],
+             "rollout/success": (success or [0.2] * n)[i], "rollout/diversity": (diversity or [0.5] * n)[i],
+             **({"policy/entropy_swing": abs(h - entropy[i - 1]) / entropy[i - 1]} if i else {})}
             for i, h in enumerate(entropy)]
     return {"eval": result(wins), "entropy": {**rm.entropy_stats(rows), "curve": entropy},
-            "by_turn": {}, "train_success": [0.2] * len(entropy), "iteration_s": 60.0, "parts_s": {}}
+            "by_turn": {}, "train_success": [r["rollout/success"] for r in rows], "iteration_s": 60.0,
+            "parts_s": {}, "stats": rm.run_stats(rows, (0.0, 2.0))}
 
 
 def test_entropy_stats_by_hand() -> None:
@@ -42,6 +47,22 @@ def test_entropy_stats_by_hand() -> None:
     assert stats["swing_mean"] == pytest.approx((0.25 + 0.5 + 0.5) / 3)
     assert stats["halved_at"] == 3  # 0.3 < 0.8 / 2 first at step 3
     assert stats["band_bound_steps"] == [2]
+
+
+def test_the_literatures_claims_by_hand() -> None:
+    """EPO against GRPO by the exploration study's definitions, on 5 hand-made iterations (the first 20% = 1)."""
+    a = argparse.Namespace(episodes=64, iterations=5, quick=False, eval_engine="hf")
+    grpo = seed_data(20, [0.5, 0.4, 0.5, 0.4, 0.5], success=[0, 0.5, 0, 0.5, 0], diversity=[0.5, 0.4, 0.4, 0.4, 0.4])
+    epo = seed_data(20, [0.5, 0.5, 0.5, 0.5, 0.5], success=[0, 0.25, 0, 0.25, 0], diversity=[1.0, 0.4, 0.4, 0.4, 0.4])
+    claims = {c["claim"]: c["measured"] for c in rm.summarize(a, result(0), result(16), {"grpo": {0: grpo},
+                                                                                         "epo": {0: epo}})["claims"]}
+    # early diversity 1.0 / 0.5; success step change 0.5 (GRPO) against 0.25 (EPO): stability 0.5 / 0.25 - 1
+    assert claims["early diversity, EPO (paper settings) vs GRPO"] == "2.00x"
+    assert claims["training stability (success), EPO (paper settings) vs GRPO"] == "+100%"
+    # GRPO's entropy swings 0.2, 0.25, 0.2, 0.25 (mean 0.225); EPO's 0: 0.225 / 0 has no value, printed "-"
+    assert claims["training stability (entropy), EPO (paper settings) vs GRPO"] == "-"
+    # diversity after iteration 12: none of 5 iterations -> nan
+    assert claims["diversity drop after iteration 12, GRPO"] == "-"
 
 
 def test_target_each_seed_plus_02_and_mean_plus_03() -> None:

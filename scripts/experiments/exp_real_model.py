@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from exp_common import say
+from exp_explore import arm_summary, claims, claims_table, run_stats
 
 from epo_cli.loggers.jsonl import read_metrics
 from epo_cli.rundir.writable import json_ready
@@ -132,6 +133,15 @@ def entropy_stats(rows: list[dict]) -> dict:
             "halved_at": half, "band_bound_steps": bound}
 
 
+def band(run: Path) -> tuple[float, float]:
+    """The run's entropy band [kappa_low, kappa_high] (algo.entropy_smoothing; every arm has the section): what
+    the literature's "entropy event" is counted against (docs/learning.md's definitions)."""
+    from omegaconf import OmegaConf
+
+    smoothing = OmegaConf.load(run / "config.yaml").algo.entropy_smoothing
+    return float(smoothing.kappa_low), float(smoothing.kappa_high)
+
+
 def per_turn_entropy(rows: list[dict]) -> dict[str, list[float]]:
     """policy/entropy_turn/<t> of the first and last iterations (a turn index absent from a row is skipped)."""
     def of(row: dict) -> dict[int, float]:
@@ -176,7 +186,16 @@ def summarize(a: argparse.Namespace, zero: dict, warm: dict, results: dict[str, 
                                                "episode_len") if k in zero},
             "warm_start": {k: warm[k] for k in ("success", "invalid_rate", "admissible_rate", "response_tokens",
                                                 "episode_len") if k in warm},
-            "arms": arms}
+            "arms": arms, "claims": literature_claims(results, base)}
+
+
+def literature_claims(results: dict[str, dict[int, dict]], base: float) -> list[dict]:
+    """The EPO paper's and its sources' figures against this study's runs, by the exploration study's
+    definitions (scripts/experiments/exp_explore.py: diversity drop after iteration 12, early diversity,
+    stability, collapses), where the arms they compare ran."""
+    per_arm = {arm: arm_summary([{**r["stats"], "seed": seed} for seed, r in by_seed.items()], base + SEED_GAIN)
+               for arm, by_seed in results.items() if by_seed}
+    return claims(per_arm, {arm: argparse.Namespace(label=LABELS[arm]) for arm in per_arm})
 
 
 def write_markdown(summary: dict, path: Path) -> None:
@@ -202,6 +221,9 @@ def write_markdown(summary: dict, path: Path) -> None:
         met = "met" if arm["target_met"] else "not met"
         lines.append(f"| {arm['label']} | {len(arm['seeds'])} | {per_seed} | {arm['mean']:.3f} ± {arm['std']:.3f} | "
                      f"{arm['gain_mean']:+.3f} | {met} | {ent} | {halved} | {bound} | {its} |")
+    if summary.get("claims"):
+        lines += ["", "The literature's figures, by the exploration study's definitions (docs/learning.md):", "",
+                  claims_table(summary["claims"])]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -305,6 +327,7 @@ def main() -> None:
             rows = training_rows(run)
             entropy = {**entropy_stats(rows), "curve": [r["policy/entropy"] for r in rows]}
             return arm, seed, {"eval": result, "entropy": entropy, "by_turn": per_turn_entropy(rows),
+                               "stats": run_stats(rows, band(run)),
                                "train_success": [r.get("rollout/success", math.nan) for r in rows],
                                "iteration_s": statistics.mean(sum(r.get(k, 0.0) for k in PARTS) for r in rows)
                                if rows else math.nan,
