@@ -36,6 +36,7 @@ from exp_common import say
 from exp_explore import arm_summary, claims, claims_table, run_stats
 
 from epo_cli.loggers.jsonl import read_metrics
+from epo_cli.rundir.saved_state import load_yaml
 from epo_cli.rundir.writable import json_ready
 
 EPO = [sys.executable, "-m", "epo_cli"]
@@ -135,10 +136,9 @@ def entropy_stats(rows: list[dict]) -> dict:
 
 def band(run: Path) -> tuple[float, float]:
     """The run's entropy band [kappa_low, kappa_high] (algo.entropy_smoothing; every arm has the section): what
-    the literature's "entropy event" is counted against (docs/learning.md's definitions)."""
-    from omegaconf import OmegaConf
-
-    smoothing = OmegaConf.load(run / "config.yaml").algo.entropy_smoothing
+    the literature's "entropy event" is counted against (docs/learning.md's definitions). Read as a run's YAML
+    is everywhere: bounded, safe-loaded (rundir/saved_state.load_yaml)."""
+    smoothing = load_yaml(run / "config.yaml").algo.entropy_smoothing
     return float(smoothing.kappa_low), float(smoothing.kappa_high)
 
 
