@@ -66,12 +66,17 @@ def update_flops(model, tokens: int, response_tokens: int) -> float:
 
 
 def measure(trainer, warmup: int, sync) -> dict[str, object]:
-    """`warmup` + 1 RL iterations of the trainer's own steps 1-5; the last one's timings and sizes."""
+    """`warmup` + 1 RL iterations of the trainer's own steps 1-5; the last one's timings and sizes (score_s: the
+    scoring pass alone, ~0 where the update's first forward scores the rows: algo.reuse_scoring_forward)."""
     total = trainer.cfg.trainer.total_steps
     for it in range(warmup + 1):
         trainer.set_learning_rates(it, total)
         rollout = trainer.sample(it, total)
-        batch = trainer.advantages(trainer.score(rollout.batch, it))
+        t0 = time.perf_counter()
+        scored = trainer.score(rollout.batch, it)
+        sync()
+        score_s = time.perf_counter() - t0
+        batch = trainer.advantages(scored)
         coefs = trainer.coefficients(it, total, batch)
         sync()
         t0 = time.perf_counter()
@@ -82,7 +87,9 @@ def measure(trainer, warmup: int, sync) -> dict[str, object]:
     tokens = epochs * sum(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids))
     response_tokens = epochs * sum(len(r) for r in batch.response_ids)
     return {"samples": len(batch), "episodes": len(rollout.episodes), "rollout_s": stats.rollout_s,
-            "generate_s": stats.generate_s, "generated_tokens": stats.generated_tokens,
+            "generate_s": stats.generate_s, "env_s": stats.env_s, "generated_tokens": stats.generated_tokens,
+            "prompt_tokens_mean": sum(map(len, batch.prompt_ids)) / max(len(batch), 1),
+            "response_tokens_mean": sum(map(len, batch.response_ids)) / max(len(batch), 1), "score_s": score_s,
             "rollout_tokens_per_s": stats.generated_tokens / max(stats.generate_s, 1e-9),
             "update_s": update_s, "update_tokens": tokens, "update_response_tokens": response_tokens,
             "update_tokens_per_s": tokens / update_s,

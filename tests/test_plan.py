@@ -124,6 +124,63 @@ def test_critic_and_zero3_copies_are_counted() -> None:
     assert est.parts["ZeRO-3 gathered layer"] == 4 * 1024 * 64
 
 
+def test_lora_trains_only_its_adapters_by_hand_and_as_peft_builds_them() -> None:
+    # rank 4 on q, k, v, o of model=tiny: per layer 4 x ((64+64) + (64+32) + (64+32) + (64+64)) = 1,792; 2 layers
+    adapters = 2 * 4 * (128 + 96 + 96 + 128)
+    cfg = compose(["model=tiny", "algo=grpo", "model.lora.rank=4"])
+    planner = Planner(cfg, gpu_mem_gib=80, device="cpu")
+    assert planner.adapter_params == adapters == 3_584
+    est = planner.estimate(current_setup(cfg, gpus=1))
+    # fp32 ZeRO-0: the frozen base's weights (4P), the adapters' weights, gradients and Adam moments (16A)
+    assert est.parts["policy weights"] == 4 * TINY_PARAMS + 4 * adapters
+    assert (est.parts["policy gradients"], est.parts["policy optimizer"]) == (4 * adapters, 8 * adapters)
+    assert est.parts["reference model"] == 4 * TINY_PARAMS  # the KL's reference is still a whole copy
+    # ZeRO-3 on 2 ranks partitions the frozen base too
+    z3 = Planner(compose(["model=tiny", "algo=grpo", "model.lora.rank=4", "deepspeed=zero3",
+                          "algo.micro_batch_size=4"]), gpu_mem_gib=80, device="cpu")
+    assert z3.estimate(current_setup(z3.cfg, gpus=2)).parts["policy weights"] == 2 * TINY_PARAMS + 2 * adapters
+    import torch  # peft's own count on the model the trainer builds
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from epo_cli.models.loading import apply_lora
+
+    torch.manual_seed(0)
+    built = apply_lora(Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=1024, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True)), cfg.model.lora)
+    assert sum(p.numel() for p in built.parameters() if p.requires_grad) == adapters
+    # every linear LoRA can target: gate, up (64 -> 256) and down (256 -> 64) add 3 x 4 x 320 per layer
+    mlp = Planner(compose(["model=tiny", "model.lora.rank=4",
+                           "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"]),
+                  gpu_mem_gib=80, device="cpu")
+    assert mlp.adapter_params == adapters + 2 * 3 * 4 * 320
+    # a module the plan does not know: counted as full fine-tuning, and said
+    plan = make_plan(compose(["model=tiny", "model.lora.rank=4", "model.lora.target_modules=[lm_head]"]),
+                     gpus=1, device="cpu")
+    assert plan.estimate.parts["policy gradients"] == 4 * TINY_PARAMS
+    assert any("not modelled" in note for note in plan.notes)
+
+
+def test_lora_update_costs_two_thirds_of_full_fine_tuning(tmp_path: Path) -> None:
+    # a training token costs 6 FLOPs per parameter (2 forward, 2 activation gradients, 2 weight gradients);
+    # LoRA's frozen base skips the weight gradients: 4 of 6. Forward-only passes (here the reference) keep theirs.
+    base = ["model=qwen2.5-0.5b-random", "algo=grpo", "algo.tasks_per_step=2", "algo.group_size=4",
+            "env.max_turns=5", "rollout.max_prompt_tokens=100", "rollout.max_new_tokens=20",
+            "algo.mini_batch_size=40", "algo.micro_batch_size=4"]
+    result = tmp_path / "gpu_check.json"
+    result.write_text(json.dumps({"rollout_tokens_per_s": 100.0, "update_tokens_per_s": 1000.0, "device": "cpu"}))
+    full = make_plan(compose(base), gpus=1, device="cpu", throughput_file=str(result))
+    lora = make_plan(compose([*base, "model.lora.rank=8"]), gpus=1, device="cpu", throughput_file=str(result))
+    # 40 samples x 120 tokens trained; the first mini-batch scored by the update (reuse), the reference forward
+    assert full.time["update_and_scoring_s"] == pytest.approx((4800 + 4800 / 3) / 1000)
+    assert lora.time["update_and_scoring_s"] == pytest.approx((4800 * 4 / 6 + 4800 / 3) / 1000)
+    assert lora.time["generation_s"] == full.time["generation_s"]
+    # with checkpointing the recomputed forward (a third) comes on top of either
+    ckpt = make_plan(compose([*base, "model.lora.rank=8", "model.gradient_checkpointing=true"]), gpus=1,
+                     device="cpu", throughput_file=str(result))
+    assert ckpt.time["update_and_scoring_s"] == pytest.approx((4800 * (4 / 6 + 1 / 3) + 4800 / 3) / 1000)
+
+
 def test_a_run_that_does_not_fit_gets_the_cheapest_single_fix() -> None:
     # 7B under ZeRO-0 in bf16 holds 20 bytes/param = 152 GB per GPU; ZeRO-1 on 8 GPUs brings the states to
     # 4P + 16P/8 = 6P = 46 GB, which with the reference (2P) and short sequences fits 80 GiB

@@ -137,13 +137,6 @@ def _on_the_cpu(cfg: Any) -> bool:
     return device == "cpu" or (device == "auto" and not gpu_driver_present())
 
 
-def _module_shapes(arch: Architecture) -> dict[str, tuple[int, int]]:
-    """(in, out) features of each linear layer of one decoder layer, by module name."""
-    h, inter, kv_dim = arch.hidden, arch.intermediate, arch.kv_dim
-    return {"q_proj": (h, h), "k_proj": (h, kv_dim), "v_proj": (h, kv_dim), "o_proj": (h, h),
-            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
-
-
 def lora_parameters(model: Any, arch: Architecture | None = None) -> tuple[int, int]:
     """(parameters, targeted modules per layer) of the LoRA adapters on the policy (`arch`; the tiny model's by
     default): A (rank x in) and B (out x rank) for each targeted module of every layer; (0, 0) at rank 0."""
@@ -151,11 +144,8 @@ def lora_parameters(model: Any, arch: Architecture | None = None) -> tuple[int, 
     if rank <= 0:
         return 0, 0
     arch = arch if arch is not None else architecture(model)[0]
-    shapes = _module_shapes(arch)
-    targets = [name for name in shapes if any(str(t) == name or str(t).endswith("." + name)
-                                              for t in model.lora.target_modules)]
-    width = sum(sum(shapes[name]) for name in targets)
-    return rank * width * arch.layers, len(targets)
+    params, matched, _ = arch.lora_adapters(rank, list(model.lora.target_modules))
+    return params, len(matched)
 
 
 def _lora_settings(model: Any) -> list[str]:

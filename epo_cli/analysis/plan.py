@@ -103,6 +103,22 @@ class Architecture:
     def largest_layer_params(self) -> int:
         return max(self.embedding_params(), self.layer_params())
 
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each linear module of a decoder layer, by the name LoRA targets it with."""
+        h, kv, i = self.hidden, self.kv_dim, self.intermediate
+        return {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    def lora_adapters(self, rank: int, targets: list[str]) -> tuple[int, list[str], list[str]]:
+        """Rank-`rank` LoRA adapters (A: in x r, B: r x out) on every layer's linears that `targets` name (peft's
+        matching: the name, or a dotted path ending in it): (parameters, the linears matched, the targets that
+        match none of them)."""
+        shapes = self.linear_shapes()
+        matches = {t: [n for n in shapes if t == n or t.endswith("." + n)] for t in map(str, targets)}
+        matched = [n for n in shapes if any(n in found for found in matches.values())]
+        unmatched = [t for t, found in matches.items() if not found]
+        return self.layers * rank * sum(sum(shapes[n]) for n in matched), matched, unmatched
+
 
 #: the hub presets' models (their config.json): no network at plan time. model=smollm2-135m's package copy
 #: (model.source=package) has the same shape as its hub id
@@ -338,13 +354,23 @@ class Planner:
         self.has_critic = algo.estimator == "gae"
         self.has_reference = "kl" in algo.loss_terms
         self.params = self.arch.params()
+        # LoRA: the base weights are frozen (no gradients, no optimizer state), the adapters train; None where
+        # model.lora.target_modules names a module the plan does not know (then counted as full fine-tuning)
+        lora = cfg.model.lora
+        adapters, _, unmatched = self.arch.lora_adapters(int(lora.rank), list(lora.target_modules))
+        self.adapter_params = adapters if lora.rank > 0 and not unmatched else None
         self.critic_params = self.arch.backbone_params() + self.arch.hidden + 1 if self.has_critic else 0
 
     def estimate(self, s: Setup) -> Estimate:
         algo, rollout = self.cfg.algo, self.cfg.rollout
-        policy = model_states(self.params, s.stage, s.gpus, self.precision, s.offload_optimizer, s.offload_param,
+        trained = self.params if self.adapter_params is None else self.adapter_params
+        policy = model_states(trained, s.stage, s.gpus, self.precision, s.offload_optimizer, s.offload_param,
                               s.nodes)
-        parts = {"policy weights": policy.weights, "policy gradients": policy.grads,
+        # LoRA's frozen base: its weights only, at the working width (ZeRO-3 partitions them; offloaded with
+        # the parameters)
+        frozen = 0.0 if self.adapter_params is None or s.offload_param else \
+            self.width * self.params / (s.gpus if s.stage == 3 else 1)
+        parts = {"policy weights": policy.weights + frozen, "policy gradients": policy.grads,
                  "policy optimizer": policy.optimizer}
         host = policy.host
         if self.has_critic:
@@ -501,7 +527,10 @@ def iteration_cost(planner: Planner, s: Setup, throughput: dict[str, float], row
     critic = 0.0
     if planner.has_critic:
         critic = samples * P * (algo.ppo_epochs * recompute + 1 / 3)
-    train_equiv = tokens["update_tokens"] * recompute + forward_only + critic
+    # a training pass is ~6 FLOPs per parameter and token: 2 forward, 2 for the activations' gradients, 2 for
+    # the weights' gradients; LoRA's frozen base skips the last (the adapters' own are negligible)
+    lora = 4 / 6 if planner.adapter_params is not None else 1.0
+    train_equiv = tokens["update_tokens"] * (recompute - 1 + lora) + forward_only + critic
     update_tps = throughput["update_tokens_per_s"]
     rollout_tps = throughput["rollout_tokens_per_s"]
     if rollout_tps <= 0:  # default: decoding reads the weights once per step for all rows of the rank
@@ -560,8 +589,13 @@ def make_plan(cfg: DictConfig, gpus: int | None = None, gpu_mem_gib: float | Non
     if cfg.algo.mini_batch_size % (cfg.algo.micro_batch_size * gpus):
         plan.notes.append(f"algo.mini_batch_size={cfg.algo.mini_batch_size} is not divisible by micro_batch_size x "
                           f"ranks = {cfg.algo.micro_batch_size * gpus}: `epo train` refuses this layout.")
-    if cfg.model.lora.rank > 0:
-        plan.notes.append("LoRA is not modelled: the estimate is for full fine-tuning (an upper bound).")
+    if cfg.model.lora.rank > 0 and planner.adapter_params is None:
+        plan.notes.append(f"LoRA on model.lora.target_modules={list(cfg.model.lora.target_modules)} is not "
+                          "modelled (a module the plan does not know): the estimate is for full fine-tuning "
+                          "(an upper bound).")
+    elif cfg.model.lora.rank > 0:
+        plan.notes.append(f"LoRA rank {cfg.model.lora.rank}: {planner.adapter_params / 1e6:.2f}M trained "
+                          "parameters (gradients and Adam state); the base's weights frozen.")
     if setup.stage == 0 and planner.precision == "bf16":
         plan.notes.append("ZeRO-0 in bf16 is counted unpartitioned (20 bytes/param); DeepSpeed's bf16 optimizer "
                           "partitions its fp32 state, so the real figure can be lower.")
