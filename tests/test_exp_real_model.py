@@ -43,8 +43,6 @@ def test_entropy_stats_by_hand() -> None:
             {"step": 3, "policy/entropy": 0.3}, {"step": 4, "policy/entropy": 0.45}]
     stats = rm.entropy_stats(rows)
     assert (stats["first"], stats["last"], stats["min"], stats["max"]) == (0.8, 0.45, 0.3, 0.8)
-    # swings |0.6-0.8|/0.8 = 0.25, |0.3-0.6|/0.6 = 0.5, |0.45-0.3|/0.3 = 0.5 -> mean 0.41667
-    assert stats["swing_mean"] == pytest.approx((0.25 + 0.5 + 0.5) / 3)
     assert stats["halved_at"] == 3  # 0.3 < 0.8 / 2 first at step 3
     assert stats["band_bound_steps"] == [2]
 

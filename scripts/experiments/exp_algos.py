@@ -30,6 +30,8 @@ from pathlib import Path
 from exp_common import epo, eval_rate, fluctuation, rows_of, seed_cell, warm_start_run
 from omegaconf import OmegaConf
 
+from epo_cli.rundir.saved_state import load_yaml
+
 ALGO_NAMES = {"ppo": "PPO", "grpo": "GRPO", "gigpo": "GiGPO", "epo_ppo": "PPO+EPO", "epo": "GRPO+EPO"}
 
 
@@ -64,7 +66,7 @@ def main() -> None:
     base_greedy = eval_rate(warm, out / "eval" / "warm_start", args.episodes, True)
     results: dict[str, dict[str, list[float]]] = {}
     for run in sorted(p for p in sweep.iterdir() if (p / "metrics.jsonl").exists()):
-        config = OmegaConf.load(run / "config.yaml")
+        config = load_yaml(run / "config.yaml")
         algo = config.algo.name
         if not (run / "final").exists():
             print(f"skipping unfinished run {run}")

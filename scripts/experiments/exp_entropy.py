@@ -48,7 +48,8 @@ from exp_common import (
     study_parser,
     warm_start_run,
 )
-from omegaconf import OmegaConf
+
+from epo_cli.rundir.saved_state import load_yaml
 
 EPO_TERMS = "algo.loss_terms=[policy_clip,kl,entropy,entropy_smoothing]"  # the preset's loss_terms lack it
 
@@ -112,7 +113,7 @@ def run_arm(key: str, a: argparse.Namespace, out: Path, warm: Path) -> list[dict
         if not (run / "final").exists():
             print(f"skipping unfinished run {run}", flush=True)
             continue
-        config = OmegaConf.load(run / "config.yaml")
+        config = load_yaml(run / "config.yaml")
         smoothing = config.algo.entropy_smoothing
         rows = [r for r in rows_of(run) if "policy/entropy" in r]
         h = [r["policy/entropy"] for r in rows]

@@ -57,7 +57,8 @@ from exp_common import (
     train_once,
 )
 from exp_entropy import mean_curve, reference
-from omegaconf import OmegaConf
+
+from epo_cli.rundir.saved_state import load_yaml
 
 EXPERIMENT = "improve_on_teacher"  # the RL preset of `make demo`
 
@@ -196,7 +197,7 @@ def collect(out: Path, arms: list[str], iterations: int, seeds: list[int]) -> li
             run = finished_run(run_folder(out, key, iterations, seed))
             if run is None:
                 continue
-            config = OmegaConf.load(run / "config.yaml")
+            config = load_yaml(run / "config.yaml")
             band = config.algo.entropy_smoothing
             runs.append({"arm": key, "seed": int(config.seed), "run": str(run),
                          **run_stats(rows_of(run), (float(band.kappa_low), float(band.kappa_high)))})
@@ -354,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
     warm_eval = None
     if a.episodes and runs:
         # the warm start's own config names its SFT level: it plays the runs' level and turn limit instead
-        config = OmegaConf.load(Path(runs[0]["run"]) / "config.yaml")
+        config = load_yaml(Path(runs[0]["run"]) / "config.yaml")
         env = (str(config.env.level), int(config.env.max_turns))
         # one after another, in this process (exp_common.eval_rate): evaluations are CPU-bound Python
         targets = [(warm, out / "eval" / "warm_start"), *((Path(r["run"]), Path(r["run"]) / "eval_explore")

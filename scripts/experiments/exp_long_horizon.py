@@ -74,6 +74,7 @@ from exp_explore import GAIN, claims, claims_table, fmt, iterations_to, run_stat
 from exp_explore import plot as plot_training
 
 from epo_cli.errors import UserError
+from epo_cli.rundir.saved_state import load_yaml
 
 EXPERIMENT = "coin_long_horizon"
 TARGET_SPLIT, LONGER_SPLIT = "eval_in_distribution", "eval_out_of_distribution"
@@ -318,9 +319,7 @@ def collect(out: Path, arms: list[str], a: argparse.Namespace) -> list[dict]:
             run = finished_run(run_folder(out, key, a.iterations, seed))
             if run is None:
                 continue
-            from omegaconf import OmegaConf
-
-            band = OmegaConf.load(run / "config.yaml").algo.entropy_smoothing
+            band = load_yaml(run / "config.yaml").algo.entropy_smoothing
             rows = rows_of(run)
             stats = run_stats(rows, (float(band.kappa_low), float(band.kappa_high)))
             record = {"arm": key, "seed": seed, "run": str(run), **stats,

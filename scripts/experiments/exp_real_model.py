@@ -123,15 +123,14 @@ def training_rows(run: Path) -> list[dict]:
 
 
 def entropy_stats(rows: list[dict]) -> dict:
-    """The entropy over the run (first, last, min, max), its step-to-step swing, the iteration at which it
-    first fell below half its start, and (EPO) the iterations at which the band bound (a non-zero penalty)."""
+    """The entropy over the run (first, last, min, max), the iteration at which it first fell below half its
+    start, and (EPO) the iterations at which the band bound (a non-zero penalty). Its step-to-step swing is
+    run_stats' (exp_explore: the logged policy/entropy_swing)."""
     h = [r["policy/entropy"] for r in rows]
-    swings = [abs(b - x) / x for x, b in zip(h, h[1:]) if x > 0]
     half = next((r["step"] for r in rows if r["policy/entropy"] < h[0] / 2), None) if h else None
     bound = [r["step"] for r in rows if r.get("loss/entropy_smoothing", 0.0) > 0]
     return {"first": h[0] if h else math.nan, "last": h[-1] if h else math.nan, "min": min(h, default=math.nan),
-            "max": max(h, default=math.nan), "swing_mean": statistics.mean(swings) if swings else math.nan,
-            "halved_at": half, "band_bound_steps": bound}
+            "max": max(h, default=math.nan), "halved_at": half, "band_bound_steps": bound}
 
 
 def band(run: Path) -> tuple[float, float]:
