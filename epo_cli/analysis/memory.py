@@ -38,10 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from epo_cli.analysis.plan import Architecture, architecture, config_architecture, kv_cache_bytes, policy_activations
+from epo_cli.analysis.plan import Architecture, architecture, folder_architecture, kv_cache_bytes, policy_activations
 from epo_cli.errors import ConfigError, UserError
-from epo_cli.rundir.received import read_json
-from epo_cli.rundir.saved_state import model_folder_root
 from epo_cli.runtime.device import gpu_driver_present
 
 #: bytes a trained parameter takes at least: fp32 weight, its gradient, and Adam's two moments
@@ -110,8 +108,7 @@ def policy_shape(model: Any) -> Shape | None:
     if not folder.is_dir():
         return None
     try:
-        hf = read_json(folder / "config.json", "model config", within=model_folder_root(folder))
-        arch = config_architecture(hf)
+        arch = folder_architecture(folder)
     except (UserError, OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     return Shape(arch, arch.vocab, folder)

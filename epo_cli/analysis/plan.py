@@ -40,9 +40,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from epo_cli.config import ModelConfig, config_dir, group_options
-from epo_cli.errors import ConfigError
+from epo_cli.errors import ConfigError, UserError
 from epo_cli.rollout.engines import engine_memory
-from epo_cli.rundir.received import loads, read_text
+from epo_cli.rundir.received import loads, model_folder_root, read_json, read_text
 
 GIB = 1024**3
 
@@ -140,12 +140,13 @@ def architecture(model: Any) -> tuple[Architecture, int]:
                             model.num_attention_heads, model.num_key_value_heads, vocab,
                             bool(model.tie_word_embeddings))
         return arch, model.vocab_size
-    config_json = Path(str(model.path)).expanduser() / "config.json"
-    if config_json.is_file():
+    folder = Path(str(model.path)).expanduser()
+    if (folder / "config.json").is_file():
         try:
-            arch = config_architecture(loads(read_text(config_json, "model config")))  # bounded: rundir/received.py
-        except (ValueError, KeyError, TypeError, AttributeError) as err:
-            raise ConfigError(f"{config_json} is not a readable model config ({type(err).__name__}: {err}); "
+            arch = folder_architecture(folder)
+        except (UserError, ValueError, KeyError, TypeError, AttributeError) as err:
+            reason = str(err) if isinstance(err, UserError) else f"{type(err).__name__}: {err}"
+            raise ConfigError(f"{folder / 'config.json'} is not a readable model config ({reason}); "
                               "fix the file or point model.path at the model's directory.") from None
         return arch, arch.vocab
     if model.path in HUB_ARCHITECTURES:
@@ -154,6 +155,13 @@ def architecture(model: Any) -> tuple[Architecture, int]:
     known = ", ".join(HUB_ARCHITECTURES)
     raise ConfigError(f"epo plan does not know the shape of model.path={model.path}: give a local directory "
                       f"that holds its config.json, or one of the hub models it knows ({known}).")
+
+
+def folder_architecture(folder: Path) -> Architecture:
+    """The shape a model folder's config.json gives, read as bounded data (a regular file; symlinks only inside
+    the folder or its hub cache repository: epo_cli/rundir/received.py). ReceivedFileError (a UserError) where
+    the file cannot be read, ValueError, KeyError, TypeError or AttributeError where it gives no shape."""
+    return config_architecture(read_json(folder / "config.json", "model config", within=model_folder_root(folder)))
 
 
 def config_architecture(hf: dict[str, Any]) -> Architecture:

@@ -25,9 +25,9 @@ from epo_cli.envs.base import EnvSuite
 from epo_cli.errors import UserError
 from epo_cli.models.packaged import packaged_folder, resolve_source
 from epo_cli.models.tiny import build_tiny, cache_root
-from epo_cli.rundir.received import read_json
+from epo_cli.rundir.received import model_folder_root, read_json
 from epo_cli.rundir.safe_load import refused_message, restricted_torch_load
-from epo_cli.rundir.saved_state import COPY_AGAIN, check_model_folder, model_folder_root
+from epo_cli.rundir.saved_state import COPY_AGAIN, check_model_folder
 from epo_cli.rundir.writable import check_output_dir
 
 

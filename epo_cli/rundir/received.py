@@ -193,6 +193,13 @@ def loads(text: str | bytes, **kwargs: Any) -> Any:
     return json.loads(text, **kwargs)
 
 
+def model_folder_root(folder: Path) -> Path:
+    """The folder a model folder's symlinks may point into: the folder itself, or for a Hugging Face cache
+    snapshot (models--org--name/snapshots/<rev>/, whose files link to ../../blobs/) its repository folder."""
+    folder = Path(folder)
+    return folder.parent.parent if folder.parent.name == "snapshots" else folder
+
+
 def read_json(path: Path, kind: str, within: Path | None = None, **kwargs: Any) -> Any:
     """A received JSON file, read with read_text and parsed with the nesting cap (`kwargs` go to json.loads).
     Not JSON at all is ReceivedFileError too (its reason says where)."""

@@ -42,6 +42,7 @@ from epo_cli.rundir.received import (
     ReceivedFileError,
     check_regular,
     loads,
+    model_folder_root,
     read_json,
     read_prefix,
     read_text,
@@ -440,13 +441,6 @@ CONFIG_COUNTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_l
                  "num_key_value_heads", "max_position_embeddings", "head_dim")
 #: a tokenizer's special tokens: a string, an AddedToken object ({"content": ...}) or null
 SPECIAL_TOKENS = ("eos_token", "bos_token", "pad_token", "unk_token")
-
-
-def model_folder_root(folder: Path) -> Path:
-    """The folder a model folder's symlinks may point into: the folder itself, or for a Hugging Face cache
-    snapshot (models--org--name/snapshots/<rev>/, whose files link to ../../blobs/) its repository folder."""
-    folder = Path(folder)
-    return folder.parent.parent if folder.parent.name == "snapshots" else folder
 
 
 def _config_problem(config: dict[str, Any]) -> str | None:
