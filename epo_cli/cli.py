@@ -121,7 +121,8 @@ def report(paths: list[str] = REPORT_PATHS, out: str | None = REPORT_OUT) -> Non
 @app.command(context_settings=EXTRA)
 def plan(overrides: list[str] = OVERRIDES_ARG,
          gpus: int | None = typer.Option(None, "--gpus", help="GPUs in all (default: the launcher's world size)."),
-         gpu_mem: float | None = typer.Option(None, "--gpu-mem", help="GiB per GPU (default 80)."),
+         gpu_mem: float | None = typer.Option(None, "--gpu-mem",
+                                              help="GiB per GPU (per CPU rank: --device cpu); default 80."),
          device: str = typer.Option("gpu", "--device", help="gpu (bf16 where precision=auto) | cpu (fp32 ranks)."),
          throughput: str | None = typer.Option(None, "--throughput", help="scripts/gpu_check.py --out file."),
          prompt_tokens: int | None = typer.Option(None, "--prompt-tokens", help="Default: rollout.max_prompt_tokens."),

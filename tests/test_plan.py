@@ -259,7 +259,10 @@ def test_plan_of_each_recipe_on_80_and_24_gib(recipe: str) -> None:
 
 def test_cli_table_and_json(tmp_path: Path) -> None:
     proc = run_epo(["plan", "experiment=paper/gigpo_alfworld_1.5b", "--gpus", "8", "--gpu-mem", "24"], tmp_path)
-    assert "8 x 24 GiB" in proc.stdout and "peak" in proc.stdout
+    assert "8 GPUs x 24 GiB" in proc.stdout and "peak" in proc.stdout
+    # a CPU plan speaks of CPU ranks, not GPUs
+    proc = run_epo(["plan", "model=tiny", "algo=grpo", "--device", "cpu", "--gpu-mem", "16"], tmp_path)
+    assert "1 CPU rank x 16 GiB: fits" in proc.stdout and "per GPU" not in proc.stdout, proc.stdout
     proc = run_epo(["plan", "model=tiny", "algo=grpo", "--json", "--device", "cpu"], tmp_path)
     data = json.loads(proc.stdout)
     assert data["params"] == TINY_PARAMS and data["precision"] == "fp32" and data["gpus"] == 1

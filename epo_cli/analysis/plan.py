@@ -335,6 +335,7 @@ class Plan:
     tokens: dict[str, float] = field(default_factory=dict)
     time: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    device: str = "gpu"  # gpu | cpu (fp32 CPU ranks): what a "device" of the output is
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -572,7 +573,8 @@ def make_plan(cfg: DictConfig, gpus: int | None = None, gpu_mem_gib: float | Non
     setup = current_setup(cfg, gpus)
     estimate = planner.estimate(setup)
     plan = Plan(str(cfg.name), str(cfg.model.path or cfg.model.name), planner.params, planner.critic_params,
-                planner.precision, gpus, gpu_mem_gib, planner.prompt, planner.response, setup, estimate)
+                planner.precision, gpus, gpu_mem_gib, planner.prompt, planner.response, setup, estimate,
+                device=device)
     if not estimate.fits:
         plan.suggestions = planner.suggestions(setup)
         if not plan.suggestions:
@@ -623,11 +625,12 @@ def render(plan: Plan) -> None:
 
     console = Console(highlight=False)
     s, e = plan.setup, plan.estimate
+    unit = "GPU" if plan.device == "gpu" else "CPU rank"
     title = (f"epo plan: {plan.config_name} - {plan.model} ({plan.params / 1e9:.3g}B params"
              f"{f', critic {plan.critic_params / 1e9:.3g}B' if plan.critic_params else ''}), {plan.precision}, "
              f"ZeRO-{s.stage}{' +offload optimizer' if s.offload_optimizer else ''}"
              f"{' +offload params' if s.offload_param else ''}, micro-batch {s.micro}, "
-             f"checkpointing {'on' if s.checkpointing else 'off'}, {plan.gpus} GPUs, "
+             f"checkpointing {'on' if s.checkpointing else 'off'}, {plan.gpus} {unit}s, "
              f"prompt {plan.prompt_tokens} + response {plan.response_tokens} tokens")
     table = Table(title=title, title_justify="left")
     table.add_column("per rank")
@@ -639,8 +642,8 @@ def render(plan: Plan) -> None:
         table.add_row("host memory per node (offload)", _gib(e.host_per_node))
     console.print(table)
     verdict = "[green]fits[/]" if e.fits else "[red]does not fit[/]"
-    console.print(f"{plan.gpus} x {plan.gpu_mem_gib:g} GiB: {verdict} ({_gib(e.peak)} of {plan.gpu_mem_gib:g} GiB "
-                  f"per GPU)")
+    console.print(f"{plan.gpus} {unit}{'s' if plan.gpus > 1 else ''} x {plan.gpu_mem_gib:g} GiB: {verdict} "
+                  f"({_gib(e.peak)} of {plan.gpu_mem_gib:g} GiB per {unit})")
     if not e.fits:
         if plan.suggestions:
             single = " + " not in plan.suggestions[0]["change"]
@@ -662,7 +665,7 @@ def render(plan: Plan) -> None:
     cost.add_row("episodes x max turns = turn-samples", f"{t['episodes']:,} x {t['max_turns']} = {t['turn_samples']:,}")
     cost.add_row("prefill / generated tokens", f"{t['prefill_tokens']:,} / {t['generated_tokens']:,}")
     cost.add_row("update tokens (x ppo_epochs)", f"{t['update_tokens']:,}")
-    cost.add_row("tokens/s per GPU: rollout / update",
+    cost.add_row(f"tokens/s per {unit}: rollout / update",
                  f"{tm['rollout_tokens_per_s_per_gpu']:,.3g} / {tm['update_tokens_per_s_per_gpu']:,.3g}")
     cost.add_row("generation + update = iteration (s)",
                  f"{tm['generation_s']:,.0f} + {tm['update_and_scoring_s']:,.0f} = {tm['iteration_s']:,.0f}")
