@@ -86,9 +86,20 @@ def test_every_arm_composes_with_the_rl_preset(arm: str, tmp_path: Path) -> None
     assert ("entropy_smoothing" in cfg.algo.loss_terms) == (arm == "epo")
 
 
+def test_an_arm_may_run_on_its_own_seeds_and_runs_are_seed_major() -> None:
+    arm_seeds = rm.arms_and_seeds("grpo,epo,grpo_lora:0", "0,1,2")
+    assert arm_seeds == {"grpo": [0, 1, 2], "epo": [0, 1, 2], "grpo_lora": [0]}
+    assert rm.job_order(arm_seeds) == [("grpo", 0), ("epo", 0), ("grpo_lora", 0), ("grpo", 1), ("epo", 1),
+                                       ("grpo", 2), ("epo", 2)]
+    # an arm's own order of seeds is kept: its first listed seed runs in the first round
+    assert rm.job_order(rm.arms_and_seeds("gigpo:2:0,grpo", "5")) == [("gigpo", 2), ("grpo", 5), ("gigpo", 0)]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--arms", "grpo,nosuch"], "unknown arm(s) nosuch"),
-    (["--seeds", "0,x"], "--seeds takes comma-separated integers"),
+    (["--seeds", "0,x"], "--seeds and an arm's :seeds take integers"),
+    (["--arms", "grpo,grpo_lora:x"], "--seeds and an arm's :seeds take integers"),
+    (["--arms", "grpo,nosuch:0"], "unknown arm(s) nosuch"),
     (["--iterations", "0"], "--iterations must be >= 1"),
     (["--eval-engine", "sglang"], "argument --eval-engine: invalid choice: 'sglang'"),
     (["--warm-start", "/nonexistent"], "is not a finished run holding final/"),

@@ -1,6 +1,6 @@
 """The real-model study: what RL and EPO do to SmolLM2-135M-Instruct (model=smollm2-135m), end to end.
 
-    python scripts/experiments/exp_real_model.py --out outputs/real_model [--arms grpo,epo,gigpo,grpo_lora]
+    python scripts/experiments/exp_real_model.py --out outputs/real_model [--arms grpo,epo,gigpo,grpo_lora:0]
         [--seeds 0,1,2] [--iterations 20] [--episodes 64] [--jobs 1] [--eval-engine hf|vllm] [--quick]
 
 1. warm start  epo train experiment=smollm2_warm_start run_dir=<out>/warm_start trainer.resume=auto
@@ -255,11 +255,28 @@ def plot(summary: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def arms_and_seeds(arms: str, seeds: str) -> dict[str, list[int]]:
+    """--arms and --seeds as arm -> its seeds: "grpo,epo,grpo_lora:0" with "0,1,2" runs GRPO and EPO on 0, 1
+    and 2, the LoRA arm on seed 0 only. ValueError where a seed is not an integer."""
+    default = [int(x) for x in seeds.split(",")]
+    return {arm: [int(x) for x in own] or default for arm, *own in (spec.split(":") for spec in arms.split(","))}
+
+
+def job_order(arm_seeds: dict[str, list[int]]) -> list[tuple[str, int]]:
+    """The RL runs, seed-major: every arm's first seed before any arm's second (a stopped study has as many arms
+    as possible to compare)."""
+    arms = list(arm_seeds)
+    return sorted(((arm, seed) for arm, own in arm_seeds.items() for seed in own),
+                  key=lambda job: (arm_seeds[job[0]].index(job[1]), arms.index(job[0])))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("outputs/real_model"))
     p.add_argument("--warm-start", type=Path, help="a finished experiment=smollm2_warm_start run (else trained here)")
-    p.add_argument("--arms", default="grpo,epo,gigpo", help=f"comma-separated, of {', '.join(ARMS)}")
+    p.add_argument("--arms", default="grpo,epo,gigpo",
+                   help=f"comma-separated, of {', '.join(ARMS)}; ARM:S1:S2 runs that arm on those seeds only "
+                        "(grpo_lora:0), the others on --seeds")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--iterations", type=int, default=20)
     p.add_argument("--episodes", type=int, default=64)
@@ -268,14 +285,13 @@ def main() -> None:
                    help="what generates every evaluation (rollout.engine): hf, or vllm (needs the vllm extra)")
     p.add_argument("--quick", action="store_true", help="shrink every step: a pipeline check")
     a = p.parse_args()
-    arms = a.arms.split(",")
-    unknown = [x for x in arms if x not in ARMS]
+    try:
+        arm_seeds = arms_and_seeds(a.arms, a.seeds)
+    except ValueError:
+        p.error(f"--seeds and an arm's :seeds take integers, got --seeds {a.seeds!r} --arms {a.arms!r}")
+    unknown = [x for x in arm_seeds if x not in ARMS]
     if unknown:
         p.error(f"unknown arm(s) {', '.join(unknown)}; choose from {', '.join(ARMS)}")
-    try:
-        seeds = [int(s) for s in a.seeds.split(",")]
-    except ValueError:
-        p.error(f"--seeds takes comma-separated integers, got {a.seeds!r}")
     for name in ("iterations", "episodes", "jobs"):
         if getattr(a, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(a, name)}")
@@ -291,7 +307,7 @@ def main() -> None:
     try:
         warm_args = ["experiment=smollm2_warm_start", *(QUICK_WARM if a.quick else ())]
         warm = a.warm_start.resolve() if a.warm_start else train(a.out / "warm_start", warm_args, a.out)
-        jobs = [(arm, seed) for seed in seeds for arm in arms]  # seed-major: every arm's seed 0 first
+        jobs = job_order(arm_seeds)
 
         def train_arm(job: tuple[str, int]) -> Path:
             arm, seed = job
@@ -333,7 +349,7 @@ def main() -> None:
                                "parts_s": {k: statistics.mean(r.get(k, 0.0) for r in rows) if rows else math.nan
                                            for k in (*PARTS, "perf/generate_s", "perf/env_s")}}
 
-        results: dict[str, dict[int, dict]] = {arm: {} for arm in arms}
+        results: dict[str, dict[int, dict]] = {arm: {} for arm in arm_seeds}
         for arm, seed, data in map(one, jobs):
             results[arm][seed] = data
             say(f"{LABELS[arm]} seed {seed}: {cell(data['eval'])}")
