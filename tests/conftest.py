@@ -274,6 +274,20 @@ def one_error(proc: CliResult | subprocess.CompletedProcess, *texts: str) -> str
     return errors[0]
 
 
+#: the bytes of a file outside every folder epo writes (`outside`): a test checks them unchanged afterwards
+PRECIOUS = b"someone else's file: never written by epo\n"
+
+
+@pytest.fixture
+def outside(tmp_path: Path) -> Path:
+    """A file outside every folder epo writes, holding PRECIOUS, which a test checks byte for byte afterwards
+    (a planted symlink points at it)."""
+    path = tmp_path / "elsewhere" / "precious.txt"
+    path.parent.mkdir()
+    path.write_bytes(PRECIOUS)
+    return path
+
+
 @pytest.fixture
 def lock_holder() -> Iterator[Callable[..., subprocess.Popen]]:
     """`lock_holder(folder, command="epo train")` starts a process that holds the folder's lock as a running

@@ -37,9 +37,7 @@ from epo_cli.config import num, one_of
 from epo_cli.errors import ConfigError
 from epo_cli.rollout.batch import MicroBatch, TurnBatch
 
-from conftest import world_of_one_env
-
-REPO = Path(__file__).resolve().parent.parent
+from conftest import REPO, world_of_one_env
 
 
 @dataclass

@@ -26,15 +26,7 @@ from epo_cli.launch.sweep import _write_json
 from epo_cli.rundir.writable import UnsafeEntryError
 from epo_cli.training.stop import RELAY_FILE, StopRequest, write_relay
 
-PRECIOUS = b"someone else's file: never written by epo\n"
-
-
-@pytest.fixture
-def outside(tmp_path: Path) -> Path:
-    path = tmp_path / "elsewhere" / "precious.txt"
-    path.parent.mkdir()
-    path.write_bytes(PRECIOUS)
-    return path
+from conftest import PRECIOUS
 
 
 @pytest.fixture

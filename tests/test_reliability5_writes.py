@@ -21,19 +21,9 @@ import pytest
 
 from epo_cli.rundir.writable import UnsafeEntryError, check_entries, open_for_writing, write_file
 
-from conftest import SmallConfig, one_error, run_cli, run_epo
+from conftest import PRECIOUS, SmallConfig, one_error, run_cli, run_epo
 
-PRECIOUS = b"someone else's file: never written by epo\n"
 SFT = SmallConfig().sft("trainer.total_steps=1", "trainer.save_every=1")
-
-
-@pytest.fixture
-def outside(tmp_path: Path) -> Path:
-    """A file outside every folder epo writes, which each row checks byte for byte afterwards."""
-    path = tmp_path / "elsewhere" / "precious.txt"
-    path.parent.mkdir()
-    path.write_bytes(PRECIOUS)
-    return path
 
 
 def received(run: Path, target: Path) -> Path:
