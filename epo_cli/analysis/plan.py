@@ -63,6 +63,11 @@ MAX_PLAN_TOKENS = 100_000_000
 #: decoding without a measurement: every decoded token of a step reads all weights once; effective GB/s
 #: per GPU (half of an A100-80GB's 2 TB/s)
 DEFAULT_DECODE_GBPS = 1000.0
+#: the same two defaults for one fp32 CPU rank (--device cpu), measured here with SmolLM2-135M on one thread of
+#: a 2-core x86 machine with AVX-512 under load (scripts/bench/bench_real_model.py: update 90 tokens/s = 6 x
+#: 0.135e9 x 90 = 73 GFLOP/s; generation 23 tokens/s for 8 rows = 2.9 steps/s x 0.54 GB of weights = 1.5 GB/s)
+DEFAULT_CPU_UPDATE_TFLOPS = 0.07
+DEFAULT_CPU_DECODE_GBPS = 1.5
 
 
 # ---- model shapes ----------------------------------------------------------------------------------------
@@ -472,13 +477,15 @@ def default_gpus(cfg: DictConfig) -> int:
 
 # ---- tokens and time ------------------------------------------------------------------------------------------
 
-def read_throughput(path: str | None, arch_params: int) -> tuple[dict[str, float], str]:
-    """Per-GPU tokens/s (rollout = generated tokens, update = trained tokens) and where they come from: a
-    scripts/gpu_check.py result file, scaled from the model it measured to this one (update ~ 1/params,
-    decoding ~ 1/weight bytes), or the defaults derived from DEFAULT_UPDATE_TFLOPS / DEFAULT_DECODE_GBPS."""
+def read_throughput(path: str | None, arch_params: int, device: str = "gpu") -> tuple[dict[str, float], str]:
+    """Per-GPU (per CPU rank) tokens/s (rollout = generated tokens, update = trained tokens) and where they come
+    from: a scripts/gpu_check.py result file, scaled from the model it measured to this one (update ~ 1/params,
+    decoding ~ 1/weight bytes), or the device's defaults (DEFAULT_UPDATE_TFLOPS / DEFAULT_DECODE_GBPS, on a CPU
+    DEFAULT_CPU_*; the rollout rate 0 means: derived from the decode bandwidth in iteration_cost)."""
     if path is None:
-        update = DEFAULT_UPDATE_TFLOPS * 1e12 / (6 * arch_params)
-        return {"update_tokens_per_s": update, "rollout_tokens_per_s": 0.0}, "default"
+        tflops = DEFAULT_UPDATE_TFLOPS if device == "gpu" else DEFAULT_CPU_UPDATE_TFLOPS
+        update = tflops * 1e12 / (6 * arch_params)
+        return {"update_tokens_per_s": update, "rollout_tokens_per_s": 0.0}, f"default ({device})"
     file = Path(path).expanduser()
     try:
         data = loads(read_text(file, "throughput"))  # bounded: epo_cli/rundir/received.py
@@ -543,7 +550,8 @@ def iteration_cost(planner: Planner, s: Setup, throughput: dict[str, float], row
     update_tps = throughput["update_tokens_per_s"]
     rollout_tps = throughput["rollout_tokens_per_s"]
     if rollout_tps <= 0:  # default: decoding reads the weights once per step for all rows of the rank
-        step_s = planner.width * planner.params / (DEFAULT_DECODE_GBPS * 1e9)
+        gbps = DEFAULT_DECODE_GBPS if planner.device == "gpu" else DEFAULT_CPU_DECODE_GBPS
+        step_s = planner.width * planner.params / (gbps * 1e9)
         rollout_tps = rows_per_rank / step_s
     # generation: decoding at the rollout rate, the prompts' prefill as forward-only tokens at the update rate
     rollout_s = (tokens["generated_tokens"] / rollout_tps + tokens["prefill_tokens"] / 3 / update_tps) / s.gpus
@@ -584,7 +592,7 @@ def make_plan(cfg: DictConfig, gpus: int | None = None, gpu_mem_gib: float | Non
                               f"): with the reserve they need {(sum(full.values()) + planner.reserve) / GIB:.1f} GiB "
                               "of each GPU. Use GPUs with more memory, or a run without the KL reference "
                               "(no `kl` in algo.loss_terms).")
-    throughput, source = read_throughput(throughput_file, planner.params)
+    throughput, source = read_throughput(throughput_file, planner.params, device)
     measured_on = throughput_device(throughput_file)
     if measured_on is not None and (measured_on == "cuda") != (device == "gpu"):
         plan.notes.append(f"the throughput file was measured on {measured_on} and this plan is for {device} "
@@ -630,7 +638,7 @@ def render(plan: Plan) -> None:
              f"{f', critic {plan.critic_params / 1e9:.3g}B' if plan.critic_params else ''}), {plan.precision}, "
              f"ZeRO-{s.stage}{' +offload optimizer' if s.offload_optimizer else ''}"
              f"{' +offload params' if s.offload_param else ''}, micro-batch {s.micro}, "
-             f"checkpointing {'on' if s.checkpointing else 'off'}, {plan.gpus} {unit}s, "
+             f"checkpointing {'on' if s.checkpointing else 'off'}, {plan.gpus} {unit}{'s' if plan.gpus != 1 else ''}, "
              f"prompt {plan.prompt_tokens} + response {plan.response_tokens} tokens")
     table = Table(title=title, title_justify="left")
     table.add_column("per rank")
@@ -642,7 +650,7 @@ def render(plan: Plan) -> None:
         table.add_row("host memory per node (offload)", _gib(e.host_per_node))
     console.print(table)
     verdict = "[green]fits[/]" if e.fits else "[red]does not fit[/]"
-    console.print(f"{plan.gpus} {unit}{'s' if plan.gpus > 1 else ''} x {plan.gpu_mem_gib:g} GiB: {verdict} "
+    console.print(f"{plan.gpus} {unit}{'s' if plan.gpus != 1 else ''} x {plan.gpu_mem_gib:g} GiB: {verdict} "
                   f"({_gib(e.peak)} of {plan.gpu_mem_gib:g} GiB per {unit})")
     if not e.fits:
         if plan.suggestions:
