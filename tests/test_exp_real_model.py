@@ -1,7 +1,7 @@
 """scripts/experiments/exp_real_model.py: its summary (the target over the warm start, entropy statistics,
 EPO's band) on hand-made results, its arms composing as named, and its options refused in one message each.
 The study itself runs the real model for hours; here `make demo-real` runs it end to end shrunk (--quick: the real
-model, two iterations, two evaluation episodes), and again, to find everything done."""
+model, one iteration, two evaluation episodes), and again, to find everything done."""
 
 from __future__ import annotations
 
@@ -184,7 +184,7 @@ def test_make_demo_real_runs_the_study_end_to_end_and_a_second_run_redoes_nothin
     # -o install: the suite's own interpreter (BIN) runs the study, and make installs nothing
     command = ["make", "-s", "-C", str(SCRIPTS.parent.parent), "-o", "install", "demo-real",
                f"BIN={Path(sys.executable).parent}",
-               f"REAL_ARGS=--quick --out {out} --arms grpo --iterations 2 --episodes 2 --eval-engine hf"]
+               f"REAL_ARGS=--quick --out {out} --arms grpo --iterations 1 --episodes 2 --eval-engine hf"]
     first = subprocess.run(command, capture_output=True, text=True, timeout=1500, env=os.environ.copy())
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())

@@ -4,10 +4,12 @@ preset with one setting changed, each an iteration of the trainer's own steps (s
 `measure`: sample, score, advantages, coefficients, update) from the same weights, seed and tasks.
 
     python scripts/bench/bench_real_iteration.py --model <warm start run>/final [--settings preset,lora_16]
-        [--json out.json] [OVERRIDES...]
+        [--repeats 2] [--json out.json] [OVERRIDES...]
 
-The preset runs first and last (drift in the machine's load between them shows as their difference); every
-ratio is against the mean of the two. Parts:
+The preset runs first, between the rounds and last; with --repeats 2 the second round runs the settings in the
+reverse order (preset, A, B, C, preset, C, B, A, preset), so that a steady drift in the machine's load hits each
+setting's mean as it hits the preset's. Every ratio is a setting's mean against the mean of the preset's runs,
+whose spread is printed (the machine's drift). Parts:
 
     generate s   inside the engine's generate calls (prefill + decoding), of the rollout
     env s        the environment's resets and steps, of the rollout
@@ -87,6 +89,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="the policy folder (the real-model study's warm start final/)")
     parser.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {', '.join(SETTINGS)}")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds over the settings, alternating order")
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("overrides", nargs="*", help="further config overrides, applied to every setting")
     args = parser.parse_args()
@@ -99,7 +102,12 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    order = ["preset", *[n for n in names if n != "preset"], "preset"]
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    settings = [n for n in names if n != "preset"]
+    order = ["preset"]
+    for round_ in range(args.repeats):
+        order += [*(settings if round_ % 2 == 0 else settings[::-1]), "preset"]
     results: dict[str, list[dict]] = {}
     for i, name in enumerate(order):
         r = measure_setting(name, args.model, args.overrides)
@@ -108,7 +116,8 @@ def main() -> None:
             {k: round(v, 2) for k, v in r.items() if isinstance(v, float | int) and not isinstance(v, bool)}),
             flush=True)
 
-    base = {k: sum(r[k] for r in results["preset"]) / 2 for k in (*PARTS, "iteration_s")}
+    presets = results["preset"]
+    base = {k: sum(r[k] for r in presets) / len(presets) for k in (*PARTS, "iteration_s")}
     first = results["preset"][0]
     throughput = scratch_dir("bench_real_plan_") / "throughput.json"
     throughput.write_text(json.dumps({"device": "cpu", "rollout_tokens_per_s": first["rollout_tokens_per_s"],
@@ -126,8 +135,8 @@ def main() -> None:
         r["ratio_planned"] = planned[name] / planned["preset"]
         rows.append(r)
 
-    print(f"\npreset measured twice: {results['preset'][0]['iteration_s']:.1f} s and "
-          f"{results['preset'][1]['iteration_s']:.1f} s (the machine's drift between them)")
+    print(f"\npreset measured {len(presets)} times: " + ", ".join(f"{r['iteration_s']:.1f}" for r in presets) +
+          " s (the machine's drift)")
     print("\n| setting | samples | prompt tokens | generate s | env s | score s | update s | iteration s | "
           "vs preset | plan's ratio | update tokens/s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")

@@ -54,9 +54,9 @@ ARMS = {
 }
 LABELS = {"grpo": "GRPO", "epo": "EPO (paper settings)", "gigpo": "GiGPO", "grpo_lora": "GRPO, LoRA r16"}
 #: what --quick changes (a pipeline check, not a result)
-QUICK_WARM = ("trainer.total_steps=2", "algo.demo_episodes=4", "trainer.save_every=1")
+QUICK_WARM = ("trainer.total_steps=2", "algo.demo_episodes=4", "trainer.save_every=1", "trainer.eval_episodes=2")
 QUICK_RL = ("algo.tasks_per_step=1", "algo.group_size=2", "env.max_turns=2", "rollout.max_new_tokens=8",
-            "algo.micro_batch_size=4")
+            "algo.micro_batch_size=4", "trainer.eval_episodes=2")
 QUICK_EVAL = ("rollout.max_new_tokens=8",)
 QUICK_EVAL_TURNS = 2
 #: an iteration's parts as the trainer logs them (perf/generate_s and perf/env_s are parts of perf/rollout_s)
