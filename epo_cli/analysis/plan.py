@@ -634,11 +634,12 @@ def render(plan: Plan) -> None:
     console = Console(highlight=False)
     s, e = plan.setup, plan.estimate
     unit = "GPU" if plan.device == "gpu" else "CPU rank"
+    units = f"{plan.gpus} {unit}{'s' if plan.gpus != 1 else ''}"
     title = (f"epo plan: {plan.config_name} - {plan.model} ({plan.params / 1e9:.3g}B params"
              f"{f', critic {plan.critic_params / 1e9:.3g}B' if plan.critic_params else ''}), {plan.precision}, "
              f"ZeRO-{s.stage}{' +offload optimizer' if s.offload_optimizer else ''}"
              f"{' +offload params' if s.offload_param else ''}, micro-batch {s.micro}, "
-             f"checkpointing {'on' if s.checkpointing else 'off'}, {plan.gpus} {unit}{'s' if plan.gpus != 1 else ''}, "
+             f"checkpointing {'on' if s.checkpointing else 'off'}, {units}, "
              f"prompt {plan.prompt_tokens} + response {plan.response_tokens} tokens")
     table = Table(title=title, title_justify="left")
     table.add_column("per rank")
@@ -650,7 +651,7 @@ def render(plan: Plan) -> None:
         table.add_row("host memory per node (offload)", _gib(e.host_per_node))
     console.print(table)
     verdict = "[green]fits[/]" if e.fits else "[red]does not fit[/]"
-    console.print(f"{plan.gpus} {unit}{'s' if plan.gpus != 1 else ''} x {plan.gpu_mem_gib:g} GiB: {verdict} "
+    console.print(f"{units} x {plan.gpu_mem_gib:g} GiB: {verdict} "
                   f"({_gib(e.peak)} of {plan.gpu_mem_gib:g} GiB per {unit})")
     if not e.fits:
         if plan.suggestions:

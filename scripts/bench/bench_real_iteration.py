@@ -38,12 +38,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 
 from common import scratch_dir, scratch_trainer  # noqa: E402
+from exp_real_model import ARMS  # noqa: E402
 
-#: the real-model study's GRPO arm (scripts/experiments/exp_real_model.py ARMS["grpo"])
-PRESET = ["experiment=smollm2_rl", "algo=grpo", "algo.loss_terms=[policy_clip]", "env.eval_splits=[]",
-          "logger.console=false", "logger.tensorboard=false", "logger.jsonl=false", "trainer.save_every=0"]
+#: the real-model study's GRPO arm
+PRESET = ["experiment=smollm2_rl", *ARMS["grpo"], "env.eval_splits=[]", "logger.console=false",
+          "logger.tensorboard=false", "logger.jsonl=false", "trainer.save_every=0"]
 #: setting -> the overrides that undo one of the preset's cuts (or take one more: lora_16)
 SETTINGS = {
     "preset": [],
@@ -99,11 +101,11 @@ def main() -> None:
         parser.error(f"unknown setting(s) {', '.join(unknown)}; choose from {', '.join(SETTINGS)}")
     if not Path(args.model, "config.json").is_file():
         parser.error(f"--model {args.model}: not a model folder (no config.json); give a warm start's final/")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     import torch
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    if args.repeats < 1:
-        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     settings = [n for n in names if n != "preset"]
     order = ["preset"]
     for round_ in range(args.repeats):
@@ -118,7 +120,7 @@ def main() -> None:
 
     presets = results["preset"]
     base = {k: sum(r[k] for r in presets) / len(presets) for k in (*PARTS, "iteration_s")}
-    first = results["preset"][0]
+    first = presets[0]
     throughput = scratch_dir("bench_real_plan_") / "throughput.json"
     throughput.write_text(json.dumps({"device": "cpu", "rollout_tokens_per_s": first["rollout_tokens_per_s"],
                                       "update_tokens_per_s": first["update_tokens_per_s"]}))
@@ -146,7 +148,7 @@ def main() -> None:
               f"{r['ratio_iteration']:.2f}x | {r['ratio_planned']:.2f}x | {r['update_tokens_per_s']:.0f} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "overrides": args.overrides, "rows": rows,
-                                               "preset_runs_s": [x["iteration_s"] for x in results["preset"]]},
+                                               "preset_runs_s": [x["iteration_s"] for x in presets]},
                                               indent=1) + "\n")
 
 
