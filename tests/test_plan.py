@@ -3,6 +3,7 @@ suggested change, the cost of an iteration, the CLI, bad input, and that it neve
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -139,6 +140,11 @@ def test_lora_trains_only_its_adapters_by_hand_and_as_peft_builds_them() -> None
     z3 = Planner(compose(["model=tiny", "algo=grpo", "model.lora.rank=4", "deepspeed=zero3",
                           "algo.micro_batch_size=4"]), gpu_mem_gib=80, device="cpu")
     assert z3.estimate(current_setup(z3.cfg, gpus=2)).parts["policy weights"] == 2 * TINY_PARAMS + 2 * adapters
+    # parameters offloaded as well: the frozen base's 4P leaves the device for the host (x 1.5, one node), beside
+    # the adapters' 18A x 1.5
+    off = z3.estimate(dataclasses.replace(current_setup(z3.cfg, gpus=2), offload_param=True, offload_optimizer=True))
+    assert off.parts["policy weights"] == 0.0
+    assert off.host_per_node == pytest.approx(4 * TINY_PARAMS * 1.5 + 18 * adapters * 1.5)
     import torch  # peft's own count on the model the trainer builds
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

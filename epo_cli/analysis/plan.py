@@ -380,13 +380,14 @@ class Planner:
         trained = self.params if self.adapter_params is None else self.adapter_params
         policy = model_states(trained, s.stage, s.gpus, self.precision, s.offload_optimizer, s.offload_param,
                               s.nodes)
-        # LoRA's frozen base: its weights only, at the working width (ZeRO-3 partitions them; offloaded with
-        # the parameters)
-        frozen = 0.0 if self.adapter_params is None or s.offload_param else \
-            self.width * self.params / (s.gpus if s.stage == 3 else 1)
-        parts = {"policy weights": policy.weights + frozen, "policy gradients": policy.grads,
-                 "policy optimizer": policy.optimizer}
-        host = policy.host
+        # LoRA's frozen base: its weights only, at the working width (ZeRO-3 partitions them); offloaded with
+        # the parameters, they live on the host instead, a node holding its ranks' partitions (DeepSpeed's
+        # 1.5 buffer factor, as model_states counts the trained ones)
+        frozen = 0.0 if self.adapter_params is None else self.width * self.params
+        parts = {"policy weights": policy.weights + (0.0 if s.offload_param else
+                                                     frozen / (s.gpus if s.stage == 3 else 1)),
+                 "policy gradients": policy.grads, "policy optimizer": policy.optimizer}
+        host = policy.host + (frozen * 1.5 / s.nodes if s.offload_param else 0.0)
         if self.has_critic:
             critic = model_states(self.critic_params, s.stage, s.gpus, self.precision, s.offload_optimizer,
                                   s.offload_param, s.nodes)
