@@ -68,6 +68,15 @@ def test_a_run_stopped_by_a_signal_after_a_step(tmp_path: Path) -> None:
     assert status["resume"] == f"epo train trainer.resume={tmp_path}" and "abandoned" not in status
 
 
+def test_a_run_stopped_before_its_first_checkpoint_offers_no_resume(tmp_path: Path) -> None:
+    # trainer.resume refuses a folder without a checkpoint: neither the message nor status.json may offer it
+    ending = _run(tmp_path, FakeTrainer(total=5, reach=0, stop_signal=int(signal.SIGTERM)))
+    message = str(ending.stopped())
+    assert "before any checkpoint" in message and "trainer.resume" not in message and "new run_dir" in message
+    status = read_status(tmp_path)
+    assert status["status"] == "stopped" and status["checkpoint"] is None and status["resume"] is None
+
+
 def test_a_run_stopped_at_stop_after_is_not_a_signal(tmp_path: Path) -> None:
     ending = _run(tmp_path, FakeTrainer(total=5, reach=2))
     assert ending.exit_code == 0 and ending.stop_signal is None

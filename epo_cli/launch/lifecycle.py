@@ -48,7 +48,10 @@ def record_stopped(run: Path, signum: int | None, step: int | None, abandoned: s
     """status.json `stopped`: the signal (None: trainer.stop_after), the last completed step, the checkpoint
     that holds the run and the command that continues it; `abandoned` says why a step in progress was left
     (best effort then)."""
-    fields: dict[str, Any] = {"step": step, "checkpoint": latest_tag(run), "resume": f"epo train trainer.resume={run}"}
+    tag = latest_tag(run)
+    # no checkpoint: nothing to continue (trainer.resume would refuse the folder), so no resume command
+    fields: dict[str, Any] = {"step": step, "checkpoint": tag,
+                              "resume": f"epo train trainer.resume={run}" if tag else None}
     if signum:
         fields["signal"] = signal_name(signum)
     if abandoned:
@@ -59,9 +62,11 @@ def record_stopped(run: Path, signum: int | None, step: int | None, abandoned: s
 def stopped_message(run: Path, signum: int, step: int) -> str:
     """What `epo train` says when a run stopped on a signal after `step`: where it is and how to continue."""
     tag = latest_tag(run)
-    saved = f"the checkpoint {run / 'checkpoints' / tag}" if tag else "no checkpoint (no step had completed)"
-    return (f"{signal_name(signum)}: stopped after step {step}; status.json says `stopped`, and {saved} holds "
-            f"the run. Continue with: epo train trainer.resume={run}")
+    if tag is None:
+        return (f"{signal_name(signum)}: stopped before any checkpoint was saved; status.json says `stopped`, and "
+                f"there is nothing to continue. Start again in a new run_dir (or remove {run} first).")
+    return (f"{signal_name(signum)}: stopped after step {step}; status.json says `stopped`, and the checkpoint "
+            f"{run / 'checkpoints' / tag} holds the run. Continue with: epo train trainer.resume={run}")
 
 
 def latest_step(run: Path) -> int | None:
