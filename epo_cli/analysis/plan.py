@@ -214,6 +214,10 @@ class States:
         return self.weights + self.grads + self.optimizer
 
 
+#: DeepSpeed's additional_buffer_factor: host memory for offloaded states is their size x this
+HOST_BUFFER_FACTOR = 1.5
+
+
 def model_states(params: int, stage: int, ranks: int, precision: str, offload_optimizer: bool = False,
                  offload_param: bool = False, nodes: int = 1) -> States:
     """Weights, gradients and Adam state of `params` parameters on one of `ranks` ranks.
@@ -231,13 +235,13 @@ def model_states(params: int, stage: int, ranks: int, precision: str, offload_op
     weights: ZeRO-0 16P, ZeRO-1 8P + 12P/N, ZeRO-2 4P + 16P/N, ZeRO-3 20P/N.
     """
     P, N = float(params), float(ranks)
-    per_node_factor = 1.5 / nodes  # DeepSpeed's additional_buffer_factor, host memory shared by a node's ranks
+    per_node_factor = HOST_BUFFER_FACTOR / nodes  # host memory shared by a node's ranks
     if precision == "bf16":
         if stage == 0:
             return States(2 * P, 2 * P + 4 * P, 12 * P)
         if stage in (1, 2):
             if offload_optimizer:
-                return States(2 * P, 0.0, 0.0, host=P * max(4 * N, 16) * 1.5)
+                return States(2 * P, 0.0, 0.0, host=P * max(4 * N, 16) * HOST_BUFFER_FACTOR)
             grads = (2 * P if stage == 1 else 2 * P / N) + 4 * P / N
             return States(2 * P, grads, 12 * P / N)
         if offload_param and offload_optimizer:
@@ -381,13 +385,13 @@ class Planner:
         policy = model_states(trained, s.stage, s.gpus, self.precision, s.offload_optimizer, s.offload_param,
                               s.nodes)
         # LoRA's frozen base: its weights only, at the working width (ZeRO-3 partitions them); offloaded with
-        # the parameters, they live on the host instead, a node holding its ranks' partitions (DeepSpeed's
-        # 1.5 buffer factor, as model_states counts the trained ones)
+        # the parameters, they live on the host instead, a node holding its ranks' partitions (with DeepSpeed's
+        # buffer factor, as model_states counts the trained ones)
         frozen = 0.0 if self.adapter_params is None else self.width * self.params
         parts = {"policy weights": policy.weights + (0.0 if s.offload_param else
                                                      frozen / (s.gpus if s.stage == 3 else 1)),
                  "policy gradients": policy.grads, "policy optimizer": policy.optimizer}
-        host = policy.host + (frozen * 1.5 / s.nodes if s.offload_param else 0.0)
+        host = policy.host + (frozen * HOST_BUFFER_FACTOR / s.nodes if s.offload_param else 0.0)
         if self.has_critic:
             critic = model_states(self.critic_params, s.stage, s.gpus, self.precision, s.offload_optimizer,
                                   s.offload_param, s.nodes)
