@@ -584,6 +584,13 @@ def _padded_vocab_covers_the_vocab(cfg: Any) -> None:
                           f"{model.vocab_size}: the embedding needs a row per token. Raise it or set null.")
 
 
+def _autocast_needs_fp32_weights(cfg: Any) -> None:
+    if cfg.model.autocast != "none" and cfg.model.dtype == "bf16":
+        raise ConfigError(f"model.autocast={cfg.model.autocast} runs fp32 weights' forward passes in bf16, but "
+                          "model.dtype=bf16 makes the weights bf16 already (autocast would change nothing). Fix: "
+                          "model.dtype=fp32 (mixed precision) or model.autocast=none (bf16 weights).")
+
+
 def _tiny_sizes_unused_with_a_path(cfg: Any) -> None:
     model = cfg.model
     if model.path:
@@ -607,6 +614,11 @@ class ModelConfig:
     package_file: str | None = None
     #: auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
     dtype: str = one_of("auto", ("auto", "fp32", "bf16"))
+    #: mixed precision for fp32 weights: none | bf16 = the forward passes (the hf engine's generation,
+    #: scoring, the update's forward, the critic) run under torch.autocast in bfloat16 while the weights,
+    #: gradients and Adam stay fp32 (the CPU counterpart of DeepSpeed's bf16 on GPU; vLLM, which has no
+    #: autocast, holds its copy in bf16). Every forward of a run uses it: the ratio's log-probs share a precision.
+    autocast: str = one_of("none", ("none", "bf16"))
     attn_implementation: str = one_of("sdpa", ("sdpa", "eager", "flash_attention_2", "flash_attention_3",
                                       "flex_attention"))
     gradient_checkpointing: bool = False
@@ -627,7 +639,7 @@ class ModelConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     rules: ClassVar[tuple[Rule, ...]] = (_heads_divide, _positions_fit_a_turn, _padded_vocab_covers_the_vocab,
-                                         _tiny_sizes_unused_with_a_path)
+                                         _autocast_needs_fp32_weights, _tiny_sizes_unused_with_a_path)
 
 
 def _coef_bounds_ordered(cfg: Any) -> None:

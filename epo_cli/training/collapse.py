@@ -88,6 +88,7 @@ class PairScorer:
     vocab_limit: int | None
     packed: bool
     micro_batch_size: int
+    autocast_to: torch.dtype | None = None  # model.autocast: the precision every other forward of the run uses
 
     def sequence_logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> Tensor:
         """log p(response | prompt), summed over the response's tokens, per pair ([P] float64)."""
@@ -102,7 +103,8 @@ class PairScorer:
             for start in range(0, n, self.micro_batch_size):
                 rows = list(range(start, min(start + self.micro_batch_size, n)))
                 mb = collate(pairs, rows, self.pad_id, self.device, packed=self.packed)
-                logp = policy_forward(self.model, mb, self.temperature, self.vocab_limit, with_entropy=False).logprobs
+                logp = policy_forward(self.model, mb, self.temperature, self.vocab_limit, with_entropy=False,
+                                      autocast_to=self.autocast_to).logprobs
                 out[rows] = torch.where(mb.response_mask, logp, torch.zeros_like(logp)).double().sum(-1).cpu()
         return out
 
@@ -231,7 +233,8 @@ class CollapseWatch:
         if mi_due(settings.diagnostics, step):
             models.policy.refresh()
         scorer = PairScorer(models.policy.module, models.tokenizer.pad_token_id, self.dist.device,
-                            settings.temperature, models.vocab_limit, models.packing, settings.micro_batch_size)
+                            settings.temperature, models.vocab_limit, models.packing, settings.micro_batch_size,
+                            models.autocast_to)
         return collapse_metrics(batch, episodes, history, settings, step, subgoal_coef, max_turns, scorer,
                                 all_reduce_sum, all_gather_objects, self.dist.rank, self.dist.world_size)
 

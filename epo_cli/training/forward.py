@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from epo_cli.algos.losses import PolicyOutputs
+from epo_cli.models.precision import autocast
 from epo_cli.rollout.batch import MicroBatch, PackedLayout, TurnBatch
 from epo_cli.rollout.generation import positions_from_mask
 from epo_cli.training.packing import packed_forward
@@ -139,17 +140,21 @@ def _model_inputs(mb: MicroBatch) -> dict[str, Any]:
 
 
 def policy_forward(model: nn.Module, mb: MicroBatch, temperature: float = 1.0,
-                   vocab_limit: int | None = None, with_entropy: bool = True) -> PolicyOutputs:
+                   vocab_limit: int | None = None, with_entropy: bool = True,
+                   autocast_to: torch.dtype | None = None) -> PolicyOutputs:
     """Log-probs [B, R] of the response tokens and the entropy [B, R] of the full next-token
-    distribution, both at the sampling temperature (padded or packed micro-batch, same outputs)."""
+    distribution, both at the sampling temperature (padded or packed micro-batch, same outputs). The model's
+    forward runs under autocast to `autocast_to` (model.autocast, epo_cli/models/precision.py); the softmax
+    and what follows it in fp32."""
     mask = mb.response_mask  # [B, R]
     if mb.packed is None:
         R = mask.shape[1]
-        out = model(**_model_inputs(mb), use_cache=False, logits_to_keep=R + 1)
+        with autocast(autocast_to, mb.input_ids.device):
+            out = model(**_model_inputs(mb), use_cache=False, logits_to_keep=R + 1)
         logits = out.logits[:, :-1]  # [B, R, V]: column P-1+r predicts response token r
         targets = mb.response_ids  # [B, R]
     else:
-        with packed_forward():
+        with packed_forward(), autocast(autocast_to, mb.input_ids.device):
             out = model(**_model_inputs(mb), use_cache=False, logits_to_keep=mb.packed.logits_index)
         logits = out.logits[0]  # [M, V]: the response tokens of all samples, in order
         targets = mb.response_ids[mask]  # [M]
@@ -164,12 +169,14 @@ def policy_forward(model: nn.Module, mb: MicroBatch, temperature: float = 1.0,
     return PolicyOutputs(logprobs=logprobs * mask, entropy=entropy * mask)
 
 
-def value_forward(critic: nn.Module, mb: MicroBatch) -> torch.Tensor:
-    """Critic values [B] at each row's last prompt token (the turn's state)."""
+def value_forward(critic: nn.Module, mb: MicroBatch, autocast_to: torch.dtype | None = None) -> torch.Tensor:
+    """Critic values [B] at each row's last prompt token (the turn's state); the forward under autocast to
+    `autocast_to` (model.autocast)."""
     if mb.packed is None:
         P = mb.prompt_width
-        return critic(mb.input_ids[:, :P], mb.attention_mask[:, :P], mb.position_ids[:, :P])
+        with autocast(autocast_to, mb.input_ids.device):
+            return critic(mb.input_ids[:, :P], mb.attention_mask[:, :P], mb.position_ids[:, :P])
     inputs = _model_inputs(mb)
-    with packed_forward():
+    with packed_forward(), autocast(autocast_to, mb.input_ids.device):
         return critic(inputs.pop("input_ids"), inputs.pop("attention_mask"), inputs.pop("position_ids"),
                       value_index=mb.packed.value_index, **inputs)

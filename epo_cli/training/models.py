@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from epo_cli.config import ModelConfig, RolloutConfig
@@ -27,6 +28,7 @@ from epo_cli.models.loading import (
     model_source,
     resolve_dtype,
 )
+from epo_cli.models.precision import autocast_dtype
 from epo_cli.rollout.engines import keeps_engine_logprobs
 from epo_cli.rollout.engines.base import EngineContext, EnginePolicy, RolloutEngine, sampling_config
 from epo_cli.rollout.engines.build import build_rollout_engine
@@ -46,6 +48,7 @@ class Models:
     critic: RolloutModule | None = None
     rollout_engine: RolloutEngine | None = None  # what generates the rollouts (rollout.engine)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)  # the rollout.* settings it samples with
+    autocast_to: torch.dtype | None = None  # model.autocast: every forward's autocast dtype (None: the weights')
 
     def sync_weights(self) -> None:
         """After an update (or a resume): the rollout engine and the scoring copies take the trained weights
@@ -99,6 +102,7 @@ def build_models(settings: ModelSettings, dist: DistInfo, suite: EnvSuite) -> Mo
     source = model_source(model_cfg, suite, settings.seed)
     tokenizer = load_tokenizer(source, model_cfg)
     dtype = resolve_dtype(model_cfg, dist.device)
+    autocast_to = autocast_dtype(model_cfg, dtype)
     policy = load_causal_lm(source, model_cfg, dtype).to(dist.device)
     check_context(policy, settings.max_prompt_tokens, settings.max_new_tokens, source)
     # packed micro-batches for scoring and update (before the copies below, which inherit the attention)
@@ -112,7 +116,8 @@ def build_models(settings: ModelSettings, dist: DistInfo, suite: EnvSuite) -> Mo
             p.requires_grad_(True)
     template = inference_copy(policy, stage)  # ZeRO-3: before DeepSpeed partitions
     engine = build_engine(policy, settings.engine, lr=settings.lr, weight_decay=settings.weight_decay)
-    models = Models(tokenizer, len(tokenizer), packing, engine, RolloutModule(engine, template, stage), ref_model)
+    models = Models(tokenizer, len(tokenizer), packing, engine, RolloutModule(engine, template, stage), ref_model,
+                    autocast_to=autocast_to)
     if critic is not None:
         critic_template = inference_copy(critic, stage)
         models.critic_engine = build_engine(critic, settings.engine, lr=settings.critic_lr)
@@ -120,7 +125,7 @@ def build_models(settings: ModelSettings, dist: DistInfo, suite: EnvSuite) -> Mo
     models.rollout, rollout = settings.rollout, settings.rollout
     models.rollout_engine = build_rollout_engine(rollout.engine, EngineContext(
         models.policy, tokenizer, models.vocab_limit, rollout, source, dtype, dist.device,
-        settings.max_prompt_tokens + settings.max_new_tokens, settings.seed, model_cfg.lora.rank > 0))
+        settings.max_prompt_tokens + settings.max_new_tokens, settings.seed, model_cfg.lora.rank > 0, autocast_to))
     models.sync_weights()  # ZeRO-3 copies take rank 0's weights, which DeepSpeed broadcast
     return models
 

@@ -197,9 +197,10 @@ class PolicyUpdate:
         with torch.no_grad():
             for rows, with_policy in passes:
                 mb = collate(batch, rows, models.tokenizer.pad_token_id, device, packed=models.packing)
-                out = policy_forward(models.policy.module, mb, temperature, models.vocab_limit) \
-                    if with_policy else None
-                ref = (policy_forward(models.ref_model, mb, temperature, models.vocab_limit, with_entropy=False)
+                out = policy_forward(models.policy.module, mb, temperature, models.vocab_limit,
+                                     autocast_to=models.autocast_to) if with_policy else None
+                ref = (policy_forward(models.ref_model, mb, temperature, models.vocab_limit, with_entropy=False,
+                                      autocast_to=models.autocast_to)
                        if models.ref_model is not None else None)
                 for i, r in enumerate(rows):
                     k = len(batch.response_ids[r])
@@ -209,7 +210,8 @@ class PolicyUpdate:
                     if ref is not None:
                         scores.ref_logprobs[r] = ref.logprobs[i, :k].float().cpu()
                 if scores.old_values is not None:
-                    scores.old_values[rows] = value_forward(models.critic.module, mb)[:len(rows)].float().cpu()
+                    values = value_forward(models.critic.module, mb, models.autocast_to)
+                    scores.old_values[rows] = values[:len(rows)].float().cpu()
         return scores
 
     # ---- the update -----------------------------------------------------------------------------------
@@ -258,7 +260,8 @@ class PolicyUpdate:
         engine, batch = self.models.engine, shared.batch
         scores_itself = unscored(batch, rows)  # scoring reuse: this forward is the rows' old policy
         out = policy_forward(engine, mb, self.settings.temperature, self.models.vocab_limit,
-                             with_entropy=self.needs_entropy() or scores_itself)  # logprobs, entropy [B, R]
+                             with_entropy=self.needs_entropy() or scores_itself,
+                             autocast_to=self.models.autocast_to)  # logprobs, entropy [B, R]
         if scores_itself:
             score_with(out, mb, rows, batch)
         if mb.old_logprobs is not None:  # (SFT has no old policy)
@@ -341,7 +344,7 @@ class PolicyUpdate:
         mb = collate(shared.batch, rows, models.tokenizer.pad_token_id, self.dist.device, packed=models.packing)
         with torch.no_grad():
             logprobs = policy_forward(models.engine, mb, self.settings.temperature, models.vocab_limit,
-                                      with_entropy=False).logprobs
+                                      with_entropy=False, autocast_to=models.autocast_to).logprobs
         if unscored(shared.batch, rows):
             mb.old_logprobs = logprobs
         return rows, mb, logprobs
@@ -352,7 +355,7 @@ class PolicyUpdate:
 
     def critic_backward(self, mb: MicroBatch, world: int) -> dict[str, Any]:
         """The value loss's forward and backward on the critic engine; its metrics."""
-        values = value_forward(self.models.critic_engine, mb)
+        values = value_forward(self.models.critic_engine, mb, self.models.autocast_to)
         vloss, vmetrics = self.value_term(mb, PolicyOutputs(logprobs=None, entropy=None, values=values))
         self.models.critic_engine.backward(self.settings.value_coef * vloss * world, scale_wrt_gas=False)
         return vmetrics

@@ -55,6 +55,8 @@ SETTINGS = {
     "no_scoring_reuse": ["algo.reuse_scoring_forward=false"],  # a separate scoring forward
     "kl_on": ["algo.loss_terms=[policy_clip,kl]", "algo.kl.coef=0.01"],  # GRPO's KL: a reference forward
     "lora_16": ["model.lora.rank=16", "algo.lr=1e-4"],  # LoRA instead of full fine-tuning
+    "bf16_autocast": ["model.autocast=bf16"],  # fp32 weights, every forward in bf16 (mixed precision)
+    "lora_16_bf16": ["model.lora.rank=16", "algo.lr=1e-4", "model.autocast=bf16"],  # both cuts
 }
 PARTS = ("generate_s", "env_s", "score_s", "update_s")
 

@@ -43,6 +43,7 @@ class EngineContext:
     max_model_len: int  # rollout.max_prompt_tokens + rollout.max_new_tokens
     seed: int  # the run's seed
     lora: bool  # the policy is a LoRA (peft) model: weights to sync are merged
+    autocast_to: Any = None  # model.autocast's torch dtype for a torch engine's forward (None: the weights')
 
 
 class RolloutEngine(ABC):

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from epo_cli.errors import UserError
+from epo_cli.models.precision import autocast_dtype
 from epo_cli.rollout.engines import ROLLOUT_ENGINES, register_plugin_engine
 from epo_cli.rollout.engines.base import EngineContext, EnginePolicy, FixedWeights, RolloutEngine, sampling_config
 
@@ -29,7 +30,8 @@ def evaluation_policy(model: Any, tokenizer: Any, cfg: Any, source: str, tempera
     rollout = cfg.rollout
     engine = build_rollout_engine(str(rollout.engine), EngineContext(
         FixedWeights(model), tokenizer, len(tokenizer), rollout, source, param.dtype, param.device,
-        rollout.max_prompt_tokens + rollout.max_new_tokens, int(cfg.seed), False))
+        rollout.max_prompt_tokens + rollout.max_new_tokens, int(cfg.seed), False,
+        autocast_dtype(cfg.model, param.dtype)))
     with torch.no_grad():
         engine.sync_weights()
     return EnginePolicy(engine, tokenizer, sampling_config(rollout, temperature), rollout.generation_batch_size)

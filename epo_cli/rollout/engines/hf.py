@@ -15,6 +15,7 @@ from typing import Any
 
 from torch import nn
 
+from epo_cli.models.precision import autocast
 from epo_cli.rollout.engines.base import EngineContext, Generation, RolloutEngine
 from epo_cli.rollout.generation import COMPACT_BELOW, SamplingConfig, generate
 
@@ -29,6 +30,8 @@ class HFEngine(RolloutEngine):
         self.vocab_limit: int | None = context.vocab_limit
         self.shared_prefill: bool = context.rollout.shared_prefill
         self.compact_below = COMPACT_BELOW
+        self.autocast_to = context.autocast_to  # model.autocast: the scoring forward's precision too
+        self.device = context.device
 
     @property
     def module(self) -> nn.Module:
@@ -41,8 +44,9 @@ class HFEngine(RolloutEngine):
         if module.training:  # the update left it in train mode (dropout): a rollout samples in eval mode
             module.eval()
         values: list[list[float]] | None = [] if logprobs else None
-        tokens = generate(module, prompts, params, self.tokenizer, seeds=seeds, vocab_limit=self.vocab_limit,
-                          shared_prefill=self.shared_prefill, logprobs=values, compact_below=self.compact_below)
+        with autocast(self.autocast_to, self.device):
+            tokens = generate(module, prompts, params, self.tokenizer, seeds=seeds, vocab_limit=self.vocab_limit,
+                              shared_prefill=self.shared_prefill, logprobs=values, compact_below=self.compact_below)
         return Generation(tokens, values if values is not None else [[] for _ in tokens])
 
     def sync_weights(self) -> None:

@@ -134,7 +134,10 @@ class VLLMEngine(RolloutEngine):
                             "Fix: pass model.path=<a Hugging Face model folder>, or set rollout.vllm.allow_hub=true "
                             "to let vLLM download it.")
         check_model_supported(source, self.device_type)
-        dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[context.dtype]
+        # model.autocast=bf16 (fp32 weights, bf16 forwards): vLLM's kernels have no autocast, so it holds the
+        # weights in bf16 (sync_weights copies the trainer's fp32 weights into them)
+        dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[
+            context.autocast_to or context.dtype]
         kwargs: dict[str, Any] = dict(
             model=source, tokenizer=source, dtype=dtype, enforce_eager=True, seed=context.seed,
             max_model_len=context.max_model_len, enable_prefix_caching=True,
