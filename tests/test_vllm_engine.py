@@ -9,6 +9,7 @@ and tests/test_engine.py checks the one-message error instead.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -52,7 +53,7 @@ class _Trained:
         return None
 
 
-def _engine(folder: Path, module: torch.nn.Module):
+def _engine(folder: Path, module: torch.nn.Module, autocast_to: torch.dtype | None = None):
     from transformers import AutoTokenizer
 
     from epo_cli.rollout.engines.base import EngineContext
@@ -63,7 +64,7 @@ def _engine(folder: Path, module: torch.nn.Module):
                                                    sleep_during_update=True, max_num_seqs=64, allow_hub=False),
                               shared_prefill=True)
     engine = VLLMEngine(EngineContext(_Trained(module), tokenizer, len(tokenizer), rollout, str(folder),
-                                      torch.float32, torch.device("cpu"), 512, 0, False))
+                                      torch.float32, torch.device("cpu"), 512, 0, False, autocast_to))
     engine.sync_weights()
     return engine, tokenizer
 
@@ -177,6 +178,33 @@ def test_weight_sync_changes_the_tokens_and_matches_a_fresh_engine(engine, llama
             for n, p in trained.named_parameters():
                 p.copy_(saved[n])
         eng.sync_weights()
+
+
+def test_with_autocast_bf16_it_holds_bf16_weights_synced_from_the_trainers_fp32(llama_folder: Path, trained) -> None:
+    """model.autocast=bf16 (fp32 weights, bf16 forwards): vLLM, which has no autocast, holds the weights in bf16
+    and takes the trainer's fp32 weights at sync: its log-probs are those of the trainer's (moved) weights under
+    bf16 autocast, not those of the folder it loaded."""
+    moved = copy.deepcopy(trained)
+    with torch.no_grad():
+        torch.manual_seed(2)
+        for p in moved.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    eng, tokenizer = _engine(llama_folder, moved, torch.bfloat16)
+    try:
+        assert eng.llm.llm_engine.model_config.dtype == torch.bfloat16
+        prompts = _prompts(tokenizer)
+        out = eng.generate(prompts, _params(), [1, 2, 3, 4], logprobs=True)
+        diffs: dict[str, list[float]] = {"moved": [], "folder": []}
+        for prompt, tokens, logprobs in zip(prompts, out.tokens, out.logprobs):
+            ids = torch.tensor([prompt + tokens])
+            for name, model in (("moved", moved), ("folder", trained)):
+                with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                    logits = model(ids).logits[0, len(prompt) - 1:-1].float()
+                expected = logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+                diffs[name] += (torch.tensor(logprobs) - expected).abs().tolist()
+        assert max(diffs["moved"]) < 0.05 < max(diffs["folder"]), {k: max(v) for k, v in diffs.items()}
+    finally:
+        eng.close()
 
 
 def test_unsupported_head_size_is_one_message(tiny_folder: Path) -> None:
