@@ -167,6 +167,15 @@ def test_lora_trains_only_its_adapters_by_hand_and_as_peft_builds_them() -> None
     assert any("not modelled" in note for note in plan.notes)
 
 
+def test_autocast_is_said_not_modelled_and_changes_no_figure() -> None:
+    """model.autocast=bf16: the plan counts fp32 forwards and the throughput's rates, and says so."""
+    fp32 = make_plan(compose(["model=tiny"]), gpus=1, device="cpu")
+    mixed = make_plan(compose(["model=tiny", "model.autocast=bf16"]), gpus=1, device="cpu")
+    assert mixed.estimate.parts == fp32.estimate.parts and mixed.time == fp32.time
+    added = [n for n in mixed.notes if n not in fp32.notes]
+    assert len(added) == 1 and added[0].startswith("model.autocast=bf16 is not modelled"), added
+
+
 def test_lora_update_costs_two_thirds_of_full_fine_tuning(tmp_path: Path) -> None:
     # a training token costs 6 FLOPs per parameter (2 forward, 2 activation gradients, 2 weight gradients);
     # LoRA's frozen base skips the weight gradients: 4 of 6. Forward-only passes (here the reference) keep theirs.

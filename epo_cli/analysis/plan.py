@@ -619,6 +619,11 @@ def make_plan(cfg: DictConfig, gpus: int | None = None, gpu_mem_gib: float | Non
     elif cfg.model.lora.rank > 0:
         plan.notes.append(f"LoRA rank {cfg.model.lora.rank}: {planner.adapter_params / 1e6:.2f}M trained "
                           "parameters (gradients and Adam state); the base's weights frozen.")
+    if cfg.model.autocast != "none":
+        plan.notes.append(f"model.autocast={cfg.model.autocast} is not modelled: memory is counted for fp32 forwards "
+                          "(an upper bound) and the time at the throughput's rates, fp32's unless the throughput "
+                          "file was measured with autocast on (on this CPU it measured update 1.75x, generation "
+                          "1.27x faster: docs/learning.md, \"A real model\").")
     if setup.stage == 0 and planner.precision == "bf16":
         plan.notes.append("ZeRO-0 in bf16 is counted unpartitioned (20 bytes/param); DeepSpeed's bf16 optimizer "
                           "partitions its fp32 state, so the real figure can be lower.")
