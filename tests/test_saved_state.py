@@ -73,15 +73,29 @@ def test_every_schema_key_is_checked_and_a_complete_config_passes(stopped_run: P
     raw.pop("meta")
     check_saved_config(raw, stopped_run / "config.yaml")  # the run's own, complete file
     # a key added to the schemas is listed there, so older runs still load, with its default
-    assert ADDED_KEYS == ("rollout.correction.mode",)
+    assert ADDED_KEYS == ("rollout.correction.mode", "model.autocast")
     older = raw.copy()
-    del older.rollout.correction["mode"]  # a run saved before the key existed
+    del older.rollout.correction["mode"]  # a run saved before the keys existed
+    del older.model["autocast"]
     check_saved_config(older, stopped_run / "config.yaml")
     del raw.rollout["num_samples_to_save"]  # one key of the last section: what a cut leaves
     from epo_cli.errors import UserError
 
     with pytest.raises(UserError, match="rollout.num_samples_to_save"):
         check_saved_config(raw, stopped_run / "config.yaml")
+
+
+def test_a_run_saved_before_the_added_keys_evaluates_and_resumes(stopped_run: Path, tmp_path: Path) -> None:
+    """Through the CLI: a run whose config.yaml predates ADDED_KEYS (e.g. a real-model study's run saved before
+    model.autocast existed) loads its model for `epo eval` and resumes, each key at its default."""
+    run = copy_of(stopped_run, tmp_path)
+    older = OmegaConf.load(run / "config.yaml")
+    del older.model["autocast"]
+    del older.rollout.correction["mode"]
+    OmegaConf.save(older, run / "config.yaml")
+    run_epo(["eval", f"run={run}", "episodes=1", f"out={tmp_path / 'eval'}"], cwd=tmp_path)
+    run_epo(["train", f"trainer.resume={run}"], cwd=tmp_path)
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_3"
 
 
 # ---- trainer_state.json --------------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ CHECKPOINT_FORMAT = "epo-checkpoint/2"
 #: the schemas goes here, so that older runs still resume and evaluate with the behaviour they were saved with)
 ADDED_KEYS: tuple[str, ...] = (
     "rollout.correction.mode",  # default none: the loss of a run saved before it had no correction
+    "model.autocast",  # default none: a run saved before it ran every forward at its weights' dtype
 )
 
 
