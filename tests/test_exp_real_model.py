@@ -80,6 +80,23 @@ def test_target_each_seed_plus_02_and_mean_plus_03() -> None:
     assert not math.isnan(summary["arms"]["epo"]["std"])
 
 
+def test_merge_with_an_earlier_summary_of_the_same_study_only() -> None:
+    """Arms run on another machine join this summary (this run's own arm wins over an earlier copy of it); a
+    summary of other tasks or of another warm start is refused."""
+    a = argparse.Namespace(episodes=64, iterations=4, quick=False, eval_engine="vllm")
+    earlier = rm.summarize(a, result(0), result(14), {"grpo": {0: seed_data(30, [0.5, 0.4])},
+                                                     "gigpo": {0: seed_data(20, [0.5, 0.4])}})
+    now = rm.summarize(a, result(0), result(14), {"gigpo": {0: seed_data(40, [0.5, 0.4])}})
+    both = rm.merged(now, {"summary": earlier}, Path("docs/real_model_study.json"))
+    assert list(both["arms"]) == ["grpo", "gigpo"]
+    assert both["arms"]["grpo"] == earlier["arms"]["grpo"] and both["arms"]["gigpo"]["mean"] == 40 / 64
+    other_warm = rm.summarize(a, result(0), result(15), {"grpo": {0: seed_data(30, [0.5, 0.4])}})
+    with pytest.raises(ValueError, match="warm start solved 15/64, this study's 14/64"):
+        rm.merged(now, other_warm, Path("s.json"))
+    with pytest.raises(ValueError, match="its iterations differ"):
+        rm.merged(now, {**earlier, "iterations": 20}, Path("s.json"))
+
+
 @pytest.mark.parametrize("arm", sorted(rm.ARMS))
 def test_every_arm_composes_with_the_rl_preset(arm: str, tmp_path: Path) -> None:
     cfg, _ = compose_for_train(["experiment=smollm2_rl", *rm.ARMS[arm], f"model.path={tmp_path}"])
@@ -104,6 +121,7 @@ def test_an_arm_may_run_on_its_own_seeds_and_runs_are_seed_major() -> None:
     (["--iterations", "0"], "--iterations must be >= 1"),
     (["--eval-engine", "sglang"], "argument --eval-engine: invalid choice: 'sglang'"),
     (["--warm-start", "/nonexistent"], "is not a finished run holding final/"),
+    (["--merge-with", "/nonexistent.json"], "--merge-with /nonexistent.json: not a summary.json of this study"),
 ])
 def test_bad_options_are_one_message(args: list[str], message: str, tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(SCRIPTS / "exp_real_model.py"), "--out", str(tmp_path / "o"), *args],

@@ -2,6 +2,7 @@
 
     python scripts/experiments/exp_real_model.py --out outputs/real_model [--arms grpo,epo,gigpo,grpo_lora:0]
         [--seeds 0,1,2] [--iterations 20] [--episodes 64] [--jobs 1] [--eval-engine hf|vllm] [--quick]
+        [--merge-with <an earlier summary.json>]
 
 1. warm start  epo train experiment=smollm2_warm_start run_dir=<out>/warm_start trainer.resume=auto
 2. RL          epo train experiment=smollm2_rl <arm> seed=S model.path=<1>/final run_dir=<out>/runs/<arm>-s<S>
@@ -16,7 +17,10 @@
 Every step is resumable: rerunning the same command skips what is done and continues an interrupted training
 run from its last checkpoint (trainer.resume=auto), so the study can be run in parts. Each command is printed
 before it runs and its console goes to <out>/logs/. `--quick` shrinks every step to check the pipeline (its
-numbers mean nothing).
+numbers mean nothing). A study spread over machines (each run folder gone with its machine) runs its remaining
+arms with `--merge-with` an earlier summary (docs/real_model_study.json holds one): the earlier arms join the
+summary, checked to be the same study (tasks, turn limit, engine, iterations, and a warm start that evaluates
+the same).
 """
 
 from __future__ import annotations
@@ -197,6 +201,30 @@ def literature_claims(results: dict[str, dict[int, dict]], base: float) -> list[
     return claims(per_arm, {arm: argparse.Namespace(label=LABELS[arm]) for arm in per_arm})
 
 
+#: what two studies must share for their arms to sit in one table: the same tasks, turn limit and engine
+SAME_STUDY = ("episodes", "eval_seed", "eval_max_turns", "eval_engine", "iterations", "quick")
+
+
+def merged(summary: dict, earlier: dict, source: Path) -> dict:
+    """`summary` with the arms of `earlier` (an earlier summary.json, or docs/real_model_study.json holding one
+    under "summary") that this invocation did not run: a study spread over machines, each run folder gone with
+    its machine. ValueError where the two are not one study: other tasks, turn limit, engine or iteration
+    count, or a warm start whose evaluation differs (another policy)."""
+    earlier = earlier.get("summary", earlier)
+    differ = [k for k in SAME_STUDY if earlier.get(k) != summary.get(k)]
+    if differ:
+        raise ValueError(f"{source} is another study: its {', '.join(differ)} differ from this one's")
+    for policy in ("warm_start", "zero_shot"):
+        mine, theirs = summary[policy]["success"], earlier[policy]["success"]
+        if (mine["wins"], mine["n"]) != (theirs["wins"], theirs["n"]):
+            raise ValueError(f"{source} started from another policy: its {policy.replace('_', ' ')} solved "
+                             f"{theirs['wins']}/{theirs['n']}, this study's {mine['wins']}/{mine['n']}")
+    arms = {**{k: v for k, v in earlier["arms"].items() if k not in summary["arms"]}, **summary["arms"]}
+    known = {c["claim"] for c in summary["claims"]}
+    claims = [c for c in earlier.get("claims", []) if c["claim"] not in known] + summary["claims"]
+    return {**summary, "arms": arms, "claims": claims}
+
+
 def write_markdown(summary: dict, path: Path) -> None:
     z, w = summary["zero_shot"], summary["warm_start"]
     lines = [f"# Real model (SmolLM2-135M-Instruct): {summary['episodes']} fixed unseen tasks, T=1.0, "
@@ -284,6 +312,8 @@ def main() -> None:
     p.add_argument("--eval-engine", choices=sorted(ENGINES), default="hf",
                    help="what generates every evaluation (rollout.engine): hf, or vllm (needs the vllm extra)")
     p.add_argument("--quick", action="store_true", help="shrink every step: a pipeline check")
+    p.add_argument("--merge-with", type=Path, help="an earlier summary.json of the same study (or "
+                   "docs/real_model_study.json): its arms not run here join the summary, table and plot")
     a = p.parse_args()
     try:
         arm_seeds = arms_and_seeds(a.arms, a.seeds)
@@ -295,6 +325,13 @@ def main() -> None:
     for name in ("iterations", "episodes", "jobs"):
         if getattr(a, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(a, name)}")
+    earlier = None
+    if a.merge_with:
+        try:
+            earlier = json.loads(a.merge_with.read_text())
+            earlier.get("summary", earlier)["arms"]
+        except (OSError, ValueError, KeyError, AttributeError) as err:
+            p.error(f"--merge-with {a.merge_with}: not a summary.json of this study ({err})")
     if a.warm_start and not finished(a.warm_start):
         p.error(f"--warm-start {a.warm_start} is not a finished run holding final/ (epo train "
                 "experiment=smollm2_warm_start)")
@@ -354,6 +391,11 @@ def main() -> None:
             results[arm][seed] = data
             say(f"{LABELS[arm]} seed {seed}: {cell(data['eval'])}")
         summary = summarize(a, zero, warm_eval, results)
+        if earlier is not None:
+            try:
+                summary = merged(summary, earlier, a.merge_with)
+            except ValueError as err:
+                sys.exit(f"--merge-with: {err}; nothing merged (this study's results are kept in {a.out})")
         (a.out / "summary.json").write_text(json.dumps(json_ready(summary), indent=1, allow_nan=False) + "\n")
         write_markdown(summary, a.out / "summary.md")
         plot(summary, a.out / "real_model.png")
