@@ -8,6 +8,7 @@ precision would not: shown below); a setting that would change nothing is refuse
 
 from __future__ import annotations
 
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -158,6 +159,30 @@ def test_the_hf_engine_generates_in_bf16_and_evaluation_builds_it_so(tiny_folder
         engine = evaluation_policy(model, tokenizer, cfg, str(tiny_folder), 1.0).engine
         engine.generate([prompt], SamplingConfig(max_new_tokens=3), seeds=[0])
         assert seen and set(seen) == {dtype}, (setting, seen)
+
+
+def test_a_cpu_without_bf16_instructions_is_warned_about(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """/proc/cpuinfo's flags decide: avx512_bf16 or amx_bf16 -> no warning; neither -> one warning naming the
+    cost and the fix; no flags line (not x86) or no file -> unknown, no warning."""
+    import epo_cli.models.precision as precision
+
+    cfg = SimpleNamespace(autocast="bf16", dtype="auto")
+    cases = {"flags\t\t: fpu avx2 avx512f avx512_bf16\n": True, "flags\t\t: fpu avx2 avx512f\n": False,
+             "processor\t: 0\n": None}
+    for text, has in cases.items():
+        (tmp_path / "cpuinfo").write_text(text)
+        assert precision.cpu_has_bf16(tmp_path / "cpuinfo") is has
+    assert precision.cpu_has_bf16(tmp_path / "missing") is None
+    for has in (True, None, False):
+        monkeypatch.setattr(precision, "cpu_has_bf16", lambda has=has: has)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert precision.autocast_dtype(cfg, torch.float32, "cpu") is torch.bfloat16
+            precision.autocast_dtype(cfg, torch.float32, "cuda")  # a GPU: the CPU's flags say nothing
+        assert [str(w.message) for w in caught if "emulated" in str(w.message)] == (
+            [] if has is not False else [next(str(w.message) for w in caught)])
+        if has is False:
+            assert "model.autocast=none is faster here" in str(caught[0].message)
 
 
 def test_autocast_is_nothing_for_none() -> None:

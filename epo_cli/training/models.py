@@ -102,7 +102,7 @@ def build_models(settings: ModelSettings, dist: DistInfo, suite: EnvSuite) -> Mo
     source = model_source(model_cfg, suite, settings.seed)
     tokenizer = load_tokenizer(source, model_cfg)
     dtype = resolve_dtype(model_cfg, dist.device)
-    autocast_to = autocast_dtype(model_cfg, dtype)
+    autocast_to = autocast_dtype(model_cfg, dtype, dist.device.type)
     policy = load_causal_lm(source, model_cfg, dtype).to(dist.device)
     check_context(policy, settings.max_prompt_tokens, settings.max_new_tokens, source)
     # packed micro-batches for scoring and update (before the copies below, which inherit the attention)

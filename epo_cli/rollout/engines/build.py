@@ -31,7 +31,7 @@ def evaluation_policy(model: Any, tokenizer: Any, cfg: Any, source: str, tempera
     engine = build_rollout_engine(str(rollout.engine), EngineContext(
         FixedWeights(model), tokenizer, len(tokenizer), rollout, source, param.dtype, param.device,
         rollout.max_prompt_tokens + rollout.max_new_tokens, int(cfg.seed), False,
-        autocast_dtype(cfg.model, param.dtype)))
+        autocast_dtype(cfg.model, param.dtype, param.device.type)))
     with torch.no_grad():
         engine.sync_weights()
     return EnginePolicy(engine, tokenizer, sampling_config(rollout, temperature), rollout.generation_batch_size)
