@@ -1,4 +1,4 @@
-"""model.autocast=bf16: fp32 weights whose forward passes run in bfloat16 (epo_cli/models/precision.py).
+"""model.autocast=bf16: fp32 weights whose forward passes run in bfloat16 (epo_cli/runtime/precision.py).
 
 What it must do: every forward of a run (the hf engine's generation, scoring, the update's forward) computes
 its matmuls in bf16 while the weights and their gradients stay fp32; the PPO ratio's two log-probs come from
@@ -18,8 +18,8 @@ from torch import nn
 from epo_cli.algos.losses import LossStack, build_loss_terms
 from epo_cli.compose import compose
 from epo_cli.errors import ConfigError, UserError
-from epo_cli.models.precision import autocast, autocast_dtype
 from epo_cli.rollout.batch import TurnBatch
+from epo_cli.runtime.precision import autocast, autocast_dtype
 from epo_cli.training.engine import DistInfo, RolloutModule
 from epo_cli.training.forward import collate, policy_forward
 from epo_cli.training.models import Models
@@ -164,7 +164,7 @@ def test_the_hf_engine_generates_in_bf16_and_evaluation_builds_it_so(tiny_folder
 def test_a_cpu_without_bf16_instructions_is_warned_about(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     """/proc/cpuinfo's flags decide: avx512_bf16 or amx_bf16 -> no warning; neither -> one warning naming the
     cost and the fix; no flags line (not x86) or no file -> unknown, no warning."""
-    import epo_cli.models.precision as precision
+    import epo_cli.runtime.precision as precision
 
     cfg = SimpleNamespace(autocast="bf16", dtype="auto")
     cases = {"flags\t\t: fpu avx2 avx512f avx512_bf16\n": True, "flags\t\t: fpu avx2 avx512f\n": False,

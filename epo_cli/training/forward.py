@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from epo_cli.algos.losses import PolicyOutputs
-from epo_cli.models.precision import autocast
 from epo_cli.rollout.batch import MicroBatch, PackedLayout, TurnBatch
 from epo_cli.rollout.generation import positions_from_mask
+from epo_cli.runtime.precision import autocast
 from epo_cli.training.packing import packed_forward
 
 
@@ -144,7 +144,7 @@ def policy_forward(model: nn.Module, mb: MicroBatch, temperature: float = 1.0,
                    autocast_to: torch.dtype | None = None) -> PolicyOutputs:
     """Log-probs [B, R] of the response tokens and the entropy [B, R] of the full next-token
     distribution, both at the sampling temperature (padded or packed micro-batch, same outputs). The model's
-    forward runs under autocast to `autocast_to` (model.autocast, epo_cli/models/precision.py); the softmax
+    forward runs under autocast to `autocast_to` (model.autocast, epo_cli/runtime/precision.py); the softmax
     and what follows it in fp32."""
     mask = mb.response_mask  # [B, R]
     if mb.packed is None:

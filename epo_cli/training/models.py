@@ -28,10 +28,10 @@ from epo_cli.models.loading import (
     model_source,
     resolve_dtype,
 )
-from epo_cli.models.precision import autocast_dtype
 from epo_cli.rollout.engines import keeps_engine_logprobs
 from epo_cli.rollout.engines.base import EngineContext, EnginePolicy, RolloutEngine, sampling_config
 from epo_cli.rollout.engines.build import build_rollout_engine
+from epo_cli.runtime.precision import autocast_dtype
 from epo_cli.training.engine import DistInfo, EngineSettings, RolloutModule, build_engine, inference_copy
 from epo_cli.training.packing import enable_packing
 

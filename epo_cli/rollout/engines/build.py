@@ -7,9 +7,9 @@ from typing import Any
 import torch
 
 from epo_cli.errors import UserError
-from epo_cli.models.precision import autocast_dtype
 from epo_cli.rollout.engines import ROLLOUT_ENGINES, register_plugin_engine
 from epo_cli.rollout.engines.base import EngineContext, EnginePolicy, FixedWeights, RolloutEngine, sampling_config
+from epo_cli.runtime.precision import autocast_dtype
 
 
 def build_rollout_engine(name: str, context: EngineContext) -> RolloutEngine:

@@ -15,9 +15,9 @@ from typing import Any
 
 from torch import nn
 
-from epo_cli.models.precision import autocast
 from epo_cli.rollout.engines.base import EngineContext, Generation, RolloutEngine
 from epo_cli.rollout.generation import COMPACT_BELOW, SamplingConfig, generate
+from epo_cli.runtime.precision import autocast
 
 
 class HFEngine(RolloutEngine):
