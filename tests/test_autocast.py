@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_update import SGDEngine
 from torch import nn
 
 from epo_cli.algos.losses import LossStack, build_loss_terms
@@ -49,29 +50,6 @@ class MatmulLM(nn.Module):
         return SimpleNamespace(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits)
 
 
-class AdamEngine:
-    """The part of a DeepSpeed engine the update calls, with Adam on fp32 weights (DeepSpeed's CPU fp32 path)."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module, self.optimizer = module, torch.optim.Adam(module.parameters(), lr=1e-2)
-
-    def __call__(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN204
-        return self.module(*args, **kwargs)
-
-    def train(self) -> None:
-        self.module.train()
-
-    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = False) -> None:
-        loss.backward()
-
-    def step(self) -> None:
-        self.optimizer.step()
-        self.optimizer.zero_grad()
-
-    def get_global_grad_norm(self) -> None:
-        return None
-
-
 def _batch() -> TurnBatch:
     """Four one-turn samples of one group, advantages +-1."""
     g = torch.Generator().manual_seed(0)
@@ -90,7 +68,7 @@ def _update(autocast_to: torch.dtype | None) -> PolicyUpdate:
     cfg = compose(["algo=grpo", "algo.loss_terms=[policy_clip]", "algo.pack_tokens=0",
                    "algo.reuse_scoring_forward=false", "algo.mini_batch_size=4", "algo.micro_batch_size=2"])
     torch.manual_seed(0)
-    engine = AdamEngine(MatmulLM())
+    engine = SGDEngine(MatmulLM(), lr=1e-2)  # the update tests' engine stand-in
     models = Models(SimpleNamespace(pad_token_id=0), VOCAB, False, engine, RolloutModule(engine, None, 0), None,
                     autocast_to=autocast_to)
     return PolicyUpdate(update_settings(cfg), CPU, models, LossStack(build_loss_terms(cfg.algo)))
