@@ -6,7 +6,9 @@ model, one iteration, two evaluation episodes), and again, to find everything do
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from epo_cli.launch.setup import compose_for_train
+from epo_cli.rundir.writable import json_ready
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts" / "experiments"
 sys.path.insert(0, str(SCRIPTS))
@@ -95,6 +98,33 @@ def test_merge_with_an_earlier_summary_of_the_same_study_only() -> None:
         rm.merged(now, other_warm, Path("s.json"))
     with pytest.raises(ValueError, match="its iterations differ"):
         rm.merged(now, {**earlier, "iterations": 20}, Path("s.json"))
+
+
+def test_an_arm_run_on_two_machines_merges_seed_by_seed_through_json() -> None:
+    """GiGPO's seed 0 ran on one machine, seeds 1 and 2 on another: the merged arm has 3 seeds, its mean, spread
+    and target over all 3, and its claim recomputed from all 3 seeds' statistics as read back from JSON (as
+    docs/real_model_study.json holds them: seeds as text keys, a NaN statistic as null)."""
+    a = argparse.Namespace(episodes=64, iterations=15, quick=False, eval_engine="vllm")
+    flat, falling = [0.5] * 15, [0.5] * 12 + [0.25] * 3
+    earlier = rm.summarize(a, result(0), result(14), {"gigpo": {0: seed_data(31, flat, diversity=flat)}})
+    earlier = json.loads(json.dumps(json_ready(earlier)))
+    now = rm.summarize(a, result(0), result(14), {"gigpo": {1: seed_data(40, flat, diversity=falling),
+                                                            2: seed_data(45, flat, diversity=falling)}})
+    both = rm.merged(now, earlier, Path("s.json"))
+    gigpo = both["arms"]["gigpo"]
+    assert gigpo["seeds"] == [0, 1, 2] and list(gigpo["train_success"]) == [0, 1, 2]
+    assert gigpo["success"][0]["wins"] == 31 and gigpo["entropy"][2]["curve"] == flat
+    rates = [31 / 64, 40 / 64, 45 / 64]
+    assert gigpo["mean"] == pytest.approx(statistics.mean(rates))
+    assert gigpo["std"] == pytest.approx(statistics.stdev(rates))
+    assert gigpo["gain_mean"] == pytest.approx(statistics.mean(rates) - 14 / 64)
+    # every seed >= 14/64 + 0.2 = 0.419 (the lowest, 31/64 = 0.484) and the mean 0.604 >= 14/64 + 0.3 = 0.519;
+    # seeds 1 and 2 alone are short of the target's 3 seeds
+    assert gigpo["target_met"] is True and now["arms"]["gigpo"]["target_met"] is False
+    # diversity after iteration 12 against the first 20% (3 iterations): seed 0 drops 0%, seeds 1 and 2 50%
+    claims = {c["claim"]: c["measured"] for c in both["claims"]}
+    assert claims["diversity drop after iteration 12, GiGPO"] == "33%"
+    assert math.isnan(rm.stats_from_json({"swing_mean": None, "kappa": [0.5, 2.0]})["swing_mean"])
 
 
 @pytest.mark.parametrize("arm", sorted(rm.ARMS))

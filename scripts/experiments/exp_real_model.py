@@ -71,6 +71,10 @@ PARTS = ("perf/rollout_s", "perf/score_s", "perf/update_s")
 ENGINES = {"hf": (), "vllm": ("rollout.engine=vllm", "rollout.vllm.kv_cache_gib=2")}
 #: the issue's target over the warm start's success: every seed at least +0.2, the mean at least +0.3
 SEED_GAIN, MEAN_GAIN = 0.2, 0.3
+#: an arm's per-seed records in the summary -> the key of one seed's results they come from (run_stats: what
+#: the literature's claims are computed from, kept so that arms merged from another machine recompute them)
+PER_SEED = {"entropy": "entropy", "entropy_by_turn": "by_turn", "train_success": "train_success",
+            "iteration_s": "iteration_s", "parts_s": "parts_s", "stats": "stats"}
 
 
 def run_logged(args: list[str], log: Path, cwd: Path) -> None:
@@ -164,23 +168,24 @@ def cell(result: dict) -> str:
     return f"{s['rate']:.3f} [{s['ci95'][0]:.2f}, {s['ci95'][1]:.2f}] ({s['wins']}/{s['n']})"
 
 
+def aggregates(rates: list[float], base: float) -> dict:
+    """An arm's success over its seeds against the warm start's `base`, and whether the issue's target is met
+    (every seed at least base + SEED_GAIN, the mean at least base + MEAN_GAIN, over at least 3 seeds)."""
+    mean = statistics.mean(rates)
+    return {"mean": mean, "std": statistics.stdev(rates) if len(rates) > 1 else 0.0, "gain_mean": mean - base,
+            "target_met": len(rates) >= 3 and all(x >= base + SEED_GAIN for x in rates)
+            and mean >= base + MEAN_GAIN}
+
+
 def summarize(a: argparse.Namespace, zero: dict, warm: dict, results: dict[str, dict[int, dict]]) -> dict:
     base = rate(warm)
     arms = {}
     for arm, by_seed in results.items():
-        rates = [rate(r["eval"]) for r in by_seed.values()]
         arms[arm] = {
             "label": LABELS[arm], "overrides": list(ARMS[arm]), "seeds": sorted(by_seed),
             "success": {s: r["eval"]["success"] for s, r in by_seed.items()},
-            "mean": statistics.mean(rates), "std": statistics.stdev(rates) if len(rates) > 1 else 0.0,
-            "gain_mean": statistics.mean(rates) - base,
-            "target_met": all(x >= base + SEED_GAIN for x in rates) and statistics.mean(rates) >= base + MEAN_GAIN
-            and len(rates) >= 3,
-            "entropy": {s: r["entropy"] for s, r in by_seed.items()},
-            "entropy_by_turn": {s: r["by_turn"] for s, r in by_seed.items()},
-            "train_success": {s: r["train_success"] for s, r in by_seed.items()},
-            "iteration_s": {s: r["iteration_s"] for s, r in by_seed.items()},
-            "parts_s": {s: r["parts_s"] for s, r in by_seed.items()},
+            **aggregates([rate(r["eval"]) for r in by_seed.values()], base),
+            **{key: {s: r[field] for s, r in by_seed.items()} for key, field in PER_SEED.items()},
         }
     return {"episodes": a.episodes, "eval_seed": EVAL_SEED, "iterations": a.iterations, "quick": a.quick,
             "eval_engine": a.eval_engine,
@@ -189,15 +194,16 @@ def summarize(a: argparse.Namespace, zero: dict, warm: dict, results: dict[str, 
                                                "episode_len") if k in zero},
             "warm_start": {k: warm[k] for k in ("success", "invalid_rate", "admissible_rate", "response_tokens",
                                                 "episode_len") if k in warm},
-            "arms": arms, "claims": literature_claims(results, base)}
+            "arms": arms, "claims": literature_claims({arm: {s: r["stats"] for s, r in by_seed.items()}
+                                                      for arm, by_seed in results.items()}, base)}
 
 
-def literature_claims(results: dict[str, dict[int, dict]], base: float) -> list[dict]:
-    """The EPO paper's and its sources' figures against this study's runs, by the exploration study's
-    definitions (scripts/experiments/exp_explore.py: diversity drop after iteration 12, early diversity,
-    stability, collapses), where the arms they compare ran."""
-    per_arm = {arm: arm_summary([{**r["stats"], "seed": seed} for seed, r in by_seed.items()], base + SEED_GAIN)
-               for arm, by_seed in results.items() if by_seed}
+def literature_claims(stats: dict[str, dict[int, dict]], base: float) -> list[dict]:
+    """The EPO paper's and its sources' figures against this study's runs (`stats`: arm -> seed -> run_stats),
+    by the exploration study's definitions (scripts/experiments/exp_explore.py: diversity drop after iteration
+    12, early diversity, stability, collapses), where the arms they compare ran."""
+    per_arm = {arm: arm_summary([{**s, "seed": seed} for seed, s in by_seed.items()], base + SEED_GAIN)
+               for arm, by_seed in stats.items() if by_seed}
     return claims(per_arm, {arm: argparse.Namespace(label=LABELS[arm]) for arm in per_arm})
 
 
@@ -205,11 +211,23 @@ def literature_claims(results: dict[str, dict[int, dict]], base: float) -> list[
 SAME_STUDY = ("episodes", "eval_seed", "eval_max_turns", "eval_engine", "iterations", "quick")
 
 
+def by_seed(values: dict) -> dict[int, object]:
+    """A per-seed record with integer seeds, in seed order (a summary read back from JSON has them as text)."""
+    return {int(seed): values[seed] for seed in sorted(values, key=int)}
+
+
+def stats_from_json(stats: dict) -> dict:
+    """run_stats as read back from a summary.json: json_ready wrote its NaNs (a statistic with no value) as null."""
+    return {k: math.nan if v is None else v for k, v in stats.items()}
+
+
 def merged(summary: dict, earlier: dict, source: Path) -> dict:
-    """`summary` with the arms of `earlier` (an earlier summary.json, or docs/real_model_study.json holding one
-    under "summary") that this invocation did not run: a study spread over machines, each run folder gone with
-    its machine. ValueError where the two are not one study: other tasks, turn limit, engine or iteration
-    count, or a warm start whose evaluation differs (another policy)."""
+    """`summary` with what `earlier` (an earlier summary.json, or docs/real_model_study.json holding one under
+    "summary") holds and this invocation did not run: a study spread over machines, each run folder gone with its
+    machine. Arms join whole, and an arm run in both joins seed by seed (this invocation's copy of a seed wins);
+    its mean, spread and target are then over every seed, and the literature's claims are recomputed wherever
+    every seed of the arms they compare kept its statistics. ValueError where the two are not one study: other
+    tasks, turn limit, engine or iteration count, or a warm start whose evaluation differs (another policy)."""
     earlier = earlier.get("summary", earlier)
     differ = [k for k in SAME_STUDY if earlier.get(k) != summary.get(k)]
     if differ:
@@ -219,9 +237,20 @@ def merged(summary: dict, earlier: dict, source: Path) -> dict:
         if (mine["wins"], mine["n"]) != (theirs["wins"], theirs["n"]):
             raise ValueError(f"{source} started from another policy: its {policy.replace('_', ' ')} solved "
                              f"{theirs['wins']}/{theirs['n']}, this study's {mine['wins']}/{mine['n']}")
-    arms = {**{k: v for k, v in earlier["arms"].items() if k not in summary["arms"]}, **summary["arms"]}
-    known = {c["claim"] for c in summary["claims"]}
-    claims = [c for c in earlier.get("claims", []) if c["claim"] not in known] + summary["claims"]
+    base = rate(summary["warm_start"])
+    arms = {}
+    for name in [*earlier["arms"], *(k for k in summary["arms"] if k not in earlier["arms"])]:
+        parts = [arm for arm in (earlier["arms"].get(name), summary["arms"].get(name)) if arm is not None]
+        arm = {**parts[-1]}
+        for key in ("success", *PER_SEED):
+            arm[key] = by_seed({seed: v for part in parts for seed, v in by_seed(part.get(key, {})).items()})
+        arm["seeds"] = list(arm["success"])
+        arms[name] = {**arm, **aggregates([s["rate"] for s in arm["success"].values()], base)}
+    complete = {name: {seed: stats_from_json(s) for seed, s in arm["stats"].items()} for name, arm in arms.items()
+                if set(arm["stats"]) == set(arm["seeds"])}
+    claims = literature_claims(complete, base)
+    known = {c["claim"] for c in claims}
+    claims += [c for c in earlier.get("claims", []) if c["claim"] not in known]
     return {**summary, "arms": arms, "claims": claims}
 
 
