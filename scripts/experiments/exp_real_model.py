@@ -211,7 +211,7 @@ def literature_claims(stats: dict[str, dict[int, dict]], base: float) -> list[di
 SAME_STUDY = ("episodes", "eval_seed", "eval_max_turns", "eval_engine", "iterations", "quick")
 
 
-def by_seed(values: dict) -> dict[int, object]:
+def int_seeds(values: dict) -> dict[int, object]:
     """A per-seed record with integer seeds, in seed order (a summary read back from JSON has them as text)."""
     return {int(seed): values[seed] for seed in sorted(values, key=int)}
 
@@ -243,7 +243,7 @@ def merged(summary: dict, earlier: dict, source: Path) -> dict:
         parts = [arm for arm in (earlier["arms"].get(name), summary["arms"].get(name)) if arm is not None]
         arm = {**parts[-1]}
         for key in ("success", *PER_SEED):
-            arm[key] = by_seed({seed: v for part in parts for seed, v in by_seed(part.get(key, {})).items()})
+            arm[key] = int_seeds({seed: v for part in parts for seed, v in int_seeds(part.get(key, {})).items()})
         arm["seeds"] = list(arm["success"])
         arms[name] = {**arm, **aggregates([s["rate"] for s in arm["success"].values()], base)}
     complete = {name: {seed: stats_from_json(s) for seed, s in arm["stats"].items()} for name, arm in arms.items()
